@@ -1,0 +1,122 @@
+"""Engines and the driver that picks among them under a memory budget."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from autopar.errors import MemoryBudgetError, format_bytes
+from autopar.search import engines
+from autopar.search.evaluate import Cost, evaluate
+from autopar.search.problem import Problem
+
+
+def _dp(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
+    from autopar.search.dp import solve_dp
+
+    return list(solve_dp(_pin(problem, pinned)).choice)
+
+
+def _ilp(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
+    from autopar.search.ilp import solve_ilp
+
+    warm = engines.recursive(problem, pinned)
+    return list(solve_ilp(_pin(problem, pinned), time_limit=60.0, warm_start=warm).choice)
+
+
+def _pin(problem: Problem, pinned: Mapping[int, int]):
+    """The cost graph with pinned nodes made infinitely expensive elsewhere."""
+    g = problem.cost_graph()
+    if not pinned:
+        return g
+    cost = list(g.node_cost)
+    for v, s in pinned.items():
+        c = cost[v].copy()
+        c[:] = math.inf
+        c[s] = g.node_cost[v][s]
+        cost[v] = c
+    return type(g)(tuple(cost), g.node_mem, g.edges)
+
+
+Engine = Callable[[Problem, Mapping[int, int]], list[int]]
+ENGINES: dict[str, Engine] = {
+    "recursive": lambda p, pins: engines.recursive(p, pins),
+    "dp": _dp,
+    "ilp": _ilp,
+    "data": lambda p, pins: engines.propagate(p, {**engines.data_pins(p), **pins}),
+    "fsdp": lambda p, pins: engines.propagate(p, {**engines.fsdp_pins(p), **pins}),
+}
+AUTO_ENGINES = ("recursive", "dp", "data", "fsdp")
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    choice: tuple[int, ...]
+    engine: str  # what produced the choice, e.g. "recursive" or "recursive+zero3"
+    cost: Cost
+    seconds: float
+    candidates: dict[str, Cost]
+
+
+def search(
+    problem: Problem, engine: str, memory_budget: float, pinned: Mapping[int, int] = {}
+) -> SearchResult:  # noqa: B006
+    """Run `engine` ("auto" tries them all); if its plan does not fit `memory_budget`,
+    retry with parameters and optimizer state sharded over the data axes (ZeRO-3).
+    Returns the fastest plan that fits; raises MemoryBudgetError if none does."""
+    if engine != "auto" and engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
+    start = time.perf_counter()
+    names = AUTO_ENGINES if engine == "auto" else (engine,)
+    candidates: dict[str, tuple[list[int], Cost]] = {}
+    zero_pins = {
+        i: s
+        for i, s in engines.fsdp_pins(problem).items()
+        if i not in pinned and i in problem.aliases.values()
+    }
+    for name in names:
+        choice = ENGINES[name](problem, pinned)
+        candidates[name] = (choice, evaluate(problem, choice))
+        if (
+            candidates[name][1].peak_memory_bytes > memory_budget
+            and name not in ("data", "fsdp")
+            and zero_pins
+        ):
+            choice = ENGINES[name](problem, {**zero_pins, **pinned})
+            candidates[f"{name}+zero3"] = (choice, evaluate(problem, choice))
+    fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
+    if not fitting:
+        best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)
+        raise MemoryBudgetError(
+            f"no plan fits the memory budget of {format_bytes(memory_budget)} per device; the smallest found "
+            f"({best[0]}) needs {format_bytes(best[1][1].peak_memory_bytes)} "
+            f"({format_bytes(best[1][1].argument_bytes)} of it arguments).\n"
+            f"{_dominant(problem, best[1][0])}\n"
+            "Raise memory_budget, use more devices, or shrink the batch."
+        )
+    name, (choice, cost) = min(
+        fitting.items(), key=lambda kv: (kv[1][1].step_s, list(candidates).index(kv[0]))
+    )
+    return SearchResult(
+        tuple(choice),
+        name,
+        cost,
+        time.perf_counter() - start,
+        {k: v[1] for k, v in candidates.items()},
+    )
+
+
+def _dominant(problem: Problem, choice, top: int = 3) -> str:
+    g = problem.graph
+    sizes = sorted(
+        (
+            (problem.node_mem[i][choice[i]], g.input_paths[i], g.values[g.inputs[i]])
+            for i in range(problem.num_inputs)
+        ),
+        key=lambda x: -x[0],
+    )[:top]
+    return "Largest arguments per device: " + "; ".join(
+        f"{p} {t} -> {format_bytes(b)}" for b, p, t in sizes
+    )

@@ -1,0 +1,156 @@
+"""Strategy rules: for every node, the ways it can be sharded.
+
+JAX-pass style: a registry from primitive name to a rule, a default, and one
+generic enumerator. Most rules only *describe* an op as an einsum over
+factors (`FactorRule`); `enumerate_factor_rule` turns the description into
+every placement of mesh axes on factors, DTensor's einsum-strategy idea:
+
+* a factor shared by inputs and outputs (batch, free dims): sharding it
+  shards every tensor that carries it, nobody communicates;
+* a reduction factor (only in inputs, e.g. the contracting dim `k` of
+  `b m k, b k n -> b m n`): sharding it leaves the outputs Partial over those
+  axes, to be summed later (the edge pays all-reduce or reduce-scatter);
+* a dim with no factor (`None`) must be replicated.
+
+Each mesh axis goes to at most one factor; a factor may take several axes.
+Unknown primitives get the replicated strategy and a warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autopar.ir import Graph, Node
+from autopar.sharding import MeshInfo, Spec
+
+
+@dataclass(frozen=True)
+class Factor:
+    size: int
+    reduce: bool = False  # in no output: sharding it makes the outputs Partial
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class FactorRule:
+    """Einsum-like description: per input/output dim, the factor index or None."""
+
+    factors: tuple[Factor, ...]
+    in_dims: tuple[tuple[int | None, ...], ...]
+    out_dims: tuple[tuple[int | None, ...], ...]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A rule that allows exactly these specs (user constraints, opaque ops)."""
+
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    label: str = "fixed"
+    warning: str | None = None  # reported in the plan (e.g. control flow run replicated)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    assignment: tuple[int | None, ...]  # per mesh axis: the factor it shards, or None
+    parallel: int  # ways the op's work is divided
+
+    def __str__(self) -> str:
+        return self.name
+
+
+Rule = Callable[[Node, Graph], "FactorRule | Fixed | None"]
+RULES: dict[str, Rule] = {}
+
+
+def register(*names: str) -> Callable[[Rule], Rule]:
+    def deco(rule: Rule) -> Rule:
+        for n in names:
+            RULES[n] = rule
+        return rule
+
+    return deco
+
+
+def enumerate_factor_rule(rule: FactorRule, mesh: MeshInfo) -> list[Strategy]:
+    """Every placement of mesh axes on the rule's factors that divides evenly."""
+    n_f = len(rule.factors)
+    out: list[Strategy] = []
+    for assignment in itertools.product([None, *range(n_f)], repeat=len(mesh.axis_names)):
+        axes_of: list[list[str]] = [[] for _ in range(n_f)]
+        for axis, f in zip(mesh.axis_names, assignment):
+            if f is not None:
+                axes_of[f].append(axis)
+        if any(
+            axes and rule.factors[f].size % math.prod(mesh.size(a) for a in axes)
+            for f, axes in enumerate(axes_of)
+        ):
+            continue
+        partial = tuple(a for f, axes in enumerate(axes_of) if rule.factors[f].reduce for a in axes)
+
+        ins = tuple(_spec(d, axes_of) for d in rule.in_dims)
+        outs = tuple(_spec(d, axes_of, partial) for d in rule.out_dims)
+        parallel = math.prod(mesh.size(a) for axes in axes_of for a in axes)
+        out.append(Strategy(_name(ins, outs), ins, outs, tuple(assignment), parallel))
+    return out
+
+
+def _spec(
+    dims: tuple[int | None, ...], axes_of: list[list[str]], partial: tuple[str, ...] = ()
+) -> Spec:
+    return Spec(tuple(() if f is None else tuple(axes_of[f]) for f in dims), partial)
+
+
+def _name(ins: tuple[Spec, ...], outs: tuple[Spec, ...]) -> str:
+    shown = [str(s) for s in ins if s.dims]
+    return f"{', '.join(str(s) for s in outs)} = {' x '.join(shown) if shown else '()'}"
+
+
+def fixed_strategy(rule: Fixed) -> Strategy:
+    return Strategy(
+        f"{_name(rule.in_specs, rule.out_specs)} ({rule.label})",
+        rule.in_specs,
+        rule.out_specs,
+        (),
+        1,
+    )
+
+
+def replicated_rule(node: Node, graph: Graph, label: str, warning: str | None = None) -> Fixed:
+    return Fixed(
+        tuple(Spec.replicated(graph.values[v].rank) for v in node.inputs),
+        tuple(Spec.replicated(graph.values[v].rank) for v in node.outputs),
+        label,
+        warning,
+    )
+
+
+@dataclass(frozen=True)
+class NodeStrategies:
+    strategies: tuple[Strategy, ...]
+    warning: str | None = None  # set when the primitive has no rule
+
+
+def strategies_for(node: Node, graph: Graph, mesh: MeshInfo) -> NodeStrategies:
+    """All candidate strategies of `node` on `mesh` (never empty)."""
+    from autopar.strategies import rules  # noqa: F401  (registers the rules)
+
+    rule_fn = RULES.get(node.op)
+    warning = None
+    rule = rule_fn(node, graph) if rule_fn is not None else None
+    if rule is None:
+        rule = replicated_rule(node, graph, "replicated: no rule")
+        if rule_fn is None:
+            warning = (
+                f"no sharding rule for primitive '{node.op}' at {node.key}; it runs replicated"
+            )
+    if isinstance(rule, Fixed):
+        return NodeStrategies((fixed_strategy(rule),), warning or rule.warning)
+    strategies = enumerate_factor_rule(rule, mesh)
+    return NodeStrategies(tuple(strategies), warning)

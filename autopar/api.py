@@ -1,0 +1,321 @@
+"""`autopar.parallelize`: trace, search, lower and run, cached per argument signature."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+
+import cost_models
+from autopar.capture import abstractify_tree, capture, fn_name
+from autopar.cost import CostModel
+from autopar.errors import MeshError, PlanError
+from autopar.ir import Graph
+from autopar.lower.jit import jit_from_plan
+from autopar.plan import OpRecord, Plan, TensorRecord, fingerprint, op_keys
+from autopar.search import search
+from autopar.search.problem import Problem, build_problem
+from autopar.sharding import MeshInfo, mesh_info
+
+MeshLike = Mapping[str, int] | Mesh | AbstractMesh
+
+
+def make_mesh(mesh: MeshLike) -> Mesh | AbstractMesh:
+    """A dict of axis sizes, a Mesh or an AbstractMesh -> a mesh with Auto axes.
+    Uses the local devices when there are enough, else an AbstractMesh (plan only)."""
+    if isinstance(mesh, Mesh):
+        return Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+        )
+    if isinstance(mesh, AbstractMesh):
+        return AbstractMesh(
+            tuple(mesh.axis_sizes),
+            tuple(mesh.axis_names),
+            axis_types=(AxisType.Auto,) * len(mesh.axis_names),
+        )
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise MeshError(
+            f"mesh must be a dict of axis sizes like {{'data': 2, 'model': 4}}, a jax.sharding.Mesh or an AbstractMesh; got {mesh!r}"
+        )
+    for name, size in mesh.items():
+        if not isinstance(name, str) or not isinstance(size, int | np.integer) or size < 1:
+            raise MeshError(f"mesh axis {name!r}: size must be a positive int, got {size!r}")
+    names, sizes = tuple(mesh), tuple(int(s) for s in mesh.values())
+    n = math.prod(sizes)
+    devices = jax.devices()
+    if n <= len(devices):
+        return Mesh(
+            np.array(devices[:n]).reshape(sizes), names, axis_types=(AxisType.Auto,) * len(names)
+        )
+    return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+@dataclass
+class _Compiled:
+    graph: Graph
+    plan: Plan
+    problem: Problem | None
+    jitted: Any
+    flat_donate: tuple[int, ...]
+
+
+class Parallelized:
+    """What `parallelize` returns: call it like the function, or `.plan()` / `.lower()`."""
+
+    def __init__(
+        self,
+        fn,
+        *,
+        mesh,
+        cluster,
+        engine,
+        memory_budget,
+        static_argnums,
+        donate_argnums,
+        plan,
+        in_specs=None,
+    ):
+        self.fn = fn
+        self.mesh = make_mesh(mesh)
+        self.profile = cost_models.load(cluster)
+        self.engine = engine
+        self.memory_budget = (
+            float(memory_budget) if memory_budget is not None else self.profile.hbm_bytes
+        )
+        self.static_argnums = tuple(static_argnums)
+        self.donate_argnums = tuple(donate_argnums)
+        self.given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
+        self.mesh_info: MeshInfo = mesh_info(self.mesh, self.profile)
+        self._cache: dict[Any, _Compiled] = {}
+        functools.update_wrapper(self, fn)
+
+    # ---- public -------------------------------------------------------------------------
+    def plan(self, *args) -> Plan:
+        """Search (or load) the plan for these arguments. Abstract args are fine."""
+        return self._get(args).plan
+
+    def lower(self, *args) -> jax.stages.Lowered:
+        """Lower the sharded program, like `jax.jit(fn).lower(*args)`."""
+        c = self._get(args)
+        flat = [_sds_for(x, r, self.mesh) for x, r in zip(self._flat_dyn(args), c.plan.inputs)]
+        if isinstance(self.mesh, AbstractMesh):
+            return c.jitted.trace(*flat).lower(lowering_platforms=("cuda",))
+        return c.jitted.lower(*flat)
+
+    def __call__(self, *args):
+        if isinstance(self.mesh, AbstractMesh):
+            raise MeshError(
+                f"{fn_name(self.fn)}: the mesh {dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))} needs "
+                f"{self.mesh_info.num_devices} devices but only {len(jax.devices())} are available here. "
+                "Use .plan() or .lower() to plan offline, or run on a machine with enough devices "
+                "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)."
+            )
+        c = self._get(args)
+        flat = self._flat_dyn(args)
+        placed = [
+            jax.device_put(x, NamedSharding(self.mesh, r.spec.to_pspec()))
+            if isinstance(x, jax.Array | np.ndarray)
+            else x
+            for x, r in zip(flat, c.plan.inputs)
+        ]
+        outs = c.jitted(*placed)
+        return jax.tree_util.tree_unflatten(c.graph.out_tree, outs)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _dyn(self, args) -> tuple:
+        return tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+
+    def _flat_dyn(self, args) -> list:
+        return jax.tree_util.tree_leaves(self._dyn(args))
+
+    def _key(self, args):
+        leaves, tree = jax.tree_util.tree_flatten(abstractify_tree(self._dyn(args)))
+        sig = tuple(
+            (tuple(x.shape), str(x.dtype))
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else ("py", type(x).__name__)
+            for x in leaves
+        )
+        statics = tuple(_hashable(args[i]) for i in self.static_argnums if i < len(args))
+        return (tree, sig, statics)
+
+    def _get(self, args) -> _Compiled:
+        key = self._key(args)
+        if key not in self._cache:
+            self._cache[key] = self._compile(args)
+        return self._cache[key]
+
+    def _compile(self, args) -> _Compiled:
+        graph = capture(self.fn, args, self.static_argnums)
+        problem = None
+        if self.given_plan is not None:
+            plan = bind_plan(self.given_plan, graph, self.mesh_info, self.mesh)
+        else:
+            problem = build_problem(graph, self.mesh_info, CostModel(self.profile, self.mesh_info))
+            result = search(problem, self.engine, self.memory_budget)
+            plan = make_plan(problem, result, self.profile, self.mesh)
+        flat_donate = _flat_donate(args, self.static_argnums, self.donate_argnums)
+        jitted = jit_from_plan(graph, plan, self.mesh, flat_donate)
+        return _Compiled(graph, plan, problem, jitted, flat_donate)
+
+
+def parallelize(
+    fn: Callable | None = None,
+    *,
+    mesh: MeshLike,
+    cluster: str | os.PathLike | cost_models.ClusterProfile = "h100-sxm",
+    engine: str = "auto",
+    memory_budget: float | None = None,
+    static_argnums: Sequence[int] | int = (),
+    donate_argnums: Sequence[int] | int = (),
+    plan: str | os.PathLike | Plan | None = None,
+) -> Parallelized | Callable[[Callable], Parallelized]:
+    """Automatically shard `fn` over `mesh`.
+
+    Traces `fn` on its first call (or on `.plan(*args)` / `.lower(*args)`, which accept
+    `jax.ShapeDtypeStruct`s), searches a sharding for every op with the cost model of
+    `cluster` under `memory_budget` bytes per device (default: the profile's HBM),
+    and runs it as `jax.jit` with the plan's shardings. `engine` is one of "auto",
+    "recursive", "dp", "ilp", "data", "fsdp". `plan` reuses a saved plan instead of
+    searching. Usable as `@parallelize(mesh=...)`.
+    """
+    as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
+    kw = dict(
+        mesh=mesh,
+        cluster=cluster,
+        engine=engine,
+        memory_budget=memory_budget,
+        static_argnums=as_tuple(static_argnums),
+        donate_argnums=as_tuple(donate_argnums),
+        plan=plan,
+    )
+    if fn is None:
+        return lambda f: Parallelized(f, **kw)
+    return Parallelized(fn, **kw)
+
+
+def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:
+    g, n_in, choice = problem.graph, problem.num_inputs, result.choice
+    strat = lambda v: problem.strategies[v][choice[v]]
+    inputs = tuple(
+        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, strat(i).out_specs[0])
+        for i, (p, v) in enumerate(zip(g.input_paths, g.inputs))
+    )
+    outputs = []
+    for o, (p, v) in enumerate(zip(g.output_paths, g.outputs)):
+        if o in problem.aliases:
+            spec = inputs[problem.aliases[o]].spec
+        elif v in problem.source:
+            u, k = problem.source[v]
+            spec = strat(u).out_specs[k].without_partial()
+        else:
+            from autopar.sharding import Spec
+
+            spec = Spec.replicated(g.values[v].rank)
+        outputs.append(TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, spec))
+    keys = op_keys(g)
+    ops = tuple(
+        OpRecord(
+            keys[n.id],
+            n.op,
+            n.source,
+            strat(n_in + n.id).name,
+            strat(n_in + n.id).in_specs,
+            strat(n_in + n.id).out_specs,
+            float(problem.node_time[n_in + n.id][choice[n_in + n.id]]),
+        )
+        for n in g.nodes
+    )
+    return Plan(
+        fingerprint=fingerprint(g),
+        mesh=problem.mesh,
+        cluster=profile.to_dict(),
+        engine=result.engine,
+        search_seconds=result.seconds,
+        inputs=inputs,
+        outputs=tuple(outputs),
+        ops=ops,
+        cost=result.cost,
+        warnings=problem.warnings,
+        candidates=result.candidates,
+        function=g.name,
+        in_tree=g.in_tree,
+        out_tree=g.out_tree,
+        jax_mesh=jax_mesh,
+    )
+
+
+def bind_plan(plan: Plan, graph: Graph, mesh: MeshInfo, jax_mesh) -> Plan:
+    """Check a loaded plan against the traced function and attach the pytrees."""
+    problems = []
+    if (plan.mesh.axis_names, plan.mesh.axis_sizes) != (mesh.axis_names, mesh.axis_sizes):
+        problems.append(
+            f"the plan is for mesh {plan.mesh.shape}, the function runs on {mesh.shape}"
+        )
+    if plan.fingerprint != fingerprint(graph):
+        have = {r.path: (r.shape, r.dtype) for r in plan.inputs}
+        want = {
+            p: (graph.values[v].shape, graph.values[v].dtype.name)
+            for p, v in zip(graph.input_paths, graph.inputs)
+        }
+        diffs = [
+            f"{p}: plan {have.get(p)} vs function {want.get(p)}"
+            for p in dict.fromkeys([*have, *want])
+            if have.get(p) != want.get(p)
+        ]
+        detail = (
+            "; ".join(diffs[:5])
+            if diffs
+            else f"same arguments but a different computation ({len(plan.ops)} ops in the plan, {len(graph.nodes)} traced)"
+        )
+        problems.append(f"the plan was made for a different function: {detail}")
+    if problems:
+        raise PlanError(
+            f"plan for {plan.function or '?'} does not match {graph.name}: "
+            + "; ".join(problems)
+            + ". Search a new plan (omit plan=) for this function."
+        )
+    return Plan(
+        **{
+            **plan.__dict__,
+            "in_tree": graph.in_tree,
+            "out_tree": graph.out_tree,
+            "jax_mesh": jax_mesh,
+        }
+    )
+
+
+def _sds_for(x, rec: TensorRecord, mesh):
+    a = abstractify_tree(x)
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, rec.spec.to_pspec())
+        )
+    return a
+
+
+def _flat_donate(args, static_argnums, donate_argnums) -> tuple[int, ...]:
+    out, pos = [], 0
+    for i, a in enumerate(args):
+        if i in static_argnums:
+            continue
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in donate_argnums:
+            out.extend(range(pos, pos + n))
+        pos += n
+    return tuple(out)
+
+
+def _hashable(x):
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return repr(x)

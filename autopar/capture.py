@@ -1,0 +1,219 @@
+"""Capture: trace a function on (abstract) arguments into an `ir.Graph`.
+
+Calls (`jit`/`pjit`, `closed_call`, `custom_jvp_call`, `custom_vjp_call`,
+`checkpoint`) are inlined, so the graph is one flat list of primitives.
+Structured control flow (`scan`, `while`, `cond`) stays a single node that the
+strategy rules treat as opaque. Note: inlining `custom_jvp`/`custom_vjp`
+keeps their primal computation only, so differentiate *inside* the function you
+parallelize (a train step), not through it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopar import _compat
+from autopar.errors import CaptureError
+from autopar.ir import Graph, Node, TensorType, check_graph
+
+# primitive name -> name of the param that holds the callee jaxpr
+INLINE_CALLS: dict[str, str] = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+}
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """`(DictKey('params'), SequenceKey(0))` -> `params/0`."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _arg_names(fn: Callable, n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(n):
+        if i < len(params) and params[i].kind in (
+            params[i].POSITIONAL_ONLY,
+            params[i].POSITIONAL_OR_KEYWORD,
+        ):
+            names.append(params[i].name)
+        else:
+            names.append(f"arg{i}")
+    return names
+
+
+def fn_name(fn: Callable) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    code = getattr(fn, "__code__", None)
+    where = f" ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})" if code else ""
+    return f"{name}{where}"
+
+
+def abstractify(x: Any) -> Any:
+    """An array-like leaf -> ShapeDtypeStruct (sharding dropped); others unchanged."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    return x
+
+
+def capture(fn: Callable, args: Sequence[Any], static_argnums: Sequence[int] = ()) -> Graph:
+    """Trace `fn(*args)` into a Graph. `args` may hold arrays or ShapeDtypeStructs."""
+    static = set(static_argnums)
+    dyn_idx = [i for i in range(len(args)) if i not in static]
+    names = _arg_names(fn, len(args))
+    dyn_args = tuple(abstractify_tree(args[i]) for i in dyn_idx)
+
+    def flat_fn(*dyn):
+        full = list(args)
+        for i, a in zip(dyn_idx, dyn):
+            full[i] = a
+        return fn(*full)
+
+    try:
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_args)
+    except Exception as e:  # noqa: BLE001 - re-raised with the user's function named
+        shapes = ", ".join(_describe(a) for a in dyn_args)
+        raise CaptureError(
+            f"autopar could not trace {fn_name(fn)} on arguments ({shapes}):\n"
+            f"  {type(e).__name__}: {e}\n"
+            "Check that the function runs under jax.jit with these shapes; pass Python "
+            "scalars/configs through static_argnums."
+        ) from e
+
+    leaves, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
+    input_paths = tuple(
+        path_str((_Name(names[dyn_idx[p[0].idx]]),) + tuple(p[1:])) for p, _ in leaves
+    )
+    out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    output_paths = tuple(path_str((_Name("out"),) + tuple(p)) for p, _ in out_leaves)
+    return _build(closed, input_paths, output_paths, in_tree, out_tree, fn_name(fn))
+
+
+class _Name:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def abstractify_tree(tree: Any) -> Any:
+    return jax.tree_util.tree_map(abstractify, tree)
+
+
+def _describe(tree: Any) -> str:
+    leaves = jax.tree_util.tree_leaves(tree)
+    if len(leaves) == 1 and hasattr(leaves[0], "shape"):
+        return f"{leaves[0].dtype}{list(leaves[0].shape)}"
+    return f"<pytree of {len(leaves)} leaves>"
+
+
+class _Builder:
+    def __init__(self):
+        self.values: list[TensorType] = []
+        self.nodes: list[Node] = []
+        self.consts: dict[int, Any] = {}
+
+    def new_value(self, aval) -> int:
+        shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+        dtype = np.dtype(getattr(aval, "dtype", np.float32))
+        self.values.append(TensorType(shape, dtype))
+        return len(self.values) - 1
+
+    def const(self, value, aval) -> int:
+        v = self.new_value(aval)
+        self.consts[v] = value
+        return v
+
+    def inline(self, jaxpr, consts, in_ids: Sequence[int], stack: str) -> list[int]:
+        env: dict[Any, int] = {}
+        for var, c in zip(jaxpr.constvars, consts):
+            env[var] = self.const(c, var.aval)
+        for var, v in zip(jaxpr.invars, in_ids):
+            env[var] = v
+
+        def read(x) -> int:
+            if isinstance(x, _compat.Literal):
+                return self.const(x.val, x.aval)
+            return env[x]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(x) for x in eqn.invars]
+            name = eqn.primitive.name
+            inner_stack = _join(stack, _compat.eqn_name_stack(eqn))
+            if name in INLINE_CALLS and INLINE_CALLS[name] in eqn.params:
+                callee = eqn.params[INLINE_CALLS[name]]
+                if isinstance(callee, _compat.ClosedJaxpr):
+                    sub, sub_consts = callee.jaxpr, callee.consts
+                else:
+                    sub, sub_consts = callee, ()
+                if name in ("pjit", "jit") and eqn.params.get("name"):
+                    inner_stack = _join(inner_stack, str(eqn.params["name"]))
+                outs = self.inline(sub, sub_consts, ins, inner_stack)
+                for var, v in zip(eqn.outvars, outs):
+                    env[var] = v
+                continue
+            outs = [self.new_value(var.aval) for var in eqn.outvars]
+            for var, v in zip(eqn.outvars, outs):
+                if not isinstance(var, _compat.DropVar):
+                    env[var] = v
+            self.nodes.append(
+                Node(
+                    id=len(self.nodes),
+                    op=name,
+                    inputs=tuple(ins),
+                    outputs=tuple(outs),
+                    primitive=eqn.primitive,
+                    params=dict(eqn.params),
+                    name_stack=inner_stack,
+                    source=_compat.eqn_source(eqn),
+                )
+            )
+        return [read(x) for x in jaxpr.outvars]
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}/{b}" if a and b else a or b
+
+
+def _build(closed, input_paths, output_paths, in_tree, out_tree, name) -> Graph:
+    b = _Builder()
+    jaxpr = closed.jaxpr
+    in_ids = [b.new_value(v.aval) for v in jaxpr.invars]
+    out_ids = b.inline(jaxpr, closed.consts, in_ids, "")
+    g = Graph(
+        values=tuple(b.values),
+        nodes=tuple(b.nodes),
+        inputs=tuple(in_ids),
+        input_paths=input_paths,
+        outputs=tuple(out_ids),
+        output_paths=output_paths,
+        consts=b.consts,
+        in_tree=in_tree,
+        out_tree=out_tree,
+        name=name,
+    )
+    check_graph(g)
+    return g

@@ -1,0 +1,135 @@
+"""The cost model: seconds and bytes from a cluster profile.
+
+compute     max(flops / (peak x efficiency), bytes / (HBM bw x efficiency)) per device
+collective  latency + factor(n) x bytes / (link bw x efficiency), with nccl-tests'
+            bus-bandwidth factors: all-reduce 2(n-1)/n, all-gather, reduce-scatter
+            and all-to-all (n-1)/n. `bytes` is the full-size per-device buffer
+            (all-reduce: the buffer; all-gather: the result; reduce-scatter: the
+            input; all-to-all: the buffer), the same convention `autopar.hlo` reads.
+            Several mesh axes at once use the slowest link among them.
+reshard     the collectives that turn one Spec into another (`reshard`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from autopar.ir import Graph, Node, TensorType
+from autopar.sharding import Axes, MeshInfo, Spec
+from cost_models import ClusterProfile
+
+BUS_FACTOR = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    axes: Axes
+    bytes: int  # full-size per-device buffer, see module docstring
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Reshard:
+    seconds: float
+    collectives: tuple[Collective, ...]
+
+
+NO_RESHARD = Reshard(0.0, ())
+
+
+class CostModel:
+    """Prices ops and reshards on one mesh with one cluster profile (memoized)."""
+
+    def __init__(self, profile: ClusterProfile, mesh: MeshInfo):
+        self.profile = profile
+        self.mesh = mesh
+        self._link: dict[Axes, tuple[float, float]] = {}
+
+    def link(self, axes: Axes) -> tuple[float, float]:
+        """(latency s, effective bandwidth B/s) of the slowest link `axes` cross."""
+        if axes not in self._link:
+            p = self.profile
+            if self.mesh.is_intra_node(axes):
+                self._link[axes] = (p.intra_latency, p.intra_bandwidth * p.intra_link_efficiency)
+            else:
+                self._link[axes] = (p.inter_latency, p.inter_bandwidth * p.inter_link_efficiency)
+        return self._link[axes]
+
+    def collective(self, kind: str, axes: Axes, nbytes: float) -> Collective:
+        n = math.prod(self.mesh.size(a) for a in axes)
+        if n <= 1:
+            return Collective(kind, axes, int(nbytes), 0.0)
+        latency, bw = self.link(axes)
+        return Collective(kind, axes, int(nbytes), latency + BUS_FACTOR[kind](n) * nbytes / bw)
+
+    def compute_seconds(self, flops: float, nbytes: float, dtype) -> float:
+        p = self.profile
+        return max(
+            flops / (p.flops_for(dtype) * p.compute_efficiency),
+            nbytes / (p.hbm_bandwidth * p.hbm_efficiency),
+        )
+
+    def local_bytes(self, t: TensorType, spec: Spec) -> int:
+        return t.nbytes // spec.shards(self.mesh) if t.rank else t.nbytes
+
+    @functools.cache  # noqa: B019 - one CostModel per search
+    def reshard(self, t: TensorType, src: Spec, dst: Spec) -> Reshard:
+        """Cheapest collective sequence (in this simple model) from `src` to `dst`."""
+        if src == dst or t.rank == 0 and not src.partial:
+            return NO_RESHARD
+        colls: list[Collective] = []
+        dims = [list(d) for d in src.dims]
+        # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else all-reduce.
+        dst_axis_dim = {a: i for i, d in enumerate(dst.dims) for a in d}
+        scatter = tuple(a for a in src.partial if a in dst_axis_dim and a not in src.used_axes)
+        reduce = tuple(a for a in src.partial if a not in scatter)
+        cur = Spec(tuple(map(tuple, dims)))
+        if reduce:
+            colls.append(self.collective("all-reduce", reduce, self.local_bytes(t, cur)))
+        if scatter:
+            colls.append(self.collective("reduce-scatter", scatter, self.local_bytes(t, cur)))
+            for a in scatter:
+                dims[dst_axis_dim[a]].append(a)
+        # 2. Axes that sit where `dst` does not want them: move (all-to-all) or gather.
+        gather: list[str] = []
+        moved: list[str] = []
+        for i, d in enumerate(dims):
+            want = dst.dims[i]
+            keep = 0
+            while keep < len(d) and keep < len(want) and d[keep] == want[keep]:
+                keep += 1
+            for a in d[keep:]:
+                (moved if a in dst_axis_dim else gather).append(a)
+            dims[i] = d[:keep]
+        if moved:
+            before = Spec(tuple(map(tuple, dims)))
+            colls.append(self.collective("all-to-all", tuple(moved), self.local_bytes(t, before)))
+        if gather:
+            after = Spec(tuple(map(tuple, dims)))
+            colls.append(self.collective("all-gather", tuple(gather), self.local_bytes(t, after)))
+        # 3. Axes `dst` adds are a local slice: free.
+        return Reshard(sum(c.seconds for c in colls), tuple(colls))
+
+
+def node_flops(node: Node, graph: Graph) -> float:
+    """Total (unsharded) FLOPs of a node."""
+    outs = [graph.values[v] for v in node.outputs]
+    if node.op == "dot_general":
+        lhs = graph.values[node.inputs[0]]
+        (lc, _), _ = node.params["dimension_numbers"]
+        return 2.0 * outs[0].size * math.prod(lhs.shape[a] for a in lc)
+    if node.op == "conv_general_dilated":
+        rhs = graph.values[node.inputs[1]]
+        o = rhs.shape[node.params["dimension_numbers"].rhs_spec[0]]
+        return 2.0 * outs[0].size * rhs.size / max(o, 1)
+    ins = [graph.values[v].size for v in node.inputs]
+    return float(max([t.size for t in outs] + ins + [1]))

@@ -1,0 +1,615 @@
+"""Read the collectives out of a compiled XLA program's text.
+
+``parse_collectives(jax.jit(f).lower(...).compile().as_text(), mesh)`` lists every
+collective of the program (all-reduce, all-gather, reduce-scatter, all-to-all,
+collective-permute) with its per-device size, its replica groups, and, when a mesh is
+given, the mesh axes its groups run along.  Used to check that a sharded program contains
+the communication a plan predicted, and to price compiled programs.
+
+What JAX 0.10.2's CPU compiler actually prints (checked by compiling real programs on 8
+simulated CPU devices):
+
+* GSPMD-partitioned collectives (from ``jax.jit`` with ``NamedSharding``s) use the
+  *mesh-axes* form::
+
+      replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}
+      replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_0'}
+
+  The mesh is XLA's own synthetic mesh (``axis_0``, ``axis_1``, ... are *not* the JAX
+  axis names), its device list is an iota ``[dims]T(perm)`` (absent means plain
+  ``0..N-1``) or, in principle, an explicit id list, and the braces name the axes the
+  groups vary along (sub-axes print as ``'a':(pre_size)size``).  Groups are: reshape the
+  device list to the mesh shape, move the named axes last, split into rows.
+* ``shard_map`` collectives (``psum``, ``psum_scatter``, ``all_gather``, ``all_to_all``)
+  use explicit lists ``replica_groups={{0,1,2,3},{4,5,6,7}}``.
+* Collective-permutes print ``source_target_pairs={{0,1},{1,2},...}``.
+* The iota form ``replica_groups=[2,4]<=[4,2]T(1,0)`` and the empty form
+  ``replica_groups={}`` were not seen on CPU with this version, but older/other XLA
+  builds print them, so both are supported (tested on literal HLO).
+* No async ``-start``/``-done`` pairs appear on CPU; they are supported anyway (the start
+  is counted, the done skipped), as are collectives wrapped by ``async-start`` (they are
+  counted where they appear, inside the wrapped computation).
+* **Reduce-scatter:** the CPU compiler does *not* turn GSPMD's "all-reduce then keep my
+  slice" into a reduce-scatter: a matmul whose contracted dim is sharded on ``model``
+  with output ``P('model', None)`` compiles to a full ``all-reduce`` over ``model``
+  followed by a ``dynamic-slice`` fusion indexed by ``partition-id``.  A real
+  ``reduce-scatter`` instruction only appears from ``jax.lax.psum_scatter`` inside
+  ``shard_map``.  Since ``bytes`` is the full-size side, both forms report the same bytes
+  (the unreduced operand); only ``kind`` differs.
+* All GSPMD all-reduce/all-gather/reduce-scatter carry ``channel_id`` and
+  ``use_global_device_ids=true``; all-to-all and collective-permute carry ``channel_id``
+  only (cross-partition mode).  The module header carries ``num_partitions=8``
+  (``replica_count`` is omitted, i.e. 1).
+
+Device ids.  With ``replica_count=1`` the ids in the groups are partition (logical
+device) ids, i.e. *positions* in the executable's device assignment, which for a program
+jitted over a mesh is ``mesh.devices.flat``.  Verified: a mesh built from a permuted
+device list (``Device.id`` order 3,1,7,0,...) compiles to exactly the same HLO as the
+in-order mesh.  So axes are matched **by position in ``mesh.devices.flat``**, never by
+``Device.id``.  Group ids are kept as XLA prints them except in cross-replica-and-partition
+mode (``channel_id`` without ``use_global_device_ids`` on an op that has that
+attribute), where each replica group is expanded to the global ids
+``replica * num_partitions + partition`` of all its participants.
+
+Byte sizes are per device, of the full-size side: all-reduce operand, all-gather result,
+reduce-scatter operand, all-to-all operand, collective-permute operand; tuple-shaped
+(combined) collectives sum their elements.  Operand shapes are looked up from the
+instructions that define them (compiled HLO text prints operands by name only).
+
+Loops: ``in_loop`` is True for collectives in a while body or condition computation, or
+in any computation reachable from one (``calls=``, ``to_apply=``, branches, nested
+whiles).  ``summarize`` does not multiply by trip counts; callers that know them can.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+
+__all__ = [
+    "HloCollective",
+    "parse_collectives",
+    "parse_replica_groups",
+    "shape_bytes",
+    "summarize",
+]
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# Ops that have a use_global_device_ids attribute (the others are cross-partition when
+# they have a channel_id).
+_HAS_GLOBAL_IDS_ATTR = ("all-reduce", "all-gather", "reduce-scatter")
+
+
+@dataclass(frozen=True)
+class HloCollective:
+    kind: str
+    """"all-reduce" | "all-gather" | "reduce-scatter" | "all-to-all" | "collective-permute"."""
+    bytes: int
+    """Per-device bytes of the full-size side (see module docstring)."""
+    dtype: str
+    """Element type, e.g. "f32" (the first element's, for tuples)."""
+    group_size: int
+    """Devices per replica group.  For collective-permute: the size of the largest connected
+    component of the source->target graph (2 for a pairwise swap, n for a ring of n).
+    0 when unknown (empty ``replica_groups={}`` with no module header and no mesh)."""
+    groups: tuple[tuple[int, ...], ...]
+    """Replica groups as device ids / partition ids (positions in the device assignment).
+    For collective-permute: the connected components of the pair graph (devices in no pair
+    are left out)."""
+    axes: tuple[str, ...] | None
+    """Mesh axes the groups run along (mesh order), when a mesh is given and they match."""
+    name: str
+    """HLO instruction name (without the ``%``)."""
+    in_loop: bool
+    """True when inside a while body/condition, directly or through called computations."""
+
+
+# --------------------------------------------------------------------------- shapes
+
+_ARRAY_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+
+
+def _dtype_bits(dtype: str) -> int:
+    if dtype == "pred":
+        return 8
+    if dtype in ("token", "opaque"):
+        return 0
+    if dtype.startswith("f8"):
+        return 8
+    if dtype.startswith("f4"):
+        return 4
+    m = re.match(r"[a-z]+(\d+)", dtype)
+    if m is None:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return int(m.group(1))
+
+
+def _array_shapes(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """All array shapes in an HLO shape string (a tuple yields its leaves, in order)."""
+    out = []
+    # Layouts ({1,0}, {1,0:T(8,128)}) hold no ``x[...]`` patterns; comments may hold
+    # ``index=5`` but no brackets.
+    for dtype, dims in _ARRAY_SHAPE_RE.findall(shape):
+        sizes = []
+        for d in dims.split(","):
+            d = d.strip().lstrip("<=").strip()
+            if not d:
+                continue
+            sizes.append(int(d) if d.isdigit() else 0)  # "?" (unbounded) counts as 0
+        out.append((dtype, tuple(sizes)))
+    return out
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string such as ``f32[8,128]{1,0}`` or a tuple of them."""
+    total = 0
+    for dtype, dims in _array_shapes(shape):
+        total += (math.prod(dims) * _dtype_bits(dtype) + 7) // 8
+    return total
+
+
+def _first_dtype(shape: str) -> str:
+    shapes = _array_shapes(shape)
+    return shapes[0][0] if shapes else ""
+
+
+# --------------------------------------------------------------------------- text scanning
+
+
+def _balanced(s: str, start: int) -> int:
+    """Index just past the bracket group opening at ``s[start]``."""
+    depth = 0
+    i = start
+    while i < len(s):
+        c = s[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise ValueError(f"unbalanced brackets in {s[start : start + 80]!r}")
+
+
+def _split_top(s: str, sep: str = ",") -> list[str]:
+    parts, depth, cur = [], 0, []
+    for c in s:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+
+
+def _attr_value(attrs: str, key: str) -> str | None:
+    """Raw value of ``key=...`` in an attribute string (balanced brackets respected)."""
+    m = re.search(r"(?:^|[\s,])" + re.escape(key) + r"=", attrs)
+    if m is None:
+        return None
+    i = m.end()
+    if i < len(attrs) and attrs[i] in "([{":
+        return attrs[i : _balanced(attrs, i)]
+    j = i
+    while j < len(attrs) and attrs[j] not in ", ":
+        j += 1
+    return attrs[i:j]
+
+
+# --------------------------------------------------------------------------- replica groups
+
+
+def _iota(reshape_dims: list[int], perm: list[int] | None) -> np.ndarray:
+    arr = np.arange(math.prod(reshape_dims), dtype=np.int64).reshape(reshape_dims)
+    if perm is not None:
+        arr = arr.transpose(perm)
+    return arr.ravel()
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in re.findall(r"-?\d+", s)]
+
+
+_IOTA_GROUPS_RE = re.compile(r"^\[([\d,\s]*)\]<=\[([\d,\s]*)\](?:T\(([\d,\s]*)\))?$")
+_TILE_RE = re.compile(r"^\[([\d,\s]*)\](?:<=\[([\d,\s]*)\])?(?:T\(([\d,\s]*)\))?$")
+
+
+def _device_list(spec: str) -> np.ndarray:
+    """A mesh's ``device_ids=(...)``: iota ``[dims]T(perm)`` / ``[d]<=[r]T(p)`` or explicit."""
+    spec = spec.strip()
+    m = _TILE_RE.match(spec)
+    if m:
+        dims = _ints(m.group(1))
+        reshape = _ints(m.group(2)) if m.group(2) is not None else dims
+        perm = _ints(m.group(3)) if m.group(3) is not None else None
+        return _iota(reshape, perm)
+    m = re.match(r"^\[[\d,\s]*\](.*)$", spec)  # "[2,4]0,4,1,5,..." (dims then values)
+    if m and m.group(1).strip():
+        spec = m.group(1)
+    return np.array(_ints(spec), dtype=np.int64)
+
+
+def _mesh_groups(s: str) -> tuple[tuple[int, ...], ...]:
+    """``mesh['a'=2,'b'=4](, device_ids=(...))? {'b'}`` -> replica groups."""
+    i = s.index("[")
+    j = _balanced(s, i)
+    axis_names, axis_sizes = [], []
+    for item in _split_top(s[i + 1 : j - 1]):
+        name, _, size = item.rpartition("=")
+        axis_names.append(name.strip().strip("'\""))
+        axis_sizes.append(int(size))
+    rest = s[j:].strip()
+    devices = np.arange(math.prod(axis_sizes), dtype=np.int64)
+    if rest.startswith(","):
+        rest = rest[1:].strip()
+        if not rest.startswith("device_ids="):
+            raise ValueError(f"unexpected mesh replica groups {s!r}")
+        k = rest.index("(")
+        e = _balanced(rest, k)
+        devices = _device_list(rest[k + 1 : e - 1])
+        rest = rest[e:].strip()
+    if not rest.startswith("{"):
+        raise ValueError(f"mesh replica groups without axes: {s!r}")
+    refs: list[tuple[int, int, int]] = []  # (mesh axis index, pre_size, size)
+    for item in _split_top(rest[1 : _balanced(rest, 0) - 1]):
+        m = re.match(r"^['\"]?(.+?)['\"]?(?::\((\d+)\)(\d+))?$", item)
+        if m is None:
+            raise ValueError(f"bad mesh axis reference {item!r}")
+        ax = axis_names.index(m.group(1))
+        if m.group(2) is not None:
+            refs.append((ax, int(m.group(2)), int(m.group(3))))
+        else:
+            refs.append((ax, 1, axis_sizes[ax]))
+    if devices.size != math.prod(axis_sizes):
+        raise ValueError(f"mesh device list does not match the mesh shape: {s!r}")
+    # Split every mesh axis (major to minor) at the boundaries of its referenced sub-axes;
+    # each reference then covers exactly one split dimension.
+    split_dims: list[int] = []
+    ref_dim: dict[tuple[int, int, int], int] = {}
+    for ax, size in enumerate(axis_sizes):
+        bounds = {1, size}
+        for r_ax, pre, sz in refs:
+            if r_ax == ax:
+                bounds |= {pre, pre * sz}
+        bounds_sorted = sorted(bounds)
+        starts = {}
+        for lo, hi in itertools.pairwise(bounds_sorted):
+            starts[lo] = len(split_dims)
+            split_dims.append(hi // lo)
+        for ref in refs:
+            if ref[0] == ax:
+                ref_dim[ref] = starts[ref[1]]
+    grouped = [ref_dim[r] for r in refs]
+    order = [d for d in range(len(split_dims)) if d not in grouped] + grouped
+    group_size = math.prod(split_dims[d] for d in grouped)
+    arr = devices.reshape(split_dims).transpose(order).reshape(-1, group_size)
+    return tuple(tuple(int(x) for x in row) for row in arr)
+
+
+def parse_replica_groups(s: str) -> tuple[tuple[int, ...], ...] | None:
+    """Parse a ``replica_groups=`` value.  ``None`` means ``{}`` (all devices, one group).
+
+    Forms: explicit ``{{0,4},{1,5}}``, iota ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)``, and
+    mesh-axes ``mesh['x'=2,'y'=4], device_ids=([2,4]T(1,0)) {'y'}``.
+    """
+    s = s.strip()
+    if s.startswith("mesh"):
+        return _mesh_groups(s)
+    m = _IOTA_GROUPS_RE.match(s)
+    if m:
+        shape = _ints(m.group(1))
+        perm = _ints(m.group(3)) if m.group(3) is not None else None
+        arr = _iota(_ints(m.group(2)), perm).reshape(shape)
+        return tuple(tuple(int(x) for x in row) for row in arr)
+    if s.startswith("{"):
+        groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([^{}]*)\}", s[1:-1]) if _ints(g))
+        return groups or None
+    raise ValueError(f"unrecognized replica_groups {s!r}")
+
+
+_RG_ITEM_RE = re.compile(
+    r"mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\}"
+    r"|\[[\d,\s]*\]<=\[[\d,\s]*\](?:T\([\d,\s]*\))?"
+)
+
+
+def _replica_groups_attr(attrs: str) -> str | None:
+    """The raw ``replica_groups=`` value of an instruction, in any of its three forms."""
+    m = re.search(r"(?:^|[\s,])replica_groups=", attrs)
+    if m is None:
+        return None
+    i = m.end()
+    if attrs.startswith("{", i):
+        return attrs[i : _balanced(attrs, i)]
+    item = _RG_ITEM_RE.match(attrs, i)
+    if item is None:
+        raise ValueError(f"unrecognized replica_groups in {attrs[i : i + 120]!r}")
+    return item.group(0)
+
+
+def _permute_components(pairs: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for pair in pairs:
+        a, b = find(pair[0]), find(pair[1])
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    comps: dict[int, list[int]] = {}
+    for x in sorted(parent):
+        comps.setdefault(find(x), []).append(x)
+    return tuple(tuple(c) for c in sorted(comps.values()))
+
+
+# --------------------------------------------------------------------------- mesh axes
+
+
+def _axis_partition(shape: tuple[int, ...], axes: tuple[int, ...]) -> frozenset:
+    pos = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+    rest = [d for d in range(len(shape)) if d not in axes]
+    size = math.prod(shape[d] for d in axes)
+    rows = pos.transpose(rest + list(axes)).reshape(-1, size)
+    return frozenset(frozenset(int(x) for x in row) for row in rows)
+
+
+def _match_axes(
+    groups: tuple[tuple[int, ...], ...], mesh, pad_singletons: bool
+) -> tuple[str, ...] | None:
+    """Mesh axes (by position in ``mesh.devices.flat``) whose partition equals ``groups``.
+
+    Subsets are tried smallest first (in mesh-axis order), so size-1 axes are only named
+    when nothing smaller matches.
+    """
+    if not groups:
+        return None
+    shape = tuple(mesh.devices.shape)
+    n = math.prod(shape)
+    target = {frozenset(g) for g in groups}
+    if pad_singletons:
+        covered = set().union(*target)
+        target |= {frozenset([p]) for p in range(n) if p not in covered}
+    if any(x < 0 or x >= n for g in target for x in g):
+        return None
+    target = frozenset(target)
+    names = tuple(mesh.axis_names)
+    for k in range(1, len(shape) + 1):
+        for subset in itertools.combinations(range(len(shape)), k):
+            if _axis_partition(shape, subset) == target:
+                return tuple(names[d] for d in subset)
+    return None
+
+
+# --------------------------------------------------------------------------- module parsing
+
+_HEADER_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE_RE = re.compile(r"^([\w\-]+)\(")
+_CALLEE_RE = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_CALLEE_LIST_RE = re.compile(r"\b(?:branch_computations|called_computations|calls)=\{([^}]*)\}")
+_WHILE_RE = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+
+
+@dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+    computation: str
+
+
+def _parse_instruction(line: str, computation: str) -> _Instr | None:
+    m = _INSTR_RE.match(line)
+    if m is None:
+        return None
+    name, rest = m.group(1), m.group(2).strip()
+    if not rest:
+        return None
+    try:
+        if rest[0] == "(":
+            end = _balanced(rest, 0)
+        else:
+            end = rest.find(" ")
+            if end < 0:
+                return None
+        shape, rest = rest[:end], rest[end:].strip()
+        om = _OPCODE_RE.match(rest)
+        if om is None:
+            return None
+        start = om.end() - 1
+        end = _balanced(rest, start)
+    except ValueError:
+        return None
+    operands = _split_top(_COMMENT_RE.sub("", rest[start + 1 : end - 1]))
+    attrs = rest[end:].lstrip(", ")
+    return _Instr(name, shape, om.group(1), operands, attrs, computation)
+
+
+def _operand_shape(operand: str, shapes: dict[str, str]) -> str | None:
+    parts = operand.strip().rsplit(None, 1)
+    if len(parts) == 2:  # typed operand, "f32[8]{0} %x"
+        return parts[0]
+    return shapes.get(parts[0].lstrip("%")) if parts else None
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    shape = _COMMENT_RE.sub("", shape.strip())
+    if shape.startswith("("):
+        return _split_top(shape[1 : _balanced(shape, 0) - 1])
+    return [shape]
+
+
+def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> list[HloCollective]:
+    """All collectives in a compiled HLO module's text, in textual order.
+
+    ``mesh``: when given, each collective's groups are matched against the partitions of
+    the mesh's device positions along every non-empty subset of its axes.
+    """
+    replica_count, num_partitions, has_header = 1, 1, False
+    instrs: list[_Instr] = []
+    shapes: dict[str, str] = {}
+    callees: dict[str, set[str]] = {}
+    loop_roots: set[str] = set()
+    current = ""
+    for line in hlo_text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("HloModule"):
+            has_header = True
+            if m := re.search(r"\breplica_count=(\d+)", stripped):
+                replica_count = int(m.group(1))
+            if m := re.search(r"\bnum_partitions=(\d+)", stripped):
+                num_partitions = int(m.group(1))
+            continue
+        hm = _HEADER_RE.match(line)
+        if hm and " = " not in line.split("(", 1)[0]:
+            current = hm.group(2)
+            callees.setdefault(current, set())
+            continue
+        if stripped == "}":
+            current = ""
+            continue
+        ins = _parse_instruction(line, current)
+        if ins is None:
+            continue
+        instrs.append(ins)
+        shapes[ins.name] = ins.shape
+        deps = callees.setdefault(current, set())
+        deps.update(_CALLEE_RE.findall(ins.attrs))
+        for group in _CALLEE_LIST_RE.findall(ins.attrs):
+            deps.update(x.strip().lstrip("%") for x in group.split(",") if x.strip())
+        if ins.opcode == "while":
+            loop_roots.update(_WHILE_RE.findall(ins.attrs))
+
+    in_loop: set[str] = set()
+    stack = list(loop_roots)
+    while stack:
+        c = stack.pop()
+        if c in in_loop:
+            continue
+        in_loop.add(c)
+        stack.extend(callees.get(c, ()))
+
+    # Fallback size of the device domain for replica_groups={} without a header.
+    max_id = -1
+    for ins in instrs:
+        for key in ("replica_groups", "source_target_pairs"):
+            v = _attr_value(ins.attrs, key)
+            if v and v.startswith("{"):
+                max_id = max([max_id, *_ints(v)])
+
+    out = []
+    for ins in instrs:
+        op = ins.opcode
+        is_start = op.endswith("-start")
+        kind = op[: -len("-start")] if is_start else op
+        if kind not in KINDS:
+            continue
+        has_channel = _attr_value(ins.attrs, "channel_id") is not None
+        global_ids = (_attr_value(ins.attrs, "use_global_device_ids") or "") == "true"
+
+        if kind == "collective-permute":
+            pairs_s = _attr_value(ins.attrs, "source_target_pairs") or "{}"
+            pairs = [_ints(p) for p in re.findall(r"\{([^{}]*)\}", pairs_s[1:-1])]
+            groups = _permute_components([p for p in pairs if len(p) == 2])
+            group_size = max((len(g) for g in groups), default=0)
+        else:
+            rg = _replica_groups_attr(ins.attrs)
+            parsed = parse_replica_groups(rg) if rg is not None else None
+            # Collective op group mode (xla::CollectiveOpGroupMode).
+            cross_replica_and_partition = (
+                has_channel and not global_ids and kind in _HAS_GLOBAL_IDS_ATTR
+            )
+            if parsed is None:  # replica_groups={}: every participant in one group
+                if not has_header:
+                    n = int(mesh.devices.size) if mesh is not None else max_id + 1
+                elif not has_channel or cross_replica_and_partition:
+                    n = replica_count  # replica ids (expanded below for the latter)
+                elif not global_ids:
+                    n = num_partitions  # cross-partition
+                else:
+                    n = replica_count * num_partitions  # flattened ids
+                parsed = (tuple(range(n)),) if n > 0 else ()
+            if cross_replica_and_partition and has_header and num_partitions > 1:
+                parsed = tuple(
+                    tuple(r * num_partitions + p for r in g for p in range(num_partitions))
+                    for g in parsed
+                )
+            groups = parsed
+            group_size = max((len(g) for g in groups), default=0)
+
+        operand_shapes = [_operand_shape(o, shapes) for o in ins.operands]
+        known = all(s is not None for s in operand_shapes) and bool(operand_shapes)
+        if kind == "collective-permute" and "slice_sizes=" in ins.attrs:
+            operand_shapes = operand_shapes[:1]  # in-place form: (input, output, indices...)
+        operand_bytes = sum(shape_bytes(s) for s in operand_shapes) if known else None
+        dtype = _first_dtype(operand_shapes[0]) if known else _first_dtype(ins.shape)
+        elems = _tuple_elements(ins.shape)
+        if kind == "all-gather":
+            if not is_start:
+                nbytes = shape_bytes(ins.shape)
+            elif known:
+                nbytes = operand_bytes * group_size
+            else:  # all-gather-start result: (operands, results)
+                nbytes = shape_bytes(elems[-1] if len(elems) == 2 else ins.shape)
+        elif kind == "reduce-scatter":
+            nbytes = operand_bytes if known else shape_bytes(ins.shape) * group_size
+        elif kind == "collective-permute":
+            # collective-permute-start's result is (input, output, contexts...).
+            nbytes = operand_bytes if known else shape_bytes(elems[0] if is_start else ins.shape)
+        else:  # all-reduce, all-to-all: operand and result have the same size
+            nbytes = operand_bytes if known else shape_bytes(ins.shape)
+
+        axes = None
+        if mesh is not None:
+            axes = _match_axes(groups, mesh, pad_singletons=kind == "collective-permute")
+        out.append(
+            HloCollective(
+                kind=kind,
+                bytes=int(nbytes),
+                dtype=dtype,
+                group_size=group_size,
+                groups=groups,
+                axes=axes,
+                name=ins.name,
+                in_loop=ins.computation in in_loop,
+            )
+        )
+    return out
+
+
+def summarize(
+    collectives: Iterable[HloCollective],
+) -> dict[tuple[str, tuple[str, ...] | None], int]:
+    """Total bytes per ``(kind, axes)``.  Collectives in loops are counted once."""
+    totals: dict[tuple[str, tuple[str, ...] | None], int] = {}
+    for c in collectives:
+        key = (c.kind, c.axes)
+        totals[key] = totals.get(key, 0) + c.bytes
+    return totals

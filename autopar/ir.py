@@ -1,0 +1,129 @@
+"""autopar's IR: a flat dataflow graph over a jaxpr, with stable names.
+
+`capture.capture` builds a `Graph` from a function; every later pass reads it
+and never mutates it. Values are numbered densely; node `i` is the i-th op in
+topological order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One primitive application. `params`/`primitive` are kept for lowering."""
+
+    id: int
+    op: str  # primitive name
+    inputs: tuple[int, ...]  # value ids
+    outputs: tuple[int, ...]  # value ids
+    primitive: Any = field(repr=False)
+    params: Mapping[str, Any] = field(repr=False)
+    name_stack: str = ""
+    source: str = "<unknown>"
+
+    @property
+    def key(self) -> str:
+        """Human-readable location, `model.py:42 (h_3/mlp)`."""
+        return f"{self.source} ({self.name_stack})" if self.name_stack else self.source
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    """A captured function.
+
+    values[i]    the type of value i
+    consts       value id -> constant (jaxpr literals and closed-over arrays)
+    inputs       value ids of the flattened (non-static) arguments
+    outputs      value ids of the flattened results (may be inputs or consts)
+    """
+
+    values: tuple[TensorType, ...]
+    nodes: tuple[Node, ...]
+    inputs: tuple[int, ...]
+    input_paths: tuple[str, ...]
+    outputs: tuple[int, ...]
+    output_paths: tuple[str, ...]
+    consts: Mapping[int, Any]
+    in_tree: Any = field(repr=False, default=None)
+    out_tree: Any = field(repr=False, default=None)
+    name: str = "fn"
+
+    @functools.cached_property
+    def producer(self) -> dict[int, int]:
+        """value id -> id of the node that produces it."""
+        return {v: n.id for n in self.nodes for v in n.outputs}
+
+    @functools.cached_property
+    def consumers(self) -> dict[int, tuple[int, ...]]:
+        """value id -> ids of the nodes that read it (each once, in order)."""
+        out: dict[int, list[int]] = {}
+        for n in self.nodes:
+            for v in dict.fromkeys(n.inputs):
+                out.setdefault(v, []).append(n.id)
+        return {v: tuple(ns) for v, ns in out.items()}
+
+    def op_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.op] = counts.get(n.op, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def __str__(self) -> str:
+        lines = [f"graph {self.name}: {len(self.inputs)} inputs, {len(self.nodes)} nodes"]
+        for v, p in zip(self.inputs, self.input_paths):
+            lines.append(f"  in  %{v}: {self.values[v]}  {p}")
+        for n in self.nodes:
+            outs = ", ".join(f"%{v}: {self.values[v]}" for v in n.outputs)
+            ins = ", ".join(f"%{v}" for v in n.inputs)
+            lines.append(f"  {outs} = {n.op}({ins})  # {n.key}")
+        for v, p in zip(self.outputs, self.output_paths):
+            lines.append(f"  out %{v}  {p}")
+        return "\n".join(lines)
+
+
+def check_graph(g: Graph) -> None:
+    """Verify the invariants every pass relies on; raise ValueError if broken."""
+    defined = set(g.inputs) | set(g.consts)
+    for i, n in enumerate(g.nodes):
+        if n.id != i:
+            raise ValueError(f"node {i} has id {n.id}")
+        for v in n.inputs:
+            if v not in defined:
+                raise ValueError(f"node {i} ({n.op}) reads %{v} before it is defined")
+        for v in n.outputs:
+            if v in defined:
+                raise ValueError(f"value %{v} defined twice (node {i})")
+            defined.add(v)
+    for v in g.outputs:
+        if v not in defined:
+            raise ValueError(f"output %{v} is never defined")
+    if len(g.inputs) != len(g.input_paths) or len(g.outputs) != len(g.output_paths):
+        raise ValueError("paths do not match inputs/outputs")

@@ -1,0 +1,269 @@
+"""`autopar.Plan`: the result of a search, and the plan file (`autopar.plan/1`, JSON)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autopar.errors import PlanError, format_bytes
+from autopar.ir import Graph
+from autopar.search.evaluate import Cost
+from autopar.sharding import MeshInfo, Spec
+
+FORMAT = "autopar.plan/1"
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: Spec
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "spec": self.spec.to_json(),
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> TensorRecord:
+        return TensorRecord(d["path"], tuple(d["shape"]), d["dtype"], Spec.from_json(d["spec"]))
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    key: str  # stable: name stack + primitive + index
+    op: str
+    source: str
+    strategy: str
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    compute_s: float
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key,
+            "op": self.op,
+            "source": self.source,
+            "strategy": self.strategy,
+            "in_specs": [s.to_json() for s in self.in_specs],
+            "out_specs": [_spec_json(s) for s in self.out_specs],
+            "compute_s": self.compute_s,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> OpRecord:
+        return OpRecord(
+            d["key"],
+            d["op"],
+            d["source"],
+            d["strategy"],
+            tuple(Spec.from_json(s) for s in d["in_specs"]),
+            tuple(_spec_from(s) for s in d["out_specs"]),
+            float(d["compute_s"]),
+        )
+
+
+def _spec_json(s: Spec) -> dict | list:
+    return {"dims": s.to_json(), "partial": list(s.partial)} if s.partial else s.to_json()
+
+
+def _spec_from(d) -> Spec:
+    if isinstance(d, dict):
+        return Spec(Spec.from_json(d["dims"]).dims, tuple(d["partial"]))
+    return Spec.from_json(d)
+
+
+def fingerprint(graph: Graph) -> str:
+    """Hash of what a plan depends on: arg/result paths and types, and the op sequence."""
+    h = hashlib.sha256()
+    for p, v in zip(graph.input_paths, graph.inputs):
+        h.update(f"in {p} {graph.values[v]}\n".encode())
+    for p, v in zip(graph.output_paths, graph.outputs):
+        h.update(f"out {p} {graph.values[v]}\n".encode())
+    for n in graph.nodes:
+        ins = ",".join(str(graph.values[v]) for v in n.inputs)
+        outs = ",".join(str(graph.values[v]) for v in n.outputs)
+        h.update(f"{n.op}({ins})->{outs}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def op_keys(graph: Graph) -> list[str]:
+    seen: dict[str, int] = {}
+    keys = []
+    for n in graph.nodes:
+        base = f"{n.name_stack}/{n.op}" if n.name_stack else n.op
+        i = seen.get(base, 0)
+        seen[base] = i + 1
+        keys.append(f"{base}#{i}")
+    return keys
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A sharding strategy for every input, output and op of one function."""
+
+    fingerprint: str
+    mesh: MeshInfo
+    cluster: dict
+    engine: str
+    search_seconds: float
+    inputs: tuple[TensorRecord, ...]
+    outputs: tuple[TensorRecord, ...]
+    ops: tuple[OpRecord, ...]
+    cost: Cost
+    warnings: tuple[str, ...] = ()
+    candidates: dict[str, Cost] = field(default_factory=dict)
+    function: str = ""
+    in_tree: Any = field(default=None, repr=False, compare=False)
+    out_tree: Any = field(default=None, repr=False, compare=False)
+    jax_mesh: Any = field(default=None, repr=False, compare=False)
+
+    # ---- pytrees of specs and shardings -------------------------------------------------
+    def _tree(self, tree, records):
+        specs = [r.spec.to_pspec() for r in records]
+        if tree is None:
+            return {r.path: s for r, s in zip(records, specs)}
+        return jax.tree_util.tree_unflatten(tree, specs)
+
+    @property
+    def in_specs(self):
+        """PartitionSpecs shaped like the (non-static) args; a {path: spec} dict when the
+        plan was loaded from a file and not yet bound to a function."""
+        return self._tree(self.in_tree, self.inputs)
+
+    @property
+    def out_specs(self):
+        return self._tree(self.out_tree, self.outputs)
+
+    def _shardings(self, specs):
+        if not isinstance(self.jax_mesh, jax.sharding.Mesh):
+            raise PlanError(
+                "this plan's mesh has no devices (abstract planning); shardings need a concrete jax.sharding.Mesh"
+            )
+        return jax.tree_util.tree_map(
+            lambda s: NamedSharding(self.jax_mesh, s),
+            specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+
+    @property
+    def in_shardings(self):
+        return self._shardings(self.in_specs)
+
+    @property
+    def out_shardings(self):
+        return self._shardings(self.out_specs)
+
+    # ---- files --------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "function": self.function,
+            "fingerprint": self.fingerprint,
+            "mesh": self.mesh.to_json(),
+            "cluster": self.cluster,
+            "engine": self.engine,
+            "search_seconds": self.search_seconds,
+            "cost": self.cost.to_json(),
+            "candidates": {k: v.to_json() for k, v in self.candidates.items()},
+            "inputs": [r.to_json() for r in self.inputs],
+            "outputs": [r.to_json() for r in self.outputs],
+            "ops": [o.to_json() for o in self.ops],
+            "warnings": list(self.warnings),
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=False)
+            f.write("\n")
+
+    @staticmethod
+    def from_json(d: dict, where: str = "plan") -> Plan:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            got = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise PlanError(f"{where}: not an {FORMAT} file (format: {got!r})")
+        try:
+            m = d["mesh"]
+            mesh = MeshInfo.build(
+                list(m["axes"]),
+                list(m["axes"].values()),
+                m["device_ids"],
+                int(d["cluster"]["devices_per_node"]),
+            )
+            return Plan(
+                fingerprint=d["fingerprint"],
+                mesh=mesh,
+                cluster=d["cluster"],
+                engine=d["engine"],
+                search_seconds=float(d["search_seconds"]),
+                inputs=tuple(TensorRecord.from_json(r) for r in d["inputs"]),
+                outputs=tuple(TensorRecord.from_json(r) for r in d["outputs"]),
+                ops=tuple(OpRecord.from_json(o) for o in d["ops"]),
+                cost=Cost.from_json(d["cost"]),
+                warnings=tuple(d.get("warnings", ())),
+                candidates={k: Cost.from_json(v) for k, v in d.get("candidates", {}).items()},
+                function=d.get("function", ""),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> Plan:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise PlanError(f"plan file {path} does not exist") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(
+                f"plan file {path} is not valid JSON (truncated or corrupted?): {e}"
+            ) from None
+        return Plan.from_json(d, str(path))
+
+    # ---- display ------------------------------------------------------------------------
+    def summary(self) -> str:
+        c = self.cost
+        axes = " x ".join(f"{a}={s}" for a, s in zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        lines = [
+            f"autopar plan for {self.function or 'function'} on mesh {axes} ({self.cluster.get('name', '?')}), "
+            f"engine {self.engine}, searched in {self.search_seconds:.2f} s",
+            f"  predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + comm {c.comm_s * 1e3:.3f} ms; "
+            f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)})",
+        ]
+        for k, b in sorted(c.comm_bytes.items()):
+            lines.append(f"  {k:<28} {format_bytes(b)}")
+        if self.candidates:
+            lines.append(
+                "  candidates: "
+                + ", ".join(
+                    f"{k} {v.step_s * 1e3:.3f} ms/{format_bytes(v.peak_memory_bytes)}"
+                    for k, v in self.candidates.items()
+                )
+            )
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        lines = [self.summary(), "", "inputs:"]
+        width = max((len(r.path) for r in self.inputs + self.outputs), default=10)
+        for r in self.inputs:
+            lines.append(f"  {r.path:<{width}}  {r.dtype}{list(r.shape)}  {r.spec}")
+        lines.append("outputs:")
+        for r in self.outputs:
+            lines.append(f"  {r.path:<{width}}  {r.dtype}{list(r.shape)}  {r.spec}")
+        lines.append("ops (contractions and gathers; `autopar inspect --by op` lists all):")
+        for o in self.ops:
+            if o.op in ("dot_general", "conv_general_dilated", "gather", "scatter-add"):
+                lines.append(f"  {o.source:<22} {o.op:<20} {o.strategy}")
+        return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""Search engines over a `Problem`: D-Rec (`recursive`), greedy propagation
+from pinned nodes (`propagate`, used by the baselines), and the `data` and
+`fsdp` baselines. Each returns one strategy index per cost-graph node."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from autopar.search.problem import Problem
+from autopar.sharding import axis_order_slow_first
+
+# MindSpore D-Rec weighs the cost of replicating a parameter (a batch cut) by
+# 0.25 against replicating an activation: weights are reused across the batch.
+PARAM_REPLICATION_WEIGHT = 0.25
+# Order of decision in a D-Rec round: contractions, then reductions, then the rest.
+_TIER = {
+    "dot_general": 0,
+    "conv_general_dilated": 0,
+    "gather": 1,
+    "scatter-add": 1,
+    "reduce_sum": 2,
+    "reduce_max": 2,
+}
+
+
+def _tables(problem: Problem):
+    n = len(problem.strategies)
+    nb: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    for (u, v), m in problem.edges.items():
+        nb[u].append((v, m.T))  # matrix indexed [s_v, s_u] from u's point of view... see use
+        nb[v].append((u, m))
+    return nb
+
+
+def _edge_sum(nb_v, choice, decided, size):
+    """Sum over decided neighbours u of edge[s_u, :] -> a vector over v's strategies."""
+    total = np.zeros(size)
+    for u, m in nb_v:
+        if decided[u]:
+            total += m[choice[u]]
+    return total
+
+
+def propagate(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
+    """Topological greedy: every free node takes the strategy that minimizes its own
+    cost plus resharding against everything decided before it (pins included)."""
+    n = len(problem.strategies)
+    nb = _tables(problem)
+    choice = [0] * n
+    decided = np.zeros(n, bool)
+    for v, s in pinned.items():
+        choice[v], decided[v] = s, True
+    for v in range(n):
+        if decided[v]:
+            continue
+        score = problem.node_time[v] + _edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
+        choice[v], decided[v] = int(np.argmin(score)), True
+    return choice
+
+
+def refine(
+    problem: Problem, choice: list[int], pinned: Mapping[int, int], sweeps: int = 2
+) -> list[int]:
+    """Iterated conditional modes: each free node moves to its best strategy given
+    all neighbours. Never increases the total cost."""
+    nb = _tables(problem)
+    every = np.ones(len(choice), bool)
+    for _ in range(sweeps):
+        changed = False
+        for v in range(len(choice)):
+            if v in pinned or len(problem.strategies[v]) == 1:
+                continue
+            score = problem.node_time[v] + _edge_sum(
+                nb[v], choice, every, len(problem.strategies[v])
+            )
+            best = int(np.argmin(score))
+            if score[best] < score[choice[v]] - 1e-15:
+                choice[v], changed = best, True
+        if not changed:
+            break
+    return choice
+
+
+def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 2) -> list[int]:  # noqa: B006
+    """MindSpore's double-recursive programming (D-Rec) on named mesh axes.
+
+    Outer loop: one cut per mesh axis, slow (inter-node) axes first. Inner pass:
+    ops by weight (contractions first, heaviest first); each picks which of its
+    factors the axis cuts, minimizing its own cost (compute, plus D-Rec's penalty
+    for the inputs the cut leaves replicated and the partial sums it creates) plus
+    resharding against neighbours already decided in this round. A PartitionSpec
+    cannot split one mesh axis over two dims, so an axis of size p is one p-way
+    cut rather than log2(p) halvings. Finally `refine` polishes the result.
+    """
+    mesh = problem.mesh
+    g, n_in = problem.graph, problem.num_inputs
+    n = len(problem.strategies)
+    nb = _tables(problem)
+    axes = [mesh.axis_names.index(a) for a in axis_order_slow_first(mesh)]
+    none = tuple([None] * len(mesh.axis_names))
+    lookup = [{s.assignment: i for i, s in enumerate(st)} for st in problem.strategies]
+    choice = [lookup[v].get(none, 0) for v in range(n)]
+    for v, s in pinned.items():
+        choice[v] = s
+
+    def tier(v):
+        if v in pinned or len(problem.strategies[v]) == 1:
+            return -1
+        return 3 if v < n_in else _TIER.get(g.nodes[v - n_in].op, 3)
+
+    order = sorted(range(n), key=lambda v: (tier(v), -problem.flops[v], v))
+    penalty = _replication_penalty(problem)
+    for ai in axes:
+        decided = np.zeros(n, bool)
+        for v in order:
+            if tier(v) < 0:
+                decided[v] = True
+                continue
+            base = problem.strategies[v][choice[v]].assignment
+            cands = [
+                i
+                for i, s in enumerate(problem.strategies[v])
+                if all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
+            ]
+            edge = _edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
+            scores = [problem.node_time[v][i] + penalty(v, i, ai) + edge[i] for i in cands]
+            choice[v] = cands[int(np.argmin(scores))]
+            decided[v] = True
+    return refine(problem, choice, pinned, sweeps)
+
+
+def _replication_penalty(problem: Problem):
+    """D-Rec's cut cost: bytes an op's inputs keep replicated along the axis (weights
+    discounted by PARAM_REPLICATION_WEIGHT), plus outputs left partial, in seconds."""
+    g, n_in, mesh, cost = problem.graph, problem.num_inputs, problem.mesh, problem.cost
+    bw = {a: cost.link((a,))[1] for a in mesh.axis_names}
+
+    def penalty(v: int, i: int, ai: int) -> float:
+        if v < n_in:
+            return 0.0
+        axis = mesh.axis_names[ai]
+        node = g.nodes[v - n_in]
+        s = problem.strategies[v][i]
+        total = 0.0
+        for x, spec in zip(node.inputs, s.in_specs):
+            if x in problem.source and axis not in spec.used_axes:
+                w = PARAM_REPLICATION_WEIGHT if problem.source[x][0] < n_in else 1.0
+                total += w * cost.local_bytes(g.values[x], spec)
+        for x, spec in zip(node.outputs, s.out_specs):
+            if axis in spec.partial:
+                total += cost.local_bytes(g.values[x], spec)
+        return total / bw[axis]
+
+    return penalty
+
+
+def batch_like_inputs(problem: Problem) -> list[bool]:
+    """An argument is batch-like when all its leaves have one shared leading dim
+    (a batch of tokens/images/labels); parameter trees have mixed leading dims."""
+    g = problem.graph
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(g.input_paths):
+        groups.setdefault(p.split("/", 1)[0], []).append(i)
+    out = [False] * len(g.inputs)
+    for members in groups.values():
+        lead = {g.values[g.inputs[i]].shape[:1] for i in members}
+        if len(lead) == 1 and next(iter(lead)) != ():
+            for i in members:
+                out[i] = i not in problem.aliases.values()
+    return out
+
+
+def _batch_spec(problem: Problem, i: int) -> int:
+    """Strategy index sharding dim 0 over as many axes as divide it."""
+    best, best_key = 0, None
+    for s_i, s in enumerate(problem.strategies[i]):
+        spec = s.out_specs[0]
+        if any(spec.dims[1:]):
+            continue
+        key = (s.parallel, -s_i)
+        if best_key is None or key > best_key:
+            best, best_key = s_i, key
+    return best
+
+
+def _max_sharded(problem: Problem, i: int) -> int:
+    """Strategy index sharding the argument over the most devices, on as few dims as possible."""
+    t = problem.graph.values[problem.graph.inputs[i]]
+
+    def key(si):
+        spec = problem.strategies[i][si].out_specs[0]
+        dims = [d for d, a in enumerate(spec.dims) if a]
+        return (
+            problem.strategies[i][si].parallel,
+            -len(dims),
+            max((t.shape[d] for d in dims), default=0),
+            -si,
+        )
+
+    return max(range(len(problem.strategies[i])), key=key)
+
+
+def data_pins(problem: Problem) -> dict[int, int]:
+    batch = batch_like_inputs(problem)
+    none = tuple([None] * len(problem.mesh.axis_names))
+    return {
+        i: _batch_spec(problem, i)
+        if batch[i]
+        else {s.assignment: k for k, s in enumerate(problem.strategies[i])}[none]
+        for i in range(problem.num_inputs)
+    }
+
+
+def fsdp_pins(problem: Problem, state_only: bool = False) -> dict[int, int]:
+    """ZeRO-3 / FSDP: parameters and optimizer state sharded over every device."""
+    batch = batch_like_inputs(problem)
+    return {
+        i: _batch_spec(problem, i) if batch[i] else _max_sharded(problem, i)
+        for i in range(problem.num_inputs)
+    }
+
+
+def data(problem: Problem) -> list[int]:
+    return propagate(problem, data_pins(problem))
+
+
+def fsdp(problem: Problem) -> list[int]:
+    return propagate(problem, fsdp_pins(problem))

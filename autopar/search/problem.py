@@ -1,0 +1,238 @@
+"""The search problem: a cost graph over strategy choices.
+
+Cost-graph nodes are the function's inputs (their strategies are the specs an
+argument can take) followed by the graph's ops. Edges carry resharding
+matrices; an argument whose updated value is returned (params, optimizer
+state) gets an extra edge from the op producing the new value back to the
+argument, so both keep one sharding. Every engine works on this one object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.cost import CostModel, node_flops
+from autopar.ir import Graph, TensorType
+from autopar.search.costgraph import CostGraph
+from autopar.sharding import MeshInfo, Spec
+from autopar.strategies import Factor, FactorRule, Strategy, enumerate_factor_rule, strategies_for
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    graph: Graph
+    mesh: MeshInfo
+    cost: CostModel
+    strategies: tuple[tuple[Strategy, ...], ...]  # per cost-graph node
+    source: dict[int, tuple[int, int]]  # value id -> (cost-graph node, output index)
+    aliases: dict[int, int]  # output position -> input position (state round trip)
+    warnings: tuple[str, ...]
+    flops: np.ndarray  # per cost-graph node, total FLOPs
+    node_time: tuple[np.ndarray, ...]
+    node_mem: tuple[np.ndarray, ...]
+    edges: dict[tuple[int, int], np.ndarray] = field(repr=False)
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.graph.inputs)
+
+    def op_index(self, cg_node: int) -> int:
+        return cg_node - self.num_inputs
+
+    def cost_graph(self) -> CostGraph:
+        return CostGraph(self.node_time, self.node_mem, self.edges)
+
+    def neighbours(self) -> list[list[int]]:
+        nb: list[list[int]] = [[] for _ in self.strategies]
+        for u, v in self.edges:
+            nb[u].append(v)
+            nb[v].append(u)
+        return nb
+
+
+def input_strategies(t: TensorType, mesh: MeshInfo) -> tuple[Strategy, ...]:
+    """An argument may be sharded along any dims the mesh axes divide."""
+    rule = FactorRule(tuple(Factor(s) for s in t.shape), (), (tuple(range(t.rank)),))
+    return tuple(enumerate_factor_rule(rule, mesh))
+
+
+def find_aliases(graph: Graph) -> dict[int, int]:
+    """Outputs that are updated versions of inputs: the same path below the argument
+    name (`state/params/w` ~ `out/0/params/w` or `out/params/w`) and the same type.
+    Unique matches only."""
+    by_rest: dict[str, list[int]] = {}
+    for i, p in enumerate(graph.input_paths):
+        by_rest.setdefault(p.partition("/")[2], []).append(i)
+    aliases: dict[int, int] = {}
+    for o, p in enumerate(graph.output_paths):
+        rest = p.partition("/")[2]
+        cands = by_rest.get(rest) or by_rest.get(rest.partition("/")[2]) or []
+        if len(cands) == 1:
+            i = cands[0]
+            if (
+                graph.values[graph.inputs[i]] == graph.values[graph.outputs[o]]
+                and i not in aliases.values()
+            ):
+                aliases[o] = i
+    return aliases
+
+
+def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
+    n_in = len(graph.inputs)
+    strategies: list[tuple[Strategy, ...]] = []
+    warnings: list[str] = []
+    source: dict[int, tuple[int, int]] = {}
+    flops = np.zeros(n_in + len(graph.nodes))
+    cache: dict = {}
+    for i, v in enumerate(graph.inputs):
+        t = graph.values[v]
+        key = ("input", t)
+        if key not in cache:
+            cache[key] = input_strategies(t, mesh)
+        strategies.append(cache[key])
+        source[v] = (i, 0)
+    for node in graph.nodes:
+        key = _node_key(node, graph)
+        ns = cache.get(key) if key is not None else None
+        if ns is None:
+            ns = strategies_for(node, graph, mesh)
+            if key is not None:
+                cache[key] = ns
+        if ns.warning:
+            warnings.append(ns.warning)
+        strategies.append(ns.strategies)
+        for k, v in enumerate(node.outputs):
+            source[v] = (n_in + node.id, k)
+        flops[n_in + node.id] = node_flops(node, graph)
+
+    node_time, node_mem = _node_costs(graph, mesh, cost, strategies, flops)
+    edges = _edges(graph, cost, strategies, source)
+    aliases = find_aliases(graph)
+    for o, i in aliases.items():
+        v = graph.outputs[o]
+        if v not in source or source[v][0] == i:
+            continue
+        u, k = source[v]
+        t = graph.values[v]
+        # The new value (producer u's output k) must come back in the arg's spec.
+        mat = _matrix(
+            cost,
+            t,
+            tuple(s.out_specs[k] for s in strategies[u]),
+            tuple(s.out_specs[0] for s in strategies[i]),
+            cache,
+        )
+        _add_edge(edges, u, i, mat)
+    return Problem(
+        graph,
+        mesh,
+        cost,
+        tuple(strategies),
+        source,
+        aliases,
+        tuple(dict.fromkeys(warnings)),
+        flops,
+        node_time,
+        node_mem,
+        edges,
+    )
+
+
+def _node_key(node, graph):
+    try:
+        key = (
+            node.op,
+            tuple(graph.values[v] for v in node.inputs),
+            tuple(graph.values[v] for v in node.outputs),
+            tuple(sorted(node.params.items())),
+        )
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def _node_costs(graph, mesh, cost, strategies, flops):
+    n_in = len(graph.inputs)
+    times, mems = [], []
+    out_types = [[graph.values[v]] for v in graph.inputs] + [
+        [graph.values[v] for v in n.outputs] for n in graph.nodes
+    ]
+    in_types = [[] for _ in graph.inputs] + [
+        [graph.values[v] for v in n.inputs] for n in graph.nodes
+    ]
+    pending = _output_partials(graph, strategies, n_in)
+    for c, strats in enumerate(strategies):
+        t_arr = np.zeros(len(strats))
+        m_arr = np.zeros(len(strats))
+        for s_i, s in enumerate(strats):
+            mem = sum(cost.local_bytes(t, sp) for t, sp in zip(out_types[c], s.out_specs))
+            m_arr[s_i] = mem
+            if c < n_in:
+                continue
+            nbytes = mem + sum(cost.local_bytes(t, sp) for t, sp in zip(in_types[c], s.in_specs))
+            dtype = out_types[c][0].dtype if out_types[c] else np.float32
+            t_arr[s_i] = cost.compute_seconds(flops[c] / s.parallel, nbytes, dtype)
+            # A partial value returned by the function must be summed before it leaves.
+            for k in pending.get(c, ()):
+                sp = s.out_specs[k]
+                t_arr[s_i] += cost.reshard(out_types[c][k], sp, sp.without_partial()).seconds
+        times.append(t_arr)
+        mems.append(m_arr)
+    return tuple(times), tuple(mems)
+
+
+def _output_partials(graph, strategies, n_in) -> dict[int, list[int]]:
+    producer = graph.producer
+    out: dict[int, list[int]] = {}
+    for v in dict.fromkeys(graph.outputs):
+        if v in producer:
+            node = graph.nodes[producer[v]]
+            out.setdefault(n_in + node.id, []).append(node.outputs.index(v))
+    return out
+
+
+def _edges(graph, cost, strategies, source):
+    n_in = len(graph.inputs)
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    cache: dict = {}
+    for node in graph.nodes:
+        v_cg = n_in + node.id
+        for j, x in enumerate(node.inputs):
+            if x not in source:
+                continue  # constants: any slice is free
+            u, k = source[x]
+            t = graph.values[x]
+            src = tuple(s.out_specs[k] for s in strategies[u])
+            dst = tuple(s.in_specs[j] for s in strategies[v_cg])
+            _add_edge(edges, u, v_cg, _matrix(cost, t, src, dst, cache))
+    return edges
+
+
+def _add_edge(edges, u, v, mat):
+    if u > v:
+        u, v, mat = v, u, mat.T
+    if not mat.any():
+        edges.setdefault((u, v), np.zeros_like(mat))
+        return
+    if (u, v) in edges:
+        edges[(u, v)] = edges[(u, v)] + mat
+    else:
+        edges[(u, v)] = mat
+
+
+def _matrix(
+    cost: CostModel, t: TensorType, src: tuple[Spec, ...], dst: tuple[Spec, ...], cache
+) -> np.ndarray:
+    """[len(src), len(dst)] resharding seconds."""
+    key = (t, src, dst)
+    m = cache.get(key)
+    if m is None:
+        m = np.array(
+            [[cost.reshard(t, a, b).seconds for b in dst] for a in src], dtype=np.float64
+        ).reshape(len(src), len(dst))
+        m.setflags(write=False)
+        cache[key] = m
+    return m

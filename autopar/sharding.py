@@ -1,0 +1,144 @@
+"""Sharding vocabulary: per-dimension mesh axes plus a pending-sum (partial) state.
+
+Words as in DTensor: a dimension is Replicated or Sharded over mesh axes; a
+tensor is Partial over axes when each device holds a summand of the true value
+(what `dot_general` produces when its contracting dimension is sharded).
+Strategy names print XLA style: `S[data]R` is a 2-D tensor sharded on dim 0
+over `data`, replicated on dim 1; a `+P[model]` suffix marks a partial sum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from cost_models import ClusterProfile
+
+Axes = tuple[str, ...]
+
+
+@dataclass(frozen=True, order=True)
+class Spec:
+    dims: tuple[Axes, ...]
+    partial: Axes = ()
+
+    @staticmethod
+    def replicated(rank: int) -> Spec:
+        return Spec(((),) * rank)
+
+    @staticmethod
+    def from_pspec(pspec: PartitionSpec | Sequence, rank: int) -> Spec:
+        entries = list(pspec) + [None] * (rank - len(pspec))
+        dims = []
+        for e in entries[:rank]:
+            if e is None:
+                dims.append(())
+            elif isinstance(e, str):
+                dims.append((e,))
+            else:
+                dims.append(tuple(e))
+        return Spec(tuple(dims))
+
+    @staticmethod
+    def from_json(entries: Sequence) -> Spec:
+        return Spec.from_pspec(entries, len(entries))
+
+    def to_pspec(self) -> PartitionSpec:
+        return PartitionSpec(*[None if not a else a[0] if len(a) == 1 else a for a in self.dims])
+
+    def to_json(self) -> list:
+        return [None if not a else a[0] if len(a) == 1 else list(a) for a in self.dims]
+
+    @property
+    def used_axes(self) -> Axes:
+        return tuple(a for d in self.dims for a in d)
+
+    def without_partial(self) -> Spec:
+        return Spec(self.dims)
+
+    def shards(self, mesh: MeshInfo) -> int:
+        return math.prod(mesh.size(a) for a in self.used_axes)
+
+    def local_shape(self, shape: Sequence[int], mesh: MeshInfo) -> tuple[int, ...]:
+        return tuple(s // math.prod(mesh.size(a) for a in d) for s, d in zip(shape, self.dims))
+
+    def __str__(self) -> str:
+        body = "".join(f"S[{','.join(d)}]" if d else "R" for d in self.dims) or "scalar"
+        return body + (f"+P[{','.join(self.partial)}]" if self.partial else "")
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """What the cost model needs to know about a mesh: names, sizes, link tiers.
+
+    `device_ids` are in mesh order (row-major over the axes). An axis runs on
+    the intra-node link (NVLink) when every group of devices it connects sits in
+    one node of `devices_per_node`, otherwise on the inter-node network.
+    """
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    device_ids: tuple[int, ...]
+    devices_per_node: int
+
+    @staticmethod
+    def build(
+        names: Sequence[str],
+        sizes: Sequence[int],
+        device_ids: Sequence[int] | None,
+        devices_per_node: int,
+    ) -> MeshInfo:
+        n = math.prod(sizes)
+        ids = tuple(range(n)) if device_ids is None else tuple(int(i) for i in device_ids)
+        return MeshInfo(tuple(names), tuple(int(s) for s in sizes), ids, devices_per_node)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.axis_sizes))
+
+    def size(self, axis: str) -> int:
+        return self.axis_sizes[self.axis_names.index(axis)]
+
+    def is_intra_node(self, axes: Sequence[str]) -> bool:
+        """True when every device group along `axes` stays inside one node."""
+        ids = np.array(self.device_ids).reshape(self.axis_sizes)
+        keep = [self.axis_names.index(a) for a in axes]
+        rest = [i for i in range(len(self.axis_sizes)) if i not in keep]
+        groups = np.transpose(ids, rest + keep).reshape(
+            -1, math.prod(self.axis_sizes[i] for i in keep)
+        )
+        nodes = groups // self.devices_per_node
+        return bool((nodes == nodes[:, :1]).all())
+
+    def to_json(self) -> dict:
+        return {
+            "axes": dict(zip(self.axis_names, self.axis_sizes)),
+            "device_ids": list(self.device_ids),
+        }
+
+
+def mesh_info(
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, profile: ClusterProfile
+) -> MeshInfo:
+    names = tuple(mesh.axis_names)
+    sizes = tuple(mesh.axis_sizes) if hasattr(mesh, "axis_sizes") else tuple(mesh.shape.values())
+    ids = None
+    if isinstance(mesh, jax.sharding.Mesh):
+        ids = [d.id for d in mesh.devices.flat]
+    return MeshInfo.build(names, sizes, ids, profile.devices_per_node)
+
+
+def axis_order_slow_first(mesh: MeshInfo) -> list[str]:
+    """Mesh axes ordered inter-node first (D-Rec cuts across the slowest links first)."""
+    return sorted(
+        mesh.axis_names, key=lambda a: (mesh.is_intra_node((a,)), mesh.axis_names.index(a))
+    )

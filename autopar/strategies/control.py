@@ -1,0 +1,35 @@
+"""User sharding constraints, control flow and random-number ops."""
+
+from __future__ import annotations
+
+from autopar.ir import Graph, Node
+from autopar.sharding import Spec
+from autopar.strategies import Fixed, register, replicated_rule
+
+
+@register("sharding_constraint")
+def sharding_constraint_rule(node: Node, graph: Graph) -> Fixed:
+    """A user's `with_sharding_constraint` fixes the value's spec (semi-auto parallel)."""
+    t = graph.values[node.inputs[0]]
+    pspec = getattr(node.params["sharding"], "spec", None)
+    if pspec is None:
+        return replicated_rule(node, graph, "user constraint (unnamed sharding)")
+    spec = Spec.from_pspec(pspec, t.rank)
+    return Fixed((spec,), (spec,), "user constraint")
+
+
+@register("scan", "while", "cond")
+def control_flow_rule(node: Node, graph: Graph) -> Fixed:
+    return replicated_rule(
+        node,
+        graph,
+        f"replicated {node.op}",
+        f"control flow '{node.op}' at {node.key} runs replicated: autopar does not search inside loops or branches yet",
+    )
+
+
+@register(
+    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split"
+)
+def random_rule(node: Node, graph: Graph) -> Fixed:
+    return replicated_rule(node, graph, "replicated rng")

@@ -1,0 +1,123 @@
+"""Elementwise primitives: every output dim is a factor shared by all inputs."""
+
+from __future__ import annotations
+
+from autopar.ir import Graph, Node
+from autopar.strategies import Factor, FactorRule, register
+
+ELEMENTWISE = [
+    "neg",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "is_finite",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "sin",
+    "cos",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "asinh",
+    "acosh",
+    "atanh",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "abs",
+    "integer_pow",
+    "pow",
+    "square",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "rem",
+    "max",
+    "min",
+    "atan2",
+    "nextafter",
+    "and",
+    "or",
+    "xor",
+    "not",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "select_n",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "lgamma",
+    "digamma",
+    "igamma",
+    "clamp",
+    "shift_left",
+    "shift_right_logical",
+    "shift_right_arithmetic",
+    "population_count",
+    "imag",
+    "real",
+    "conj",
+    "complex",
+    "add_any",
+    "reduce_precision",
+    "bitcast_convert_type",
+    "threefry2x32",
+    "polygamma",
+    "zeta",
+    "bessel_i0e",
+    "bessel_i1e",
+    "tan",
+    "square",
+    "exp2",
+    "is_finite",
+    "stop_gradient",
+]
+
+
+def elementwise_rule(node: Node, graph: Graph) -> FactorRule:
+    out = graph.values[node.outputs[0]]
+    factors = tuple(Factor(s, name=f"d{i}") for i, s in enumerate(out.shape))
+    full = tuple(range(out.rank))
+
+    def dims(v: int) -> tuple[int | None, ...]:
+        t = graph.values[v]
+        if t.shape == out.shape:
+            return full
+        return (None,) * t.rank  # scalars and anything broadcast implicitly
+
+    return FactorRule(
+        factors,
+        tuple(dims(v) for v in node.inputs),
+        tuple(dims(v) for v in node.outputs),
+    )
+
+
+register(*ELEMENTWISE)(elementwise_rule)
+
+
+@register("optimization_barrier")
+def identity_tuple_rule(node: Node, graph: Graph) -> FactorRule:
+    """Input i passes through to output i unchanged."""
+    factors, in_dims = [], []
+    for v in node.inputs:
+        t = graph.values[v]
+        in_dims.append(tuple(range(len(factors), len(factors) + t.rank)))
+        factors.extend(Factor(s) for s in t.shape)
+    return FactorRule(tuple(factors), tuple(in_dims), tuple(in_dims))
