@@ -23,7 +23,6 @@ def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
     def run(*flat_args):
         env: dict[int, object] = dict(zip(graph.inputs, flat_args))
         produced: dict[int, Spec] = dict(in_specs)
-        views: dict[tuple[int, Spec], object] = {}
 
         def read(v: int, want: Spec):
             if v in graph.consts:
@@ -31,10 +30,7 @@ def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
             have = produced[v]
             if have == want or not want.dims and not have.partial:
                 return env[v]
-            key = (v, want)
-            if key not in views:
-                views[key] = constrain(env[v], want)
-            return views[key]
+            return constrain(env[v], want)
 
         for node, rec in zip(graph.nodes, plan.ops):
             invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]

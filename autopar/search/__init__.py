@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,15 +25,15 @@ def _ilp(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
     return list(solve_ilp(_pin(problem, pinned), time_limit=60.0, warm_start=warm).choice)
 
 
-def _pin(problem: Problem, pinned: Mapping[int, int]):
-    """The cost graph with pinned nodes made infinitely expensive elsewhere."""
+def _pin(problem: Problem, pinned: Mapping[int, int], forbid: float = 1e6):
+    """The cost graph with every other strategy of a pinned node priced at `forbid`."""
     g = problem.cost_graph()
     if not pinned:
         return g
     cost = list(g.node_cost)
     for v, s in pinned.items():
         c = cost[v].copy()
-        c[:] = math.inf
+        c[:] = forbid
         c[s] = g.node_cost[v][s]
         cost[v] = c
     return type(g)(tuple(cost), g.node_mem, g.edges)
@@ -45,8 +44,10 @@ ENGINES: dict[str, Engine] = {
     "recursive": lambda p, pins: engines.recursive(p, pins),
     "dp": _dp,
     "ilp": _ilp,
-    "data": lambda p, pins: engines.propagate(p, {**engines.data_pins(p), **pins}),
-    "fsdp": lambda p, pins: engines.propagate(p, {**engines.fsdp_pins(p), **pins}),
+    # Baselines fix the arguments' specs and let `dp` complete the rest optimally.
+    "data": lambda p, pins: _dp(p, {**engines.data_pins(p), **pins}),
+    "fsdp": lambda p, pins: _dp(p, {**engines.fsdp_pins(p), **pins}),
+    "propagate": engines.propagate,
 }
 AUTO_ENGINES = ("recursive", "dp", "data", "fsdp")
 

@@ -4,6 +4,7 @@ from pinned nodes (`propagate`, used by the baselines), and the `data` and
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 
 import numpy as np
@@ -44,19 +45,37 @@ def _edge_sum(nb_v, choice, decided, size):
 
 
 def propagate(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
-    """Topological greedy: every free node takes the strategy that minimizes its own
-    cost plus resharding against everything decided before it (pins included)."""
+    """Sharding propagation: breadth-first from the pinned nodes; every node reached
+    takes the strategy that minimizes its own cost plus resharding against its
+    neighbours decided so far. Nodes no seed reaches are decided last, in order."""
     n = len(problem.strategies)
     nb = _tables(problem)
     choice = [0] * n
     decided = np.zeros(n, bool)
-    for v, s in pinned.items():
+    queue = deque()
+    for v, s in sorted(pinned.items()):
         choice[v], decided[v] = s, True
-    for v in range(n):
-        if decided[v]:
-            continue
+        queue.append(v)
+    seen = decided.copy()
+
+    def decide(v):
         score = problem.node_time[v] + _edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
         choice[v], decided[v] = int(np.argmin(score)), True
+
+    for start in [*range(n)]:
+        if not queue:
+            if seen[start]:
+                continue
+            seen[start] = True
+            decide(start)
+            queue.append(start)
+        while queue:
+            u = queue.popleft()
+            for w, _ in nb[u]:
+                if not seen[w]:
+                    seen[w] = True
+                    decide(w)
+                    queue.append(w)
     return choice
 
 
