@@ -38,7 +38,7 @@ def _frozen_array(x, ndim: int, what: str) -> np.ndarray:
     return a
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CostGraph:
     """Operators with candidate strategies, and resharding costs between them.
 

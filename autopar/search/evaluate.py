@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.cost import Collective
+from autopar.ir import Graph
 from autopar.search.problem import Problem
+from autopar.sharding import Spec
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,22 @@ def edge_collectives(problem: Problem, choice: Sequence[int]) -> list[tuple[int,
     return out
 
 
+def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
+    """The spec each function output is returned in: an updated argument keeps the
+    argument's spec; anything else its producer's, summed if partial."""
+    g, out = problem.graph, []
+    for o, v in enumerate(g.outputs):
+        if o in problem.aliases:
+            i = problem.aliases[o]
+            out.append(problem.strategies[i][choice[i]].out_specs[0])
+        elif v in problem.source:
+            u, k = problem.source[v]
+            out.append(problem.strategies[u][choice[u]].out_specs[k].without_partial())
+        else:
+            out.append(Spec.replicated(g.values[v].rank))
+    return out
+
+
 def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
     compute = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
     colls = edge_collectives(problem, choice)
@@ -93,10 +111,37 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
     return Cost(compute, comm, peak, args, by)
 
 
+def settle_partials(
+    graph: Graph,
+    op_in_specs: Sequence[Sequence[Spec]],
+    op_out_specs: Sequence[Sequence[Spec]],
+    output_specs: Sequence[Spec],
+) -> dict[int, Spec]:
+    """Partial values that every use wants in one and the same spec: the lowering
+    reduces them right where they are produced (so the full-size partial sum, e.g. a
+    weight gradient before its reduce-scatter, dies at once). value id -> that spec."""
+    wants: dict[int, set[Spec]] = {}
+    for node, specs in zip(graph.nodes, op_in_specs):
+        for v, sp in zip(node.inputs, specs):
+            wants.setdefault(v, set()).add(sp)
+    for v, sp in zip(graph.outputs, output_specs):
+        wants.setdefault(v, set()).add(sp)
+    out: dict[int, Spec] = {}
+    for node, specs in zip(graph.nodes, op_out_specs):
+        for v, sp in zip(node.outputs, specs):
+            w = wants.get(v, set())
+            if sp.partial and len(w) == 1:
+                out[v] = next(iter(w))
+    return out
+
+
 def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
     """(peak, argument) bytes per device: arguments stay live throughout; each
-    intermediate lives from its producer to its last consumer (outputs to the end)."""
+    intermediate lives from its producer to its last consumer (outputs to the end),
+    at the size of its settled spec (`settle_partials`)."""
     g, n_in = problem.graph, problem.num_inputs
+    strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
+    settled = settle_partials(g, [s.in_specs for s in strat], [s.out_specs for s in strat], output_specs(problem, choice))
     args = int(sum(problem.node_mem[i][choice[i]] for i in range(n_in)))
     last_use: dict[int, int] = {}
     for node in g.nodes:
@@ -109,7 +154,7 @@ def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
     for node in g.nodes:
         s = problem.strategies[n_in + node.id][choice[n_in + node.id]]
         for v, spec in zip(node.outputs, s.out_specs):
-            b = problem.cost.local_bytes(g.values[v], spec)
+            b = problem.cost.local_bytes(g.values[v], settled.get(v, spec))
             live += b
             free_at[last_use.get(v, node.id)] += b
         peak = max(peak, live)
