@@ -21,6 +21,7 @@ from autopar.ir import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.plan import OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search import search
+from autopar.search.evaluate import output_specs
 from autopar.search.problem import Problem, build_problem
 from autopar.sharding import MeshInfo, mesh_info
 
@@ -208,18 +209,10 @@ def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:
         TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, strat(i).out_specs[0])
         for i, (p, v) in enumerate(zip(g.input_paths, g.inputs))
     )
-    outputs = []
-    for o, (p, v) in enumerate(zip(g.output_paths, g.outputs)):
-        if o in problem.aliases:
-            spec = inputs[problem.aliases[o]].spec
-        elif v in problem.source:
-            u, k = problem.source[v]
-            spec = strat(u).out_specs[k].without_partial()
-        else:
-            from autopar.sharding import Spec
-
-            spec = Spec.replicated(g.values[v].rank)
-        outputs.append(TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, spec))
+    outputs = tuple(
+        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, spec)
+        for p, v, spec in zip(g.output_paths, g.outputs, output_specs(problem, choice))
+    )
     keys = op_keys(g)
     ops = tuple(
         OpRecord(
@@ -240,7 +233,7 @@ def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:
         engine=result.engine,
         search_seconds=result.seconds,
         inputs=inputs,
-        outputs=tuple(outputs),
+        outputs=outputs,
         ops=ops,
         cost=result.cost,
         warnings=problem.warnings,

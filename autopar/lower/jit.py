@@ -10,12 +10,19 @@ from jax.sharding import NamedSharding
 
 from autopar.ir import Graph
 from autopar.plan import Plan
+from autopar.search.evaluate import settle_partials
 from autopar.sharding import Spec
 
 
 def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
     """A function of the flat args that computes `graph` under `plan`'s shardings."""
     in_specs = {v: r.spec for v, r in zip(graph.inputs, plan.inputs)}
+    settled = settle_partials(
+        graph,
+        [o.in_specs for o in plan.ops],
+        [o.out_specs for o in plan.ops],
+        [r.spec for r in plan.outputs],
+    )
 
     def constrain(x, spec: Spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_pspec()))
@@ -38,6 +45,7 @@ def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
             if not node.primitive.multiple_results:
                 outs = [outs]
             for v, val, spec in zip(node.outputs, outs, rec.out_specs):
+                spec = settled.get(v, spec)
                 env[v] = val if spec.partial or not spec.dims else constrain(val, spec)
                 produced[v] = spec
         return tuple(read(v, r.spec) for v, r in zip(graph.outputs, plan.outputs))

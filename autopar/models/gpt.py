@@ -92,12 +92,12 @@ class CausalSelfAttention(nn.Module):
         def heads(t: jax.Array) -> jax.Array:
             return t.reshape(b, s, nh, hd)
 
-        q = heads(_dense(cfg.hidden, "q", cfg.dtype)(x))
+        # Scale q (b s h d) rather than the scores (b h s s): one less s x s tensor.
+        q = heads(_dense(cfg.hidden, "q", cfg.dtype)(x)) / math.sqrt(hd)
         k = heads(_dense(cfg.hidden, "k", cfg.dtype)(x))
         v = heads(_dense(cfg.hidden, "v", cfg.dtype)(x))
 
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        scores = scores / math.sqrt(hd)
         causal = jnp.tril(jnp.ones((s, s), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)

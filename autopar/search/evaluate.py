@@ -141,7 +141,9 @@ def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
     at the size of its settled spec (`settle_partials`)."""
     g, n_in = problem.graph, problem.num_inputs
     strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
-    settled = settle_partials(g, [s.in_specs for s in strat], [s.out_specs for s in strat], output_specs(problem, choice))
+    settled = settle_partials(
+        g, [s.in_specs for s in strat], [s.out_specs for s in strat], output_specs(problem, choice)
+    )
     args = int(sum(problem.node_mem[i][choice[i]] for i in range(n_in)))
     last_use: dict[int, int] = {}
     for node in g.nodes:
