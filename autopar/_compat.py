@@ -7,9 +7,11 @@ Checked against JAX 0.10.2.
 from __future__ import annotations
 
 from jax._src import source_info_util  # no public API for eqn source lines
+from jax._src.tree_util import broadcast_prefix  # no public API for prefix pytrees
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 __all__ = [
+    "broadcast_prefix",
     "ClosedJaxpr",
     "DropVar",
     "Jaxpr",

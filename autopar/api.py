@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 import cost_models
+from autopar._compat import broadcast_prefix
 from autopar.capture import abstractify_tree, capture, fn_name
 from autopar.cost import CostModel
 from autopar.errors import MeshError, PlanError
@@ -92,6 +93,7 @@ class Parallelized:
         )
         self.static_argnums = tuple(static_argnums)
         self.donate_argnums = tuple(donate_argnums)
+        self.in_specs = in_specs
         self.given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
         self.mesh_info: MeshInfo = mesh_info(self.mesh, self.profile)
         self._cache: dict[Any, _Compiled] = {}
@@ -154,13 +156,18 @@ class Parallelized:
         return self._cache[key]
 
     def _compile(self, args) -> _Compiled:
-        graph = capture(self.fn, args, self.static_argnums)
+        graph = capture(self.fn, args, self.static_argnums, self.mesh)
         problem = None
         if self.given_plan is not None:
             plan = bind_plan(self.given_plan, graph, self.mesh_info, self.mesh)
         else:
             problem = build_problem(graph, self.mesh_info, CostModel(self.profile, self.mesh_info))
-            result = search(problem, self.engine, self.memory_budget)
+            pins = (
+                user_pins(problem, self._dyn(args), self.in_specs)
+                if self.in_specs is not None
+                else {}
+            )
+            result = search(problem, self.engine, self.memory_budget, pins)
             plan = make_plan(problem, result, self.profile, self.mesh)
         flat_donate = _flat_donate(args, self.static_argnums, self.donate_argnums)
         jitted = jit_from_plan(graph, plan, self.mesh, flat_donate)
@@ -177,6 +184,7 @@ def parallelize(
     static_argnums: Sequence[int] | int = (),
     donate_argnums: Sequence[int] | int = (),
     plan: str | os.PathLike | Plan | None = None,
+    in_specs: Any = None,
 ) -> Parallelized | Callable[[Callable], Parallelized]:
     """Automatically shard `fn` over `mesh`.
 
@@ -185,7 +193,11 @@ def parallelize(
     `cluster` under `memory_budget` bytes per device (default: the profile's HBM),
     and runs it as `jax.jit` with the plan's shardings. `engine` is one of "auto",
     "recursive", "dp", "ilp", "data", "fsdp". `plan` reuses a saved plan instead of
-    searching. Usable as `@parallelize(mesh=...)`.
+    searching. `in_specs` fixes the specs of some arguments (semi-auto parallel): a
+    pytree prefix of the non-static args with a PartitionSpec to fix a leaf (or a
+    whole subtree) and None to let the search decide; every engine honours it, as it
+    honours the function's own `with_sharding_constraint` calls. Usable as
+    `@parallelize(mesh=...)`.
     """
     as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
     kw = dict(
@@ -196,10 +208,55 @@ def parallelize(
         static_argnums=as_tuple(static_argnums),
         donate_argnums=as_tuple(donate_argnums),
         plan=plan,
+        in_specs=in_specs,
     )
     if fn is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fn, **kw)
+
+
+def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int]:
+    """Cost-graph pins for the argument specs the user fixed (`in_specs=`)."""
+    from jax.sharding import PartitionSpec
+
+    from autopar.sharding import Spec
+
+    is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
+    try:
+        flat = broadcast_prefix(in_specs, dyn_args, is_leaf=is_leaf)
+    except ValueError as e:
+        raise MeshError(f"in_specs does not match the structure of the arguments: {e}") from None
+    g, mesh = problem.graph, problem.mesh
+    pins: dict[int, int] = {}
+    for i, pspec in enumerate(flat):
+        if pspec is None:
+            continue
+        t = g.values[g.inputs[i]]
+        unknown = [
+            a
+            for d in pspec
+            if d
+            for a in ((d,) if isinstance(d, str) else d)
+            if a not in mesh.axis_names
+        ]
+        if unknown or len(pspec) > t.rank:
+            raise MeshError(
+                f"in_specs for {g.input_paths[i]} {t}: {pspec} "
+                + (
+                    f"names axes {unknown} that the mesh {mesh.shape} does not have"
+                    if unknown
+                    else f"has more entries than the array has dims ({t.rank})"
+                )
+            )
+        spec = Spec.from_pspec(pspec, t.rank)
+        match = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0] == spec]
+        if not match:
+            raise MeshError(
+                f"in_specs for {g.input_paths[i]}: {pspec} cannot shard shape {list(t.shape)} on mesh {mesh.shape} "
+                "(each sharded dim must be divisible by the product of its axes' sizes). Pick axes that divide it, or None to let autopar decide."
+            )
+        pins[i] = match[0]
+    return pins
 
 
 def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:

@@ -10,6 +10,7 @@ parallelize (a train step), not through it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,8 +82,12 @@ def abstractify(x: Any) -> Any:
     return x
 
 
-def capture(fn: Callable, args: Sequence[Any], static_argnums: Sequence[int] = ()) -> Graph:
-    """Trace `fn(*args)` into a Graph. `args` may hold arrays or ShapeDtypeStructs."""
+def capture(
+    fn: Callable, args: Sequence[Any], static_argnums: Sequence[int] = (), mesh: Any = None
+) -> Graph:
+    """Trace `fn(*args)` into a Graph. `args` may hold arrays or ShapeDtypeStructs.
+    With `mesh`, tracing runs under `jax.set_mesh(mesh)`, so bare PartitionSpecs in
+    the function's own `with_sharding_constraint` calls resolve against it."""
     static = set(static_argnums)
     dyn_idx = [i for i in range(len(args)) if i not in static]
     names = _arg_names(fn, len(args))
@@ -95,7 +100,8 @@ def capture(fn: Callable, args: Sequence[Any], static_argnums: Sequence[int] = (
         return fn(*full)
 
     try:
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_args)
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_args)
     except Exception as e:  # noqa: BLE001 - re-raised with the user's function named
         shapes = ", ".join(_describe(a) for a in dyn_args)
         raise CaptureError(

@@ -166,6 +166,8 @@ class Plan:
 
     # ---- files --------------------------------------------------------------------------
     def to_json(self) -> dict:
+        """The plan file's content. Timings are left out on purpose, so the same
+        function, arguments, mesh and profile give a byte-identical file."""
         return {
             "format": FORMAT,
             "function": self.function,
@@ -173,7 +175,6 @@ class Plan:
             "mesh": self.mesh.to_json(),
             "cluster": self.cluster,
             "engine": self.engine,
-            "search_seconds": self.search_seconds,
             "cost": self.cost.to_json(),
             "candidates": {k: v.to_json() for k, v in self.candidates.items()},
             "inputs": [r.to_json() for r in self.inputs],
@@ -205,7 +206,7 @@ class Plan:
                 mesh=mesh,
                 cluster=d["cluster"],
                 engine=d["engine"],
-                search_seconds=float(d["search_seconds"]),
+                search_seconds=float(d.get("search_seconds", 0.0)),
                 inputs=tuple(TensorRecord.from_json(r) for r in d["inputs"]),
                 outputs=tuple(TensorRecord.from_json(r) for r in d["outputs"]),
                 ops=tuple(OpRecord.from_json(o) for o in d["ops"]),
@@ -236,7 +237,8 @@ class Plan:
         axes = " x ".join(f"{a}={s}" for a, s in zip(self.mesh.axis_names, self.mesh.axis_sizes))
         lines = [
             f"autopar plan for {self.function or 'function'} on mesh {axes} ({self.cluster.get('name', '?')}), "
-            f"engine {self.engine}, searched in {self.search_seconds:.2f} s",
+            f"engine {self.engine}"
+            + (f", searched in {self.search_seconds:.2f} s" if self.search_seconds else ""),
             f"  predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + comm {c.comm_s * 1e3:.3f} ms; "
             f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)})",
         ]

@@ -105,13 +105,16 @@ def refine(
 def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 2) -> list[int]:  # noqa: B006
     """MindSpore's double-recursive programming (D-Rec) on named mesh axes.
 
-    Outer loop: one cut per mesh axis, slow (inter-node) axes first. Inner pass:
-    ops by weight (contractions first, heaviest first); each picks which of its
-    factors the axis cuts, minimizing its own cost (compute, plus D-Rec's penalty
-    for the inputs the cut leaves replicated and the partial sums it creates) plus
-    resharding against neighbours already decided in this round. A PartitionSpec
-    cannot split one mesh axis over two dims, so an axis of size p is one p-way
-    cut rather than log2(p) halvings. Finally `refine` polishes the result.
+    Outer loop: one cut per mesh axis, slow (inter-node) axes first. A
+    PartitionSpec cannot split one mesh axis over two dims, so an axis of size p is
+    one p-way cut rather than log2(p) halvings. Inner pass: the heavy ops
+    (contractions, gathers, reductions), heaviest first, each pick which of their
+    factors the axis cuts, minimizing own cost (compute, plus D-Rec's penalty for
+    inputs the cut leaves replicated and partial sums it creates) plus resharding
+    against whatever is already decided this round. D-Rec removes elementwise ops
+    and lets them copy a neighbour; here each decision floods breadth-first through
+    the light ops around it, which then sit decided between the heavy ops, so the
+    next heavy op sees its neighbours' cuts. Finally `refine` polishes the result.
     """
     mesh = problem.mesh
     g, n_in = problem.graph, problem.num_inputs
@@ -123,30 +126,45 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 2)
     choice = [lookup[v].get(none, 0) for v in range(n)]
     for v, s in pinned.items():
         choice[v] = s
-
-    def tier(v):
-        if v in pinned or len(problem.strategies[v]) == 1:
-            return -1
-        return 3 if v < n_in else _TIER.get(g.nodes[v - n_in].op, 3)
-
-    order = sorted(range(n), key=lambda v: (tier(v), -problem.flops[v], v))
+    fixed = [v in pinned or len(problem.strategies[v]) == 1 for v in range(n)]
+    heavy = [not fixed[v] and v >= n_in and g.nodes[v - n_in].op in _TIER for v in range(n)]
+    order = sorted(
+        (v for v in range(n) if heavy[v]),
+        key=lambda v: (_TIER[g.nodes[v - n_in].op], -problem.flops[v], v),
+    )
     penalty = _replication_penalty(problem)
+
+    def decide(v: int, ai: int, decided: np.ndarray) -> None:
+        base = problem.strategies[v][choice[v]].assignment
+        cands = [
+            i
+            for i, s in enumerate(problem.strategies[v])
+            if all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
+        ]
+        edge = _edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
+        scores = [problem.node_time[v][i] + penalty(v, i, ai) + edge[i] for i in cands]
+        choice[v] = cands[int(np.argmin(scores))]
+        decided[v] = True
+
+    def flood(queue: deque, ai: int, decided: np.ndarray) -> None:
+        while queue:
+            u = queue.popleft()
+            for w, _ in nb[u]:
+                if not decided[w] and not heavy[w]:
+                    decide(w, ai, decided)
+                    queue.append(w)
+
     for ai in axes:
-        decided = np.zeros(n, bool)
+        decided = np.array(fixed)
         for v in order:
-            if tier(v) < 0:
-                decided[v] = True
-                continue
-            base = problem.strategies[v][choice[v]].assignment
-            cands = [
-                i
-                for i, s in enumerate(problem.strategies[v])
-                if all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
-            ]
-            edge = _edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
-            scores = [problem.node_time[v][i] + penalty(v, i, ai) + edge[i] for i in cands]
-            choice[v] = cands[int(np.argmin(scores))]
-            decided[v] = True
+            if not decided[v]:
+                decide(v, ai, decided)
+            flood(deque([v]), ai, decided)
+        flood(deque(v for v in range(n) if decided[v]), ai, decided)
+        for v in range(n):  # pieces no decision reaches
+            if not decided[v]:
+                decide(v, ai, decided)
+                flood(deque([v]), ai, decided)
     return refine(problem, choice, pinned, sweeps)
 
 

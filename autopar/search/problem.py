@@ -164,24 +164,43 @@ def _node_costs(graph, mesh, cost, strategies, flops):
         [graph.values[v] for v in n.inputs] for n in graph.nodes
     ]
     pending = _output_partials(graph, strategies, n_in)
+    memo: dict = {}  # repeated layers: identical ops cost the same
     for c, strats in enumerate(strategies):
-        t_arr = np.zeros(len(strats))
-        m_arr = np.zeros(len(strats))
-        for s_i, s in enumerate(strats):
-            mem = sum(cost.local_bytes(t, sp) for t, sp in zip(out_types[c], s.out_specs))
-            m_arr[s_i] = mem
-            if c < n_in:
-                continue
-            nbytes = mem + sum(cost.local_bytes(t, sp) for t, sp in zip(in_types[c], s.in_specs))
-            dtype = out_types[c][0].dtype if out_types[c] else np.float32
-            t_arr[s_i] = cost.compute_seconds(flops[c] / s.parallel, nbytes, dtype)
-            # A partial value returned by the function must be summed before it leaves.
-            for k in pending.get(c, ()):
-                sp = s.out_specs[k]
-                t_arr[s_i] += cost.reshard(out_types[c][k], sp, sp.without_partial()).seconds
-        times.append(t_arr)
-        mems.append(m_arr)
+        key = (
+            id(strats),
+            tuple(in_types[c]),
+            tuple(out_types[c]),
+            flops[c],
+            tuple(pending.get(c, ())),
+            c < n_in,
+        )
+        if key not in memo:
+            memo[key] = _strategy_costs(
+                cost, strats, in_types[c], out_types[c], flops[c], pending.get(c, ()), c < n_in
+            )
+        times.append(memo[key][0])
+        mems.append(memo[key][1])
     return tuple(times), tuple(mems)
+
+
+def _strategy_costs(cost, strats, in_types, out_types, flops, pending, is_input):
+    t_arr = np.zeros(len(strats))
+    m_arr = np.zeros(len(strats))
+    for s_i, s in enumerate(strats):
+        mem = sum(cost.local_bytes(t, sp) for t, sp in zip(out_types, s.out_specs))
+        m_arr[s_i] = mem
+        if is_input:
+            continue
+        nbytes = mem + sum(cost.local_bytes(t, sp) for t, sp in zip(in_types, s.in_specs))
+        dtype = out_types[0].dtype if out_types else np.float32
+        t_arr[s_i] = cost.compute_seconds(flops / s.parallel, nbytes, dtype)
+        # A partial value returned by the function must be summed before it leaves.
+        for k in pending:
+            sp = s.out_specs[k]
+            t_arr[s_i] += cost.reshard(out_types[k], sp, sp.without_partial()).seconds
+    t_arr.setflags(write=False)
+    m_arr.setflags(write=False)
+    return t_arr, m_arr
 
 
 def _output_partials(graph, strategies, n_in) -> dict[int, list[int]]:
