@@ -4,9 +4,11 @@ Trace a function, search a sharding for every op with a cost model, run it as
 `jax.jit` with those shardings.
 """
 
-from autopar.api import Parallelized, make_mesh, parallelize
+from autopar.api import Parallelized, parallelize
 from autopar.errors import AutoparError, CaptureError, MemoryBudgetError, MeshError, PlanError
+from autopar.meshes import make_mesh
 from autopar.plan import Plan
+from autopar.workload import Workload
 
 __all__ = [
     "AutoparError",
@@ -16,6 +18,7 @@ __all__ = [
     "Parallelized",
     "Plan",
     "PlanError",
+    "Workload",
     "make_mesh",
     "parallelize",
 ]

@@ -5,58 +5,32 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 import cost_models
 from autopar._compat import broadcast_prefix
 from autopar.capture import abstractify_tree, capture, fn_name
 from autopar.cost import CostModel
-from autopar.errors import MeshError, PlanError
+from autopar.errors import MemoryBudgetError, MeshError, PlanError, format_bytes
 from autopar.ir import Graph
 from autopar.lower.jit import jit_from_plan
+from autopar.meshes import MeshLike, resolve
 from autopar.plan import OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search import search
 from autopar.search.evaluate import output_specs
 from autopar.search.problem import Problem, build_problem
 from autopar.sharding import MeshInfo, mesh_info
 
-MeshLike = Mapping[str, int] | Mesh | AbstractMesh
-
-
-def make_mesh(mesh: MeshLike) -> Mesh | AbstractMesh:
-    """A dict of axis sizes, a Mesh or an AbstractMesh -> a mesh with Auto axes.
-    Uses the local devices when there are enough, else an AbstractMesh (plan only)."""
-    if isinstance(mesh, Mesh):
-        return Mesh(
-            mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
-        )
-    if isinstance(mesh, AbstractMesh):
-        return AbstractMesh(
-            tuple(mesh.axis_sizes),
-            tuple(mesh.axis_names),
-            axis_types=(AxisType.Auto,) * len(mesh.axis_names),
-        )
-    if not isinstance(mesh, Mapping) or not mesh:
-        raise MeshError(
-            f"mesh must be a dict of axis sizes like {{'data': 2, 'model': 4}}, a jax.sharding.Mesh or an AbstractMesh; got {mesh!r}"
-        )
-    for name, size in mesh.items():
-        if not isinstance(name, str) or not isinstance(size, int | np.integer) or size < 1:
-            raise MeshError(f"mesh axis {name!r}: size must be a positive int, got {size!r}")
-    names, sizes = tuple(mesh), tuple(int(s) for s in mesh.values())
-    n = math.prod(sizes)
-    devices = jax.devices()
-    if n <= len(devices):
-        return Mesh(
-            np.array(devices[:n]).reshape(sizes), names, axis_types=(AxisType.Auto,) * len(names)
-        )
-    return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+# Plans predicted to use more than this fraction of the budget are compiled once on
+# the mesh (when it has devices) and judged by XLA's memory analysis, because the
+# liveness estimate does not see XLA's own temporaries.
+COMPILE_CHECK_FRACTION = 0.7
 
 
 @dataclass
@@ -65,7 +39,7 @@ class _Compiled:
     plan: Plan
     problem: Problem | None
     jitted: Any
-    flat_donate: tuple[int, ...]
+    mesh: Mesh | AbstractMesh
 
 
 class Parallelized:
@@ -85,8 +59,8 @@ class Parallelized:
         in_specs=None,
     ):
         self.fn = fn
-        self.mesh = make_mesh(mesh)
         self.profile = cost_models.load(cluster)
+        self.meshes = resolve(mesh, self.profile.devices_per_node)
         self.engine = engine
         self.memory_budget = (
             float(memory_budget) if memory_budget is not None else self.profile.hbm_bytes
@@ -95,9 +69,15 @@ class Parallelized:
         self.donate_argnums = tuple(donate_argnums)
         self.in_specs = in_specs
         self.given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
-        self.mesh_info: MeshInfo = mesh_info(self.mesh, self.profile)
         self._cache: dict[Any, _Compiled] = {}
         functools.update_wrapper(self, fn)
+
+    @property
+    def mesh(self) -> Mesh | AbstractMesh:
+        """The mesh of the most recent plan (the only one unless mesh search is on)."""
+        if self._cache:
+            return next(reversed(self._cache.values())).mesh
+        return self.meshes[0]
 
     # ---- public -------------------------------------------------------------------------
     def plan(self, *args) -> Plan:
@@ -107,23 +87,21 @@ class Parallelized:
     def lower(self, *args) -> jax.stages.Lowered:
         """Lower the sharded program, like `jax.jit(fn).lower(*args)`."""
         c = self._get(args)
-        flat = [_sds_for(x, r, self.mesh) for x, r in zip(self._flat_dyn(args), c.plan.inputs)]
-        if isinstance(self.mesh, AbstractMesh):
-            return c.jitted.trace(*flat).lower(lowering_platforms=("cuda",))
-        return c.jitted.lower(*flat)
+        return _lower(c.jitted, self._flat_dyn(args), c.plan, c.mesh)
 
     def __call__(self, *args):
-        if isinstance(self.mesh, AbstractMesh):
+        if isinstance(self.meshes[0], AbstractMesh):
+            m = self.meshes[0]
             raise MeshError(
-                f"{fn_name(self.fn)}: the mesh {dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))} needs "
-                f"{self.mesh_info.num_devices} devices but only {len(jax.devices())} are available here. "
+                f"{fn_name(self.fn)}: the mesh {dict(zip(m.axis_names, m.axis_sizes))} needs "
+                f"{math.prod(m.axis_sizes)} devices but only {len(jax.devices())} are available here. "
                 "Use .plan() or .lower() to plan offline, or run on a machine with enough devices "
                 "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)."
             )
         c = self._get(args)
         flat = self._flat_dyn(args)
         placed = [
-            jax.device_put(x, NamedSharding(self.mesh, r.spec.to_pspec()))
+            jax.device_put(x, NamedSharding(c.mesh, r.spec.to_pspec()))
             if isinstance(x, jax.Array | np.ndarray)
             else x
             for x, r in zip(flat, c.plan.inputs)
@@ -156,22 +134,95 @@ class Parallelized:
         return self._cache[key]
 
     def _compile(self, args) -> _Compiled:
-        graph = capture(self.fn, args, self.static_argnums, self.mesh)
-        problem = None
+        single = len(self.meshes) == 1
+        graph = capture(self.fn, args, self.static_argnums, self.meshes[0] if single else None)
+        donate = _flat_donate(args, self.static_argnums, self.donate_argnums)
         if self.given_plan is not None:
-            plan = bind_plan(self.given_plan, graph, self.mesh_info, self.mesh)
-        else:
-            problem = build_problem(graph, self.mesh_info, CostModel(self.profile, self.mesh_info))
-            pins = (
-                user_pins(problem, self._dyn(args), self.in_specs)
-                if self.in_specs is not None
-                else {}
+            mesh = self._mesh_for_plan(self.given_plan)
+            plan = bind_plan(self.given_plan, graph, mesh_info(mesh, self.profile), mesh)
+            return _Compiled(graph, plan, None, jit_from_plan(graph, plan, mesh, donate), mesh)
+        options, failures = [], []
+        for k, mesh in enumerate(self.meshes):
+            info = mesh_info(mesh, self.profile)
+            problem = build_problem(graph, info, CostModel(self.profile, info))
+            try:
+                pins = (
+                    user_pins(problem, self._dyn(args), self.in_specs)
+                    if self.in_specs is not None
+                    else {}
+                )
+                result = search(problem, self.engine, self.memory_budget, pins)
+            except (MemoryBudgetError, MeshError) as e:
+                if single:
+                    raise
+                failures.append(f"{info.shape}: {str(e).splitlines()[0]}")
+                continue
+            options += [
+                (cost.step_s, k, name, mesh, problem, result) for name, _, cost in result.ranked
+            ]
+        if not options:
+            raise MemoryBudgetError(
+                "no mesh shape gives a plan that fits:\n  " + "\n  ".join(failures)
             )
-            result = search(problem, self.engine, self.memory_budget, pins)
-            plan = make_plan(problem, result, self.profile, self.mesh)
-        flat_donate = _flat_donate(args, self.static_argnums, self.donate_argnums)
-        jitted = jit_from_plan(graph, plan, self.mesh, flat_donate)
-        return _Compiled(graph, plan, problem, jitted, flat_donate)
+        options.sort(key=lambda o: o[:3])
+        rejected = []
+        for _, _, name, mesh, problem, result in options:
+            plan = make_plan(problem, result.pick(name), self.profile, mesh)
+            jitted = jit_from_plan(graph, plan, mesh, donate)
+            if (
+                isinstance(mesh, Mesh)
+                and plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * self.memory_budget
+            ):
+                compiled = compiled_memory(
+                    _lower(jitted, self._flat_dyn(args), plan, mesh).compile()
+                )
+                plan = replace(plan, compiled_memory_bytes=compiled)
+                if compiled > self.memory_budget:
+                    rejected.append(f"{info_str(plan)}: compiled {format_bytes(compiled)}")
+                    continue
+            if rejected:
+                plan = replace(
+                    plan,
+                    warnings=plan.warnings
+                    + tuple(f"rejected after compiling: {r}" for r in rejected),
+                )
+            return _Compiled(graph, plan, problem, jitted, mesh)
+        raise MemoryBudgetError(
+            f"every plan the cost model fit into {format_bytes(self.memory_budget)} needs more once compiled by XLA:\n  "
+            + "\n  ".join(rejected)
+            + "\nRaise memory_budget, use more devices, or shrink the batch."
+        )
+
+    def _mesh_for_plan(self, plan: Plan) -> Mesh | AbstractMesh:
+        for mesh in self.meshes:
+            if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) == (
+                plan.mesh.axis_names,
+                plan.mesh.axis_sizes,
+            ):
+                return mesh
+        return self.meshes[0]  # bind_plan reports the mismatch
+
+
+def compiled_memory(compiled) -> int:
+    """Per-device bytes XLA needs: arguments + outputs + temporaries - aliased."""
+    m = compiled.memory_analysis()
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def info_str(plan: Plan) -> str:
+    return f"{plan.engine} on {plan.mesh.shape}"
+
+
+def _lower(jitted, flat_args, plan: Plan, mesh) -> jax.stages.Lowered:
+    flat = [_sds_for(x, r, mesh) for x, r in zip(flat_args, plan.inputs)]
+    if isinstance(mesh, AbstractMesh):
+        return jitted.trace(*flat).lower(lowering_platforms=("cuda",))
+    return jitted.lower(*flat)
 
 
 def parallelize(

@@ -124,6 +124,7 @@ class Plan:
     warnings: tuple[str, ...] = ()
     candidates: dict[str, Cost] = field(default_factory=dict)
     function: str = ""
+    compiled_memory_bytes: int | None = None  # XLA's figure, when the plan was compiled to check it
     in_tree: Any = field(default=None, repr=False, compare=False)
     out_tree: Any = field(default=None, repr=False, compare=False)
     jax_mesh: Any = field(default=None, repr=False, compare=False)
@@ -181,6 +182,7 @@ class Plan:
             "outputs": [r.to_json() for r in self.outputs],
             "ops": [o.to_json() for o in self.ops],
             "warnings": list(self.warnings),
+            "compiled_memory_bytes": self.compiled_memory_bytes,
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -214,6 +216,7 @@ class Plan:
                 warnings=tuple(d.get("warnings", ())),
                 candidates={k: Cost.from_json(v) for k, v in d.get("candidates", {}).items()},
                 function=d.get("function", ""),
+                compiled_memory_bytes=d.get("compiled_memory_bytes"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
@@ -242,6 +245,8 @@ class Plan:
             f"  predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + comm {c.comm_s * 1e3:.3f} ms; "
             f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)})",
         ]
+        if self.compiled_memory_bytes is not None:
+            lines.append(f"  compiled by XLA: {format_bytes(self.compiled_memory_bytes)}/device")
         for k, b in sorted(c.comm_bytes.items()):
             lines.append(f"  {k:<28} {format_bytes(b)}")
         if self.candidates:

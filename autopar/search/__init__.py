@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.errors import MemoryBudgetError, format_bytes
 from autopar.search import engines
@@ -59,6 +59,12 @@ class SearchResult:
     cost: Cost
     seconds: float
     candidates: dict[str, Cost]
+    ranked: tuple[tuple[str, tuple[int, ...], Cost], ...] = ()  # every fitting plan, best first
+
+    def pick(self, name: str) -> SearchResult:
+        """The same search, answered with the ranked plan `name` instead of the best."""
+        _, choice, cost = next(r for r in self.ranked if r[0] == name)
+        return replace(self, choice=choice, engine=name, cost=cost)
 
 
 def search(
@@ -97,15 +103,17 @@ def search(
             f"{_dominant(problem, best[1][0])}\n"
             "Raise memory_budget, use more devices, or shrink the batch."
         )
-    name, (choice, cost) = min(
+    ranked = sorted(
         fitting.items(), key=lambda kv: (kv[1][1].step_s, list(candidates).index(kv[0]))
     )
+    name, (choice, cost) = ranked[0]
     return SearchResult(
         tuple(choice),
         name,
         cost,
         time.perf_counter() - start,
         {k: v[1] for k, v in candidates.items()},
+        tuple((k, tuple(c), cost) for k, (c, cost) in ranked),
     )
 
 

@@ -1,0 +1,86 @@
+"""Meshes: normalize what users pass, and the logical shapes mesh search tries."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from autopar.errors import MeshError
+
+MeshLike = Mapping[str, int] | Mesh | AbstractMesh | int | str
+# Axis names mesh search gives the shapes it tries, outermost (slowest links) first.
+AUTO_AXIS_NAMES = {1: ("data",), 2: ("data", "model"), 3: ("data", "model", "expert")}
+MAX_CANDIDATES = 12
+
+
+def make_mesh(mesh: Mapping[str, int] | Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+    """A dict of axis sizes, a Mesh or an AbstractMesh -> a mesh with Auto axes.
+    Uses the local devices when there are enough, else an AbstractMesh (plan only)."""
+    auto = lambda n: (AxisType.Auto,) * n
+    if isinstance(mesh, Mesh):
+        return Mesh(mesh.devices, mesh.axis_names, axis_types=auto(len(mesh.axis_names)))
+    if isinstance(mesh, AbstractMesh):
+        return AbstractMesh(
+            tuple(mesh.axis_sizes), tuple(mesh.axis_names), axis_types=auto(len(mesh.axis_names))
+        )
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise MeshError(
+            "mesh must be a dict of axis sizes like {'data': 2, 'model': 4}, a device count "
+            f"(mesh search), 'auto', a jax.sharding.Mesh or an AbstractMesh; got {mesh!r}"
+        )
+    for name, size in mesh.items():
+        if (
+            not isinstance(name, str)
+            or isinstance(size, bool)
+            or not isinstance(size, int | np.integer)
+            or size < 1
+        ):
+            raise MeshError(f"mesh axis {name!r}: size must be a positive int, got {size!r}")
+    names, sizes = tuple(mesh), tuple(int(s) for s in mesh.values())
+    devices = jax.devices()
+    if math.prod(sizes) <= len(devices):
+        return Mesh(
+            np.array(devices[: math.prod(sizes)]).reshape(sizes), names, axis_types=auto(len(names))
+        )
+    return AbstractMesh(sizes, names, axis_types=auto(len(names)))
+
+
+def mesh_candidates(n: int, devices_per_node: int) -> list[dict[str, int]]:
+    """Logical shapes for `n` devices: factorizations into 1-3 axes (each >= 2).
+    Device order is row-major, so the last axis is the innermost; shapes whose inner
+    axes fit in a node (fast links) come first. At most MAX_CANDIDATES."""
+    if n < 1:
+        raise MeshError(f"mesh={n}: a device count must be >= 1")
+    shapes: list[tuple[int, ...]] = [(n,)]
+    for a in range(2, n + 1):
+        if n % a:
+            continue
+        b = n // a
+        if b >= 2:
+            shapes.append((a, b))
+        for c in range(2, b + 1):
+            if b % c == 0 and b // c >= 2:
+                shapes.append((a, c, b // c))
+
+    def inner_fits(shape):
+        return math.prod(shape[1:]) <= devices_per_node if len(shape) > 1 else n <= devices_per_node
+
+    shapes.sort(key=lambda s: (not inner_fits(s), len(s), -s[-1] if len(s) > 1 else 0))
+    return [dict(zip(AUTO_AXIS_NAMES[len(s)], s)) for s in shapes[:MAX_CANDIDATES]]
+
+
+def resolve(mesh: MeshLike, devices_per_node: int) -> list[Mesh | AbstractMesh]:
+    """The meshes to plan on: one for an explicit mesh, several for a device count or 'auto'."""
+    if isinstance(mesh, str):
+        if mesh != "auto":
+            raise MeshError(
+                f"mesh={mesh!r}: the only string accepted is 'auto' (all local devices)"
+            )
+        mesh = len(jax.devices())
+    if isinstance(mesh, int | np.integer) and not isinstance(mesh, bool):
+        return [make_mesh(m) for m in mesh_candidates(int(mesh), devices_per_node)]
+    return [make_mesh(mesh)]
