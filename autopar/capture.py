@@ -100,7 +100,7 @@ def capture(
         return fn(*full)
 
     try:
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        with _mesh_context(mesh):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_args)
     except Exception as e:  # noqa: BLE001 - re-raised with the user's function named
         shapes = ", ".join(_describe(a) for a in dyn_args)
@@ -118,6 +118,14 @@ def capture(
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     output_paths = tuple(path_str((_Name("out"),) + tuple(p)) for p, _ in out_leaves)
     return _build(closed, input_paths, output_paths, in_tree, out_tree, fn_name(fn))
+
+
+def _mesh_context(mesh: Any):
+    if mesh is None:
+        return contextlib.nullcontext()
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return jax.sharding.use_abstract_mesh(mesh)
+    return jax.set_mesh(mesh)
 
 
 class _Name:

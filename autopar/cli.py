@@ -1,0 +1,588 @@
+"""The `autopar` command line: plan offline, then read, compare, explain and check plans.
+
+    autopar search TARGET --mesh data=8,model=8 [--cluster h100-sxm] [--engine auto]
+                          [--memory-budget 80GB] [--out plan.json]
+    autopar inspect plan.json [--format table|json|markdown|html] [--by param|op|layer]
+    autopar diff a.json b.json [--format table|json|markdown|html]
+    autopar explain plan.json OP [--target TARGET]
+    autopar verify plan.json TARGET
+    autopar demo [...]
+
+TARGET names a factory returning an `autopar.Workload`: `path/to/file.py:factory` or
+`package.module:factory`, optionally called with literal arguments
+(`autopar/examples.py:gpt(hidden=256, layers=4)`).
+
+A mesh is `name=size,...` (`data=8,model=8`), `DxM[xE]` (`8x8` is data=8,model=8;
+a third size is the `expert` axis) or a device count (`64`: mesh-shape search over 1-3 axes).
+
+Plans are made on this machine on simulated CPU devices: like `autopar demo`,
+`search` and `verify` set `XLA_FLAGS=--xla_force_host_platform_device_count=N`
+before JAX starts its backend (unless XLA_FLAGS already sets a count) and run on
+the CPU (unless JAX_PLATFORMS says otherwise). `search` asks for N = the mesh size
+up to 64 devices, else 8 (larger meshes are planned on an abstract mesh);
+`verify` compiles for the whole mesh, so it asks for the mesh size.
+
+Bad input (a missing or corrupted plan, a bad TARGET or mesh, a plan that does not
+match the function) exits with status 2 and a one-line message on stderr. Set
+AUTOPAR_DEBUG=1 (or pass --debug) for the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import os
+import re
+import sys
+import time
+
+from autopar.errors import AutoparError, format_bytes
+
+PROG = "autopar"
+THREE_AXES = ("data", "model", "expert")
+DEFAULT_OUT = "plan.json"
+MAX_SIMULATED = 64  # search: above this many devices, plan on an abstract mesh with 8 real ones
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 1e3,
+    "m": 1e6,
+    "g": 1e9,
+    "t": 1e12,
+}
+
+
+class UsageError(AutoparError):
+    """Bad command-line input."""
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`data=8,model=8` | `8x8` (data, model) | `2x2x2` (data, model, expert) | `64` (data)."""
+    t = text.strip()
+    if re.fullmatch(r"\d+", t):
+        sizes = [int(t)]
+    elif re.fullmatch(r"\d+(?:\s*[xX]\s*\d+)+", t):
+        sizes = [int(s) for s in re.split(r"\s*[xX]\s*", t)]
+        if len(sizes) > len(THREE_AXES):
+            raise ValueError(
+                f"bad mesh {text!r}: {len(sizes)} sizes, but DxMxE names at most "
+                f"{len(THREE_AXES)} axes ({', '.join(THREE_AXES)}); name them: a=2,b=2,c=2,d=2"
+            )
+    elif "=" in t:
+        from autopar.demo import parse_mesh as parse_pairs
+
+        mesh = parse_pairs(t)
+        sizes = list(mesh.values())
+        if math.prod(sizes) < 1:
+            raise ValueError(f"bad mesh {text!r}: no devices")
+        return mesh
+    else:
+        raise ValueError(
+            f"bad mesh {text!r}: expected name=size pairs (data=8,model=8), "
+            "sizes like 8x8 (axes data, model[, expert]) or a device count (64)"
+        )
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"bad mesh {text!r}: every axis size must be >= 1")
+    return dict(zip(THREE_AXES if len(sizes) > 1 else ("data",), sizes))
+
+
+def parse_bytes(text: str) -> float:
+    """`80GB` (1e9), `80GiB` (2**30), `1.5e9`, `512MiB` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(
+            f"bad memory budget {text!r}: expected a number of bytes with an optional unit, "
+            "like 80GB, 80GiB, 512MiB or 1.5e9"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"bad memory budget {text!r}: must be positive")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit status 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="autopar: automatic parallelization for JAX. Search sharding plans "
+        "offline, inspect, compare, explain and verify them.",
+        epilog="`autopar demo [--mesh ...]` shards a small GPT over simulated CPU devices "
+        "and checks its losses against jax.jit.",
+    )
+    p.add_argument(
+        "--debug", action="store_true", help="show tracebacks instead of one-line errors"
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    s = sub.add_parser(
+        "search",
+        help="search a plan for TARGET on a mesh and write it as JSON",
+        description="Trace TARGET's function on its abstract arguments, search a sharding "
+        "for every op with the cost model of CLUSTER, and write the plan.",
+    )
+    s.add_argument(
+        "target", metavar="TARGET", help="path/to/file.py:factory or package.module:factory"
+    )
+    s.add_argument(
+        "--mesh",
+        required=True,
+        help="data=8,model=8 | 8x8 (data, model) | 2x2x2 (data, model, expert) | 64 (one data axis)",
+    )
+    s.add_argument(
+        "--cluster",
+        default="h100-sxm",
+        help="bundled profile name or a .toml path (default: h100-sxm)",
+    )
+    s.add_argument(
+        "--engine",
+        default="auto",
+        help="auto, recursive, dp, ilp, data, fsdp or propagate (default: auto)",
+    )
+    s.add_argument(
+        "--memory-budget",
+        metavar="BYTES",
+        help="bytes per device, e.g. 80GB, 80GiB, 1.5e9 (default: the cluster's HBM)",
+    )
+    s.add_argument(
+        "--out", "-o", default=DEFAULT_OUT, help=f"plan file to write (default: {DEFAULT_OUT})"
+    )
+    s.set_defaults(func=cmd_search)
+
+    formats = ("table", "json", "markdown", "html")
+    i = sub.add_parser(
+        "inspect",
+        help="show a plan: specs per parameter/op/layer, costs, candidates, warnings",
+        description="Show a plan file: every input's sharding with a picture of the split, "
+        "grouped by layer (or every op, or a per-layer summary), the cost breakdown "
+        "(compute; communication by mesh axis and collective kind; memory), the candidates "
+        "the search compared, and warnings.",
+    )
+    i.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan/1 JSON)")
+    i.add_argument("--format", "-f", choices=formats, default="table")
+    i.add_argument("--by", choices=("param", "op", "layer"), default="param")
+    i.set_defaults(func=cmd_inspect)
+
+    d = sub.add_parser(
+        "diff",
+        help="compare two plans param by param and op by op, with cost deltas",
+        description="What changed from plan A to plan B: costs, every input/output whose "
+        "spec changed, every op (by op key) whose strategy changed.",
+    )
+    d.add_argument("a", metavar="A")
+    d.add_argument("b", metavar="B")
+    d.add_argument("--format", "-f", choices=formats, default="table")
+    d.set_defaults(func=cmd_diff)
+
+    e = sub.add_parser(
+        "explain",
+        help="why an op got its strategy",
+        description="Show one op of a plan: source line, chosen strategy, in/out specs, "
+        "compute time. With --target, rebuild the search problem from the function and "
+        "price every alternative strategy against the chosen neighbours.",
+    )
+    e.add_argument("plan", metavar="PLAN")
+    e.add_argument(
+        "op", metavar="OP", help="op key, a unique part of one, or a source location like gpt.py:99"
+    )
+    e.add_argument("--target", help="the plan's TARGET, to price the alternatives")
+    e.set_defaults(func=cmd_explain)
+
+    v = sub.add_parser(
+        "verify",
+        help="compile TARGET with a plan and compare predicted and compiled communication/memory",
+        description="Load PLAN for TARGET with autopar.parallelize, lower and compile it on "
+        "the abstract arguments (on simulated CPU devices), and compare the plan's predicted "
+        "collective bytes and memory with what XLA compiled. Exit 0 if it compiles.",
+    )
+    v.add_argument("plan", metavar="PLAN")
+    v.add_argument("target", metavar="TARGET")
+    v.add_argument(
+        "--numerics",
+        action="store_true",
+        help="also run the plan and jax.jit on the Workload's make_args(0) and compare the "
+        "outputs (needs the mesh's devices; exit 1 on a mismatch)",
+    )
+    v.set_defaults(func=cmd_verify)
+
+    sub.add_parser(
+        "demo",
+        help="shard a small GPT over simulated CPU devices and check it (see `autopar demo --help`)",
+        add_help=False,
+    )
+    return p
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def prepare_backend(num_devices: int) -> None:
+    """Ask for `num_devices` simulated CPU devices before JAX's backend starts."""
+    from autopar import demo
+
+    started = demo._backend_started()
+    demo.setup_env(num_devices)
+    import jax
+
+    if "JAX_PLATFORMS" not in os.environ and not started:
+        jax.config.update("jax_platforms", "cpu")
+
+
+def _load_plan(path: str):
+    from autopar.plan import Plan
+
+    return Plan.load(path)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(s.strip() for s in str(e).strip().splitlines() if s.strip())
+    return text or type(e).__name__
+
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return " x ".join(f"{a}={s}" for a, s in mesh.items())
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def cmd_search(args) -> int:
+    mesh = parse_mesh(args.mesh)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    n = math.prod(mesh.values())
+    prepare_backend(n if n <= MAX_SIMULATED else 8)
+    import cost_models
+
+    profile = cost_models.load(args.cluster)
+    from autopar.search import ENGINES
+
+    if args.engine != "auto" and args.engine not in ENGINES:
+        raise UsageError(
+            f"unknown engine {args.engine!r}; choose one of: auto, {', '.join(ENGINES)}"
+        )
+    from autopar.workload import load_target
+
+    wl = load_target(args.target)
+    import autopar
+
+    t0 = time.perf_counter()
+    # A bare device count (`--mesh 64`) searches the mesh shape too.
+    search_mesh = n if re.fullmatch(r"\s*\d+\s*", args.mesh) else mesh
+    step = autopar.parallelize(
+        wl.fn,
+        mesh=search_mesh,
+        cluster=profile,
+        engine=args.engine,
+        memory_budget=budget,
+        static_argnums=wl.static_argnums,
+        donate_argnums=wl.donate_argnums,
+    )
+    plan = step.plan(*wl.args)
+    seconds = time.perf_counter() - t0
+    plan.save(args.out)
+    import jax
+
+    platform = jax.devices()[0].platform
+    where = (
+        f"{n} {'simulated ' if platform == 'cpu' else ''}{platform.upper()} devices"
+        if isinstance(step.mesh, jax.sharding.Mesh)
+        else f"an abstract {n}-device mesh ({len(jax.devices())} devices here)"
+    )
+    print(plan.summary())
+    print(
+        f"{wl.name or args.target}: {len(plan.inputs)} inputs, {len(plan.ops)} ops; "
+        f"traced and searched in {seconds:.1f} s on {where}"
+    )
+    print(f"plan written to {args.out}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from autopar.inspection import render_inspect
+
+    plan = _load_plan(args.plan)
+    print(render_inspect(plan, args.format, args.by))
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from autopar.inspection import diff_plans, render_diff
+
+    a, b = _load_plan(args.a), _load_plan(args.b)
+    print(
+        render_diff(diff_plans(a, b), args.a, args.b, args.format),
+        end="" if args.format in ("markdown", "html") else "\n",
+    )
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from autopar import inspection as insp
+
+    plan = _load_plan(args.plan)
+    hits = insp.find_ops(plan, args.op)
+    if len(hits) > 12:
+        raise insp.PlanError(
+            f"{args.op!r} matches {len(hits)} ops; give an op key (see `autopar inspect {args.plan} --by op`)"
+        )
+    dirs = [os.getcwd()]
+    problem = None
+    if args.target:
+        problem, dirs = _rebuild_problem(plan, args.target, dirs)
+    for n, i in enumerate(hits):
+        if n:
+            print()
+        print("\n".join(insp.explain_op(plan, i, dirs, problem.graph if problem else None)))
+        if problem is not None:
+            alts, notes = insp.explain_alternatives(problem, plan, i)
+            print("\n".join(insp.render_alternatives(alts, plan.engine)))
+            for note in notes:
+                print(f"  note: {note}")
+    if problem is None:
+        print("\n(pass --target TARGET to price every alternative strategy for this op)")
+    return 0
+
+
+def _rebuild_problem(plan, target: str, dirs: list[str]):
+    """Trace TARGET, check it is the plan's function, and rebuild its search problem."""
+    import cost_models
+    from autopar.api import bind_plan
+    from autopar.capture import capture
+    from autopar.cost import CostModel
+    from autopar.search.problem import build_problem
+    from autopar.workload import load_target
+
+    wl = load_target(target)
+    kw = {}
+    if "mesh" in inspect.signature(capture).parameters:
+        # Bare PartitionSpecs in the function's own sharding constraints need a mesh.
+        n = plan.mesh.num_devices
+        prepare_backend(n if n <= MAX_SIMULATED else 8)
+        from autopar import make_mesh
+
+        kw["mesh"] = make_mesh(plan.mesh.shape)
+    graph = capture(wl.fn, wl.args, wl.static_argnums, **kw)
+    bind_plan(plan, graph, plan.mesh, None)  # raises PlanError naming what differs
+    profile = cost_models.ClusterProfile.from_dict(plan.cluster)
+    problem = build_problem(graph, plan.mesh, CostModel(profile, plan.mesh))
+    code = getattr(wl.fn, "__code__", None)
+    if code is not None:
+        dirs = [*dirs, os.path.dirname(code.co_filename)]
+    return problem, dirs
+
+
+def cmd_verify(args) -> int:
+    plan = _load_plan(args.plan)
+    mesh = plan.mesh.shape
+    n = plan.mesh.num_devices
+    prepare_backend(n)
+    import jax
+
+    have = len(jax.devices())
+    if have < n:
+        raise UsageError(
+            f"verify compiles for all {n} devices of the plan's mesh {_mesh_text(mesh)} but only {have} "
+            f"are available (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}); "
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+        )
+    import autopar
+    import cost_models
+    from autopar.hlo import parse_collectives, summarize
+    from autopar.inspection import comm_key
+    from autopar.workload import load_target
+
+    wl = load_target(args.target)
+    step = autopar.parallelize(
+        wl.fn,
+        mesh=mesh,
+        cluster=cost_models.ClusterProfile.from_dict(plan.cluster),
+        plan=args.plan,
+        static_argnums=wl.static_argnums,
+        donate_argnums=wl.donate_argnums,
+    )
+    t0 = time.perf_counter()
+    lowered = step.lower(*wl.args)  # PlanError if the plan is not for this function
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - a verification failure, reported
+        print(
+            f"{PROG} verify: FAILED: the planned program does not compile: {_one_line(e)}",
+            file=sys.stderr,
+        )
+        return 1
+    seconds = time.perf_counter() - t0
+    colls = parse_collectives(compiled.as_text(), step.mesh)
+    got = summarize(colls)
+    print(
+        f"verify {args.plan} against {wl.name or args.target}: compiled for mesh {_mesh_text(mesh)} "
+        f"on {n} {jax.devices()[0].platform.upper()} devices in {seconds:.1f} s: OK"
+    )
+
+    predicted: dict[tuple[str, tuple[str, ...]], int] = {}
+    for k, b in plan.cost.comm_bytes.items():
+        predicted[comm_key(k)] = predicted.get(comm_key(k), 0) + int(b)
+    compiled_b: dict[tuple[str, tuple[str, ...] | None], int] = dict(got)
+    keys = sorted(set(predicted) | set(compiled_b), key=lambda k: (k[0], k[1] is None, k[1] or ()))
+    rows = []
+    for k in keys:
+        p, c = predicted.get(k), compiled_b.get(k)
+        axes = ",".join(k[1]) if k[1] is not None else "(no mesh axes)"
+        ratio = f"{c / p:.2f}x" if p and c is not None else ""
+        rows.append(
+            (
+                k[0],
+                axes,
+                format_bytes(p) if p is not None else "-",
+                format_bytes(c) if c is not None else "-",
+                ratio,
+            )
+        )
+    print("\ncommunication per step (bytes per device of each collective's full-size side):")
+    head = ("collective", "mesh axes", "predicted", "compiled", "compiled/predicted")
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)
+    ]
+    print("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if not rows:
+        print("  (no collectives predicted or compiled)")
+    total_p, total_c = sum(predicted.values()), sum(compiled_b.values())
+    print(
+        f"  total: predicted {format_bytes(total_p)}, compiled {format_bytes(total_c)} "
+        f"in {len(colls)} collectives ({sum(c.in_loop for c in colls)} inside loops, counted once)"
+    )
+    by_axes: dict[str, list[int]] = {}
+    for (_, axes), b in predicted.items():
+        by_axes.setdefault(",".join(axes), [0, 0])[0] += b
+    for (_, axes), b in compiled_b.items():
+        by_axes.setdefault(",".join(axes) if axes is not None else "?", [0, 0])[1] += b
+    print(
+        "  by mesh axes (predicted -> compiled): "
+        + ", ".join(
+            f"{a or '-'} {format_bytes(p)} -> {format_bytes(c)}"
+            for a, (p, c) in sorted(by_axes.items())
+        )
+    )
+    print(
+        "  note: XLA's CPU compiler emits an all-reduce (then a slice) where the plan has a "
+        "reduce-scatter; compare totals per mesh axis."
+    )
+
+    ma = compiled.memory_analysis()
+    print("\nmemory per device:")
+    if ma is None:
+        print("  (the compiler reports no memory analysis on this platform)")
+    else:
+        arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
+        temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
+        total = arg + out + temp - alias
+        c = plan.cost
+        print(
+            f"  predicted peak     {format_bytes(c.peak_memory_bytes)} (arguments {format_bytes(c.argument_bytes)})"
+        )
+        print(
+            f"  compiled           {format_bytes(total)} = arguments {format_bytes(arg)} + outputs {format_bytes(out)} "
+            f"+ temporaries {format_bytes(temp)} - aliased (donated) {format_bytes(alias)}"
+        )
+        if c.peak_memory_bytes:
+            print(f"  compiled/predicted {total / c.peak_memory_bytes:.2f}x")
+    if args.numerics:
+        return _verify_numerics(wl, mesh, args.plan)
+    return 0
+
+
+NUMERICS_RTOL = 1e-5  # scalar outputs (losses)
+NUMERICS_GLOBAL_RTOL = 1e-4  # all outputs together: ||sharded - jit|| / ||jit||
+
+
+def _verify_numerics(wl, mesh: dict[str, int], plan_path: str) -> int:
+    """Run the planned program and `jax.jit` on the workload's concrete arguments."""
+    import jax
+    import numpy as np
+
+    import autopar
+
+    if wl.make_args is None:
+        raise UsageError(
+            "--numerics needs concrete arguments: the TARGET's Workload has no make_args"
+        )
+    args = wl.make_args(0)
+    ref = jax.tree.leaves(jax.jit(wl.fn, static_argnums=wl.static_argnums)(*args))
+    # No donation here: the reference and the sharded run read the same arguments.
+    step = autopar.parallelize(wl.fn, mesh=mesh, plan=plan_path, static_argnums=wl.static_argnums)
+    got = jax.tree.leaves(step(*args))
+    num = den = 0.0
+    worst, scalars_ok = (0.0, -1), True
+    print("\nnumerics (the planned program vs jax.jit on make_args(0)):")
+    for k, (a, b) in enumerate(zip(got, ref)):
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        d = float(np.max(np.abs(a64 - b64))) if a64.size else 0.0
+        num += float(np.sum((a64 - b64) ** 2))
+        den += float(np.sum(b64**2))
+        worst = max(worst, (d, k))
+        if a64.ndim == 0:
+            same = bool(np.allclose(a64, b64, rtol=NUMERICS_RTOL, atol=0))
+            scalars_ok &= same
+            print(
+                f"  output {k}: {float(a64):.8g} vs {float(b64):.8g} {'ok' if same else 'MISMATCH'}"
+            )
+    rel = (num**0.5) / (den**0.5) if den else num**0.5
+    ok = scalars_ok and rel <= NUMERICS_GLOBAL_RTOL and len(got) == len(ref)
+    print(
+        f"  all {len(ref)} outputs: relative L2 error {rel:.2e} (limit {NUMERICS_GLOBAL_RTOL:g}), "
+        f"largest |difference| {worst[0]:.2e} (output {worst[1]}): {'MATCH' if ok else 'MISMATCH'}"
+    )
+    return 0 if ok else 1
+
+
+COMMANDS = ("search", "inspect", "diff", "explain", "verify", "demo")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "demo":
+        from autopar import demo
+
+        return demo.main(argv[1:])
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help or a usage error, already printed
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    debug = args.debug or os.environ.get("AUTOPAR_DEBUG", "") not in ("", "0")
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `autopar inspect plan.json | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except (AutoparError, ValueError, OSError, ImportError) as e:
+        if debug:
+            raise
+        print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
