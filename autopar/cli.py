@@ -6,6 +6,8 @@
     autopar diff a.json b.json [--format table|json|markdown|html]
     autopar explain plan.json OP [--target TARGET]
     autopar verify plan.json TARGET
+    autopar render plan.json [--out plan.png|plan.svg|plan.pdf] [--top 8] [--title TEXT]
+    autopar calibrate --out PROFILE.toml [--mesh data=2,model=4] [--quick]
     autopar demo [...]
 
 TARGET names a factory returning an `autopar.Workload`: `path/to/file.py:factory` or
@@ -222,6 +224,52 @@ def _parser() -> argparse.ArgumentParser:
         "outputs (needs the mesh's devices; exit 1 on a mismatch)",
     )
     v.set_defaults(func=cmd_verify)
+
+    r = sub.add_parser(
+        "render",
+        help="draw a plan: layers coloured by strategy, sharding grids of the largest parameters",
+        description="Draw PLAN as a picture (matplotlib, Agg backend): the layers in program "
+        "order (identical layers drawn once, `h_0..h_95 (96 identical)`), each coloured by its "
+        "most common contraction strategy and by how its parameters are split, and the largest "
+        "parameters as rectangles cut into one tile per shard along every sharded dimension.",
+    )
+    r.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan/1 JSON)")
+    r.add_argument(
+        "--out",
+        "-o",
+        help="picture to write: .png, .svg or .pdf (default: PLAN with .png instead of .json)",
+    )
+    r.add_argument(
+        "--top",
+        type=int,
+        default=8,
+        help="how many of the largest parameters to draw (default: 8)",
+    )
+    r.add_argument("--title", help="the picture's title (default: the plan's function)")
+    r.set_defaults(func=cmd_render)
+
+    c = sub.add_parser(
+        "calibrate",
+        help="measure this machine's devices and write a cluster profile (.toml)",
+        description="Microbenchmark the local devices: matmul FLOP/s per dtype, memory "
+        "bandwidth, and all-reduce, all-gather, reduce-scatter and all-to-all over each mesh "
+        "axis at several message sizes; fit latency and bandwidth per link tier and write "
+        "them as a cluster profile that `--cluster PROFILE.toml` and cost_models.load accept.",
+    )
+    c.add_argument("--out", "-o", required=True, help="profile to write (.toml)")
+    c.add_argument(
+        "--mesh",
+        help="mesh to run the collectives on (default: every device of JAX's default backend "
+        "as data=N; a CPU gets 8 simulated devices, or the --mesh size, unless XLA_FLAGS sets "
+        "a count)",
+    )
+    c.add_argument("--name", help="profile name (default: calibrated-<platform>-<device kind>)")
+    c.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller sizes and fewer repetitions (about 10 s on a 2-core CPU; the full run about 30 s)",
+    )
+    c.set_defaults(func=cmd_calibrate)
 
     sub.add_parser(
         "demo",
@@ -510,6 +558,37 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_render(args) -> int:
+    from autopar.render import render_plan
+
+    if args.top < 0:
+        raise UsageError(f"--top must be >= 0, got {args.top}")
+    out = args.out or (os.path.splitext(args.plan)[0] + ".png")
+    plan = _load_plan(args.plan)
+    t0 = time.perf_counter()
+    path = render_plan(plan, out, top=args.top, title=args.title or "")
+    print(f"picture of {args.plan} written to {path} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    if not args.out.endswith(".toml"):
+        raise UsageError(f"--out {args.out!r}: a cluster profile is a .toml file")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"cannot write {args.out}: directory {out_dir} does not exist")
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    # JAX's default backend (the GPUs when there are any; JAX_PLATFORMS=cpu for the CPU),
+    # unlike search/verify, which plan on the CPU. A CPU gets simulated devices.
+    from autopar import demo
+
+    demo.setup_env(math.prod(mesh.values()) if mesh else 8)
+    from autopar.calibrate import calibrate
+
+    calibrate(args.out, mesh=mesh, quick=args.quick, name=args.name, log=print)
+    return 0
+
+
 NUMERICS_RTOL = 1e-5  # scalar outputs (losses)
 NUMERICS_GLOBAL_RTOL = 1e-4  # all outputs together: ||sharded - jit|| / ||jit||
 
@@ -554,7 +633,7 @@ def _verify_numerics(wl, mesh: dict[str, int], plan_path: str) -> int:
     return 0 if ok else 1
 
 
-COMMANDS = ("search", "inspect", "diff", "explain", "verify", "demo")
+COMMANDS = ("search", "inspect", "diff", "explain", "verify", "render", "calibrate", "demo")
 
 
 def main(argv: list[str] | None = None) -> int:

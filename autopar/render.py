@@ -1,0 +1,689 @@
+"""`autopar render`: a picture of a plan (PNG, SVG or PDF; matplotlib, Agg backend).
+
+The picture has two parts:
+
+* **Layers** (left): the model's layers in program order, grouped the way
+  `autopar inspect --by layer` groups them (`autopar.inspection.layer_of_path` /
+  `layer_of_op`). Each box is filled with the colour of the layer's most common
+  contraction strategy and carries a strip coloured by how its parameters are
+  split (which mesh axes shard most of their bytes). Consecutive layers whose
+  parameters and ops have the same specs and strategies are drawn once:
+  `h_0..h_95 (96 identical)`; if there are still too many boxes, consecutive
+  layers with the same colours are merged too (`(N similar)`).
+* **Parameters** (right): the largest parameters (one per set of same-shaped,
+  same-spec parameters across layers, `h_*/mlp/c_fc/kernel x96`), each a
+  rectangle (rows: dim 0; columns: the other dims) cut into one tile per shard
+  along every sharded dimension and labelled with the mesh-axis coordinates of
+  the devices holding it. The dark tile is one device's share.
+
+Everything is computed from the plan file alone; no function or devices needed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autopar.errors import AutoparError, format_bytes
+from autopar.inspection import (
+    _LAYER_RE,
+    CONTRACTIONS,
+    format_seconds,
+    full_bytes,
+    layer_of_op,
+    layer_of_path,
+    local_bytes,
+    shape_text,
+)
+from autopar.plan import Plan, TensorRecord
+from autopar.sharding import Spec
+
+FORMATS = ("png", "svg", "pdf")
+MAX_BOXES = 40  # merge similar layers beyond this many boxes
+BOXES_PER_COLUMN = 20
+MAX_SLOTS = 8  # tiles drawn along one direction; more print as 0 1 2 ... k-1
+DEFAULT_TOP = 8
+
+_STRATEGY_COLOURS = (
+    "#8ecae6",
+    "#ffb703",
+    "#90be6d",
+    "#f28482",
+    "#b8b8ff",
+    "#f4a261",
+    "#84a59d",
+    "#e9c46a",
+    "#cdb4db",
+    "#a3c4f3",
+)
+_NONE_COLOUR = "#e6e6e6"
+_AXIS_COLOURS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
+_SPLIT_COLOURS = ("#2a9d8f", "#e76f51", "#6d597a", "#264653", "#bc6c25", "#457b9d")
+_REPLICATED = "replicated"
+
+
+class RenderError(AutoparError):
+    """The picture cannot be made (bad output name, nothing to draw)."""
+
+
+# ---------------------------------------------------------------------------- model
+
+
+@dataclass
+class LayerGroup:
+    """One box: one layer, or a run of consecutive identical (or similar) layers."""
+
+    names: list[str]
+    identical: bool = True
+    ops: int = 0  # per layer
+    compute_s: float = 0.0  # per layer
+    contractions: Counter = field(default_factory=Counter)  # strategy -> count, all layers
+    param_bytes: int = 0  # per layer
+    param_local_bytes: int = 0  # per layer
+    split: str = _REPLICATED  # the mesh axes that shard most of the parameter bytes
+    has_params: bool = True  # False: its arrays are not parameters (the batch)
+    state_bytes: int = 0  # per layer: its other arrays (optimizer moments)
+    state_local_bytes: int = 0
+    state_split: str = ""
+
+    @property
+    def label(self) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        word = "identical" if self.identical else "similar"
+        return f"{self.names[0]}..{self.names[-1]} ({len(self.names)} {word})"
+
+    @property
+    def dominant(self) -> str | None:
+        if not self.contractions:
+            return None
+        return max(self.contractions.items(), key=lambda kv: (kv[1], kv[0]))[0]
+
+    @property
+    def dominant_share(self) -> str:
+        top = self.dominant
+        total = sum(self.contractions.values())
+        n = len(self.names)
+        return f"{self.contractions[top] // n} of {total // n}" if top else ""
+
+
+def _is_param(path: str) -> bool:
+    return "params" in path.split("/")
+
+
+def _split_class(spec: Spec, mesh_axes: tuple[str, ...]) -> str:
+    used = set(spec.used_axes)
+    return ",".join(a for a in mesh_axes if a in used) or _REPLICATED
+
+
+def _normal(parts: list[str], layer: str) -> str:
+    return "/".join(
+        "*" if p == layer or p.startswith(layer + ".") or p.startswith(layer + "(") else p
+        for p in parts
+    )
+
+
+def _layer_data(plan: Plan):
+    """Per layer: signature (for sameness), per-layer stats; and the layer order."""
+    axes = plan.mesh.axis_names
+    sig: dict[str, list] = {}
+    stats: dict[str, LayerGroup] = {}
+    split_bytes: dict[str, Counter] = {}
+    state_split: dict[str, Counter] = {}
+    first_input: dict[str, int] = {}
+    first_op: dict[str, int] = {}
+
+    def g(name: str) -> LayerGroup:
+        if name not in stats:
+            stats[name] = LayerGroup([name])
+            sig[name] = []
+            split_bytes[name] = Counter()
+            state_split[name] = Counter()
+        return stats[name]
+
+    has_params = {layer_of_path(r.path) for r in plan.inputs if _is_param(r.path)}
+    for i, r in enumerate(plan.inputs):
+        name = layer_of_path(r.path)
+        d = g(name)
+        first_input.setdefault(name, i)
+        sig[name].append(
+            ("in", _normal(r.path.split("/"), name), r.shape, r.dtype, r.spec.to_json())
+        )
+        if _is_param(r.path) or name not in has_params:
+            b = full_bytes(r)
+            d.param_bytes += b
+            d.param_local_bytes += local_bytes(r, plan.mesh)
+            split_bytes[name][_split_class(r.spec, axes)] += b
+        else:
+            b = full_bytes(r)
+            d.state_bytes += b
+            d.state_local_bytes += local_bytes(r, plan.mesh)
+            state_split[name][_split_class(r.spec, axes)] += b
+    for i, o in enumerate(plan.ops):
+        name = layer_of_op(o.key)
+        d = g(name)
+        first_op.setdefault(name, i)
+        d.ops += 1
+        d.compute_s += o.compute_s
+        if o.op in CONTRACTIONS:
+            d.contractions[o.strategy] += 1
+        sig[name].append(("op", _normal(o.key.split("/"), name), o.strategy, o.in_specs))
+    for name, d in stats.items():
+        d.has_params = name in has_params
+        if split_bytes[name]:
+            d.split = max(split_bytes[name].items(), key=lambda kv: (kv[1], kv[0]))[0]
+        if state_split[name]:
+            d.state_split = max(state_split[name].items(), key=lambda kv: (kv[1], kv[0]))[0]
+    # Program order: layers only read as inputs (the batch, embeddings used at top level)
+    # first, then layers in the order their first op runs; `(...)` groups last.
+    inputs_only = sorted(
+        (n for n in stats if n not in first_op and not n.startswith("(")),
+        key=lambda n: (n in has_params, first_input[n]),
+    )
+    with_ops = sorted((n for n in first_op if not n.startswith("(")), key=lambda n: first_op[n])
+    tail = sorted(
+        (n for n in stats if n.startswith("(")),
+        key=lambda n: (n in first_op, first_op.get(n, 0), first_input.get(n, 0)),
+    )
+    order = inputs_only + with_ops + tail
+    return order, stats, {k: tuple(v) for k, v in sig.items()}
+
+
+_NUM_RE = re.compile(r"^(.*?)(\d+)$")
+
+
+def _next_in_run(prev: str, name: str) -> bool:
+    a, b = _NUM_RE.match(prev), _NUM_RE.match(name)
+    return bool(
+        a
+        and b
+        and _LAYER_RE.match(name)
+        and a.group(1) == b.group(1)
+        and int(b.group(2)) == int(a.group(2)) + 1
+    )
+
+
+def _merge(a: LayerGroup, b: LayerGroup, identical: bool) -> LayerGroup:
+    n_a, n_b = len(a.names), len(b.names)
+    n = n_a + n_b
+    return LayerGroup(
+        names=a.names + b.names,
+        identical=identical and a.identical and b.identical,
+        ops=round((a.ops * n_a + b.ops * n_b) / n),
+        compute_s=(a.compute_s * n_a + b.compute_s * n_b) / n,
+        contractions=a.contractions + b.contractions,
+        param_bytes=round((a.param_bytes * n_a + b.param_bytes * n_b) / n),
+        param_local_bytes=round((a.param_local_bytes * n_a + b.param_local_bytes * n_b) / n),
+        split=a.split,
+        has_params=a.has_params,
+        state_bytes=round((a.state_bytes * n_a + b.state_bytes * n_b) / n),
+        state_local_bytes=round((a.state_local_bytes * n_a + b.state_local_bytes * n_b) / n),
+        state_split=a.state_split,
+    )
+
+
+def layer_groups(plan: Plan, max_boxes: int = MAX_BOXES) -> list[LayerGroup]:
+    """The boxes of the layer picture, in program order."""
+    order, stats, sig = _layer_data(plan)
+    groups: list[LayerGroup] = []
+    for name in order:
+        d = stats[name]
+        if groups:
+            last = groups[-1]
+            prev = last.names[-1]
+            if last.identical and _next_in_run(prev, name) and sig[prev] == sig[name]:
+                groups[-1] = _merge(last, d, True)
+                continue
+        groups.append(d)
+    if len(groups) > max_boxes:
+        merged: list[LayerGroup] = []
+        for d in groups:
+            if merged:
+                last = merged[-1]
+                if _next_in_run(last.names[-1], d.names[0]) and (last.dominant, last.split) == (
+                    d.dominant,
+                    d.split,
+                ):
+                    merged[-1] = _merge(last, d, False)
+                    continue
+            merged.append(d)
+        groups = merged
+    return groups
+
+
+@dataclass
+class ParamGroup:
+    """Same-shaped parameters with the same spec, across layers (`h_*/mlp/c_fc/kernel`)."""
+
+    name: str  # `h_*/mlp/c_fc/kernel` for several, else the parameter's own path
+    record: TensorRecord  # the first of them
+    count: int
+
+
+def _short_path(path: str) -> str:
+    parts = path.split("/")
+    if "params" in parts:
+        parts = parts[parts.index("params") + 1 :]
+    return "/".join(parts)
+
+
+def param_groups(plan: Plan, top: int = DEFAULT_TOP) -> list[ParamGroup]:
+    """The `top` largest parameters, one per set of same-shape same-spec ones."""
+    records = [r for r in plan.inputs if _is_param(r.path) and r.shape]
+    if not records:
+        records = [r for r in plan.inputs if r.shape]
+    groups: dict[tuple, ParamGroup] = {}
+    for r in records:
+        layer = layer_of_path(r.path)
+        name = _short_path(r.path)
+        m = _NUM_RE.match(layer)
+        if m and _LAYER_RE.match(layer):
+            parts = name.split("/")
+            name = "/".join(f"{m.group(1)}*" if p == layer else p for p in parts)
+        key = (name, r.shape, r.dtype, r.spec)
+        if key in groups:
+            groups[key].count += 1
+        else:
+            groups[key] = ParamGroup(name, r, 1)
+    for p in groups.values():
+        if p.count == 1:
+            p.name = _short_path(p.record.path)
+    ranked = sorted(groups.values(), key=lambda p: (-full_bytes(p.record), p.name))
+    return ranked[:top]
+
+
+# ---------------------------------------------------------------------------- drawing
+
+
+def _colour_map(keys, palette) -> dict:
+    out: dict = {}
+    for k in keys:
+        if k is not None and k not in out:
+            out[k] = palette[len(out) % len(palette)]
+    return out
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _slots(k: int) -> list[int | None]:
+    """Tile indices drawn along one direction: all of them, or 0..5, …, k-1."""
+    if k <= MAX_SLOTS:
+        return list(range(k))
+    return [*range(MAX_SLOTS - 2), None, k - 1]
+
+
+def _coords(i: int, axes: tuple[str, ...], sizes: dict[str, int]) -> str:
+    """Mesh coordinates of shard `i` of a dimension split over `axes` (major to minor):
+    `model 3`, or `data 1,model 3`."""
+    out = []
+    for a in reversed(axes):
+        out.append(f"{a} {i % sizes[a]}")
+        i //= sizes[a]
+    return ",".join(reversed(out))
+
+
+def _major(i: int | None, axes: tuple[str, ...], sizes: dict[str, int]) -> int:
+    """The coordinate along the major axis of shard `i` over `axes` (0 if none)."""
+    if i is None or not axes:
+        return 0
+    return i // math.prod(sizes[a] for a in axes[1:])
+
+
+def _fraction(total: float, local: float) -> str:
+    frac = total / local if local else 1
+    return f"1/{frac:.0f}" if frac > 1.01 else "whole"
+
+
+def _over(split: str) -> str:
+    return split if split == _REPLICATED else f"split over {split}"
+
+
+def _draw_layers(ax, groups: list[LayerGroup], plan: Plan, strat_colour, split_colour, ncols):
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+
+    per_col = math.ceil(len(groups) / ncols)
+    box_w, box_h, gap = 1.0, 1.0, 0.38
+    col_w = box_w + 0.12
+    ax.set_xlim(-0.02, ncols * col_w)
+    ax.set_ylim(-(per_col * (box_h + gap)) + gap - 0.05, 0.05)
+    ax.axis("off")
+    centres = []
+    for k, d in enumerate(groups):
+        col, row = divmod(k, per_col)
+        x0, y1 = col * col_w, -row * (box_h + gap)
+        y0 = y1 - box_h
+        fill = strat_colour.get(d.dominant, _NONE_COLOUR)
+        ax.add_patch(
+            FancyBboxPatch(
+                (x0, y0),
+                box_w,
+                box_h,
+                boxstyle="round,pad=0,rounding_size=0.04",
+                facecolor=fill,
+                edgecolor="#333333",
+                linewidth=0.8,
+            )
+        )
+        ax.add_patch(
+            Rectangle((x0, y0), 0.035, box_h, facecolor=split_colour[d.split], edgecolor="none")
+        )
+        n = len(d.names)
+        per = "/layer" if n > 1 else ""
+        lines = [
+            f"{d.ops} ops{per}, compute {format_seconds(d.compute_s)}{per}",
+        ]
+        if d.dominant:
+            lines.append(f"{_clip(d.dominant, 52)}  ({d.dominant_share})")
+        else:
+            lines.append("no contractions")
+        if d.param_bytes:
+            lines.append(
+                f"{'params' if d.has_params else 'arrays'} {format_bytes(d.param_bytes)}{per} -> "
+                f"{format_bytes(d.param_local_bytes)}/dev "
+                f"({_fraction(d.param_bytes, d.param_local_bytes)}), {_over(d.split)}"
+            )
+        if d.state_bytes:
+            lines.append(
+                f"opt state {format_bytes(d.state_bytes)} -> {format_bytes(d.state_local_bytes)}/dev "
+                f"({_fraction(d.state_bytes, d.state_local_bytes)}), {_over(d.state_split)}"
+            )
+        ax.text(
+            x0 + 0.06,
+            y1 - 0.1,
+            d.label,
+            fontsize=8.5,
+            fontweight="bold",
+            va="top",
+            ha="left",
+            family="DejaVu Sans",
+        )
+        ax.text(
+            x0 + 0.06,
+            y1 - 0.3,
+            "\n".join(lines),
+            fontsize=6.5,
+            va="top",
+            ha="left",
+            family="DejaVu Sans Mono",
+            linespacing=1.35,
+        )
+        centres.append((x0 + box_w / 2, y0, y1))
+    for (xa, ya0, _), (xb, _, yb1) in zip(centres, centres[1:]):
+        if abs(xa - xb) < 1e-9:
+            ax.add_patch(
+                FancyArrowPatch(
+                    (xa, ya0),
+                    (xb, yb1),
+                    arrowstyle="-|>",
+                    mutation_scale=8,
+                    color="#555555",
+                    linewidth=0.8,
+                )
+            )
+    ax.set_title(
+        "layers, in program order",
+        fontsize=8,
+        loc="left",
+    )
+
+
+def _draw_param(ax, pg: ParamGroup, plan: Plan, axis_colour):
+    from matplotlib.patches import Rectangle
+
+    r, mesh = pg.record, plan.mesh
+    sizes = mesh.shape
+    dims = r.spec.dims[: len(r.shape)]
+    ax.axis("off")
+    ax.set_xlim(-0.32, 1.02)
+    ax.set_ylim(-0.32, 1.34)
+    # rows: dim 0 (for rank >= 2); columns: the other dims, nested, major to minor
+    if len(r.shape) >= 2:
+        row_axes: tuple[str, ...] = dims[0]
+        col_dims = [(i, dims[i]) for i in range(1, len(r.shape))]
+        rows_n, cols_n = r.shape[0], math.prod(r.shape[1:])
+    else:
+        row_axes, col_dims = (), [(0, dims[0])]
+        rows_n, cols_n = 1, r.shape[0]
+    col_axes = tuple(a for _, d in col_dims for a in d)
+    k_rows = math.prod(sizes[a] for a in row_axes)
+    k_cols = math.prod(sizes[a] for a in col_axes)
+    ratio = math.log10(max(cols_n, 1) / max(rows_n, 1)) if len(r.shape) >= 2 else None
+    if ratio is None:
+        w, h = 1.0, 0.16
+    else:
+        ratio = max(-0.6, min(0.6, ratio))
+        w, h = (1.0, 10**-ratio) if ratio >= 0 else (10**ratio, 1.0)
+        w, h = w * 0.95, h * 0.95
+    x0, y1 = 0.0, 1.0
+    rs, cs = _slots(k_rows), _slots(k_cols)
+    tw, th = w / len(cs), h / len(rs)
+    row_c = axis_colour.get(row_axes[0]) if row_axes else None
+    col_c = axis_colour.get(col_axes[0]) if col_axes else None
+    import matplotlib.colors as mcolors
+
+    for a, ri in enumerate(rs):
+        for b, ci in enumerate(cs):
+            mine = (ri == 0 or not row_axes) and (ci == 0 or not col_axes)
+            base = row_c or col_c or "#bbbbbb"
+            if row_c and col_c:
+                base = row_c if (a + b) % 2 == 0 else col_c
+            rgb = mcolors.to_rgb(base)
+            # lighter or darker by the major axis' coordinate, a little by the minor one
+            major = _major(ri, row_axes, sizes) + _major(ci, col_axes, sizes)
+            shade = (
+                0.0
+                if mine and (row_axes or col_axes)
+                else 0.45 + 0.22 * (major % 2) + 0.1 * ((a + b) % 2)
+            )
+            colour = tuple(c + (1 - c) * shade for c in rgb)
+            ellipsis = ri is None or ci is None
+            ax.add_patch(
+                Rectangle(
+                    (x0 + b * tw, y1 - (a + 1) * th),
+                    tw,
+                    th,
+                    facecolor="#f4f4f4" if ellipsis else colour,
+                    edgecolor="white" if (row_axes or col_axes) else "#777777",
+                    linewidth=0.8,
+                    hatch="..." if ellipsis else None,
+                )
+            )
+    ax.add_patch(Rectangle((x0, y1 - h), w, h, fill=False, edgecolor="#333333", linewidth=0.9))
+    fs = 5.5
+    if row_axes:
+        for a, ri in enumerate(rs):
+            ax.text(
+                x0 - 0.015,
+                y1 - (a + 0.5) * th,
+                "…" if ri is None else _coords(ri, row_axes, sizes),
+                fontsize=fs,
+                ha="right",
+                va="center",
+                color=row_c,
+            )
+    if col_axes:
+        for b, ci in enumerate(cs):
+            ax.text(
+                x0 + (b + 0.5) * tw,
+                y1 + 0.015,
+                "…" if ci is None else _coords(ci, col_axes, sizes),
+                fontsize=fs,
+                ha="center",
+                va="bottom",
+                color=col_c,
+                rotation=90 if len(cs) > 4 else 0,
+            )
+    unused = [a for a in mesh.axis_names if a not in r.spec.used_axes and sizes[a] > 1]
+    shards = r.spec.shards(mesh)
+    times = f"  x{pg.count}" if pg.count > 1 else ""
+    dtype = r.dtype
+    local = r.spec.local_shape(r.shape, mesh)
+    per = math.prod(local) * (full_bytes(r) // max(math.prod(r.shape), 1))
+    info = [
+        f"{shape_text(r.shape)} {dtype}  {format_bytes(full_bytes(r))}{' each' if pg.count > 1 else ''}",
+        f"spec {r.spec}  {r.spec.to_json()}",
+        f"per device {shape_text(local)} = {format_bytes(per)}"
+        + (f" (1/{shards})" if shards > 1 else " (whole)"),
+    ]
+    if unused:
+        info.append("replicated over " + ", ".join(f"{a}={sizes[a]}" for a in unused))
+    ax.text(
+        x0 - 0.3,
+        y1 - h - 0.04,
+        _clip(pg.name, 52) + times,
+        fontsize=7.5,
+        va="top",
+        ha="left",
+        fontweight="bold",
+    )
+    ax.text(
+        x0 - 0.3,
+        y1 - h - 0.14,
+        "\n".join(info),
+        fontsize=6,
+        va="top",
+        ha="left",
+        family="DejaVu Sans Mono",
+        linespacing=1.3,
+    )
+
+
+def render_plan(plan: Plan, out: str | Path, top: int = DEFAULT_TOP, title: str = "") -> Path:
+    """Draw `plan` into `out` (.png, .svg or .pdf). Returns the path written."""
+    out = Path(out)
+    fmt = out.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise RenderError(
+            f"cannot tell the picture format from {str(out)!r}: name it .png, .svg or .pdf"
+        )
+    if not out.parent.is_dir():
+        raise RenderError(f"cannot write {out}: directory {out.parent} does not exist")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    groups = layer_groups(plan)
+    params = param_groups(plan, top)
+    strat_colour = _colour_map(
+        sorted(
+            {g.dominant for g in groups if g.dominant},
+            key=lambda s: -sum(g.contractions[s] for g in groups),
+        ),
+        _STRATEGY_COLOURS,
+    )
+    split_colour = {_REPLICATED: "#bdbdbd"}
+    split_colour.update(
+        _colour_map([g.split for g in groups if g.split != _REPLICATED], _SPLIT_COLOURS)
+    )
+    axis_colour = dict(zip(plan.mesh.axis_names, _AXIS_COLOURS * 4))
+
+    ncols = max(1, math.ceil(len(groups) / BOXES_PER_COLUMN))
+    per_col = math.ceil(len(groups) / ncols)
+    box_in = 1.0  # inches per box, gap included
+    layers_h = per_col * box_in + 0.4
+    legend_h = 0.25 + 0.16 * (len(strat_colour) + len(split_colour) + 3)
+    p_cols = 2 if len(params) > 1 else 1
+    p_rows = math.ceil(len(params) / p_cols)
+    cell_w, cell_h = 3.3, 2.9
+    left_w = 5.0 * ncols
+    right_w = p_cols * cell_w + 0.3 if params else 0.0
+    fig_w = left_w + right_w + 0.3
+
+    c = plan.cost
+    mesh = " x ".join(f"{a}={s}" for a, s in plan.mesh.shape.items())
+    hbm = float(plan.cluster.get("hbm_bytes", 0) or 0)
+    subtitle = textwrap.fill(
+        f"mesh {mesh} ({plan.mesh.num_devices} devices), cluster {plan.cluster.get('name', '?')}, "
+        f"engine {plan.engine}; predicted step {format_seconds(c.step_s)} = compute "
+        f"{format_seconds(c.compute_s)} + communication {format_seconds(c.comm_s)}; peak memory "
+        f"{format_bytes(c.peak_memory_bytes)}/device"
+        + (f" ({c.peak_memory_bytes / hbm * 100:.0f}% of HBM)" if hbm else "")
+        + f"; {len(plan.inputs)} inputs, {len(plan.ops)} ops",
+        int(fig_w / 0.062),
+    )
+    caption = textwrap.fill(
+        f"largest parameters ({len(params)} shown; xN: N same-shaped ones with this spec): "
+        "rows = dim 0, columns = the other dims; one tile per shard, labelled with the mesh "
+        "coordinates of the devices holding it; the dark tile is one device's share",
+        max(40, int(right_w / 0.058)),
+    )
+    sub_h = 0.14 * (subtitle.count("\n") + 1)
+    cap_h = 0.13 * (caption.count("\n") + 1) if params else 0.0
+    header_h = 0.45 + sub_h + max(0.25, cap_h) + 0.1
+    body_h = max(layers_h + legend_h, p_rows * cell_h + 0.3)
+    fig_h = header_h + body_h
+    fig = Figure(figsize=(fig_w, fig_h), dpi=110)
+
+    def axes(x, y, w, h):  # inches from the top-left corner
+        return fig.add_axes((x / fig_w, 1 - (y + h) / fig_h, w / fig_w, h / fig_h))
+
+    fig.text(
+        0.15 / fig_w,
+        1 - 0.15 / fig_h,
+        title or f"autopar plan: {plan.function or 'function'}",
+        fontsize=11,
+        fontweight="bold",
+        va="top",
+    )
+    fig.text(0.15 / fig_w, 1 - 0.42 / fig_h, subtitle, fontsize=7.5, va="top", linespacing=1.3)
+    if params:
+        fig.text(
+            (left_w + 0.1) / fig_w,
+            1 - (header_h - 0.05) / fig_h,
+            caption,
+            fontsize=7,
+            va="bottom",
+            linespacing=1.3,
+        )
+
+    ax = axes(0.15, header_h, left_w - 0.2, layers_h)
+    _draw_layers(ax, groups, plan, strat_colour, split_colour, ncols)
+
+    lax = axes(0.15, header_h + layers_h + 0.05, left_w - 0.2, legend_h)
+    lax.axis("off")
+    handles = [
+        Patch(facecolor=v, edgecolor="#333333", label=_clip(k, 70)) for k, v in strat_colour.items()
+    ]
+    if any(g.dominant is None for g in groups):
+        handles.append(Patch(facecolor=_NONE_COLOUR, edgecolor="#333333", label="no contractions"))
+    leg1 = lax.legend(
+        handles=handles,
+        loc="upper left",
+        fontsize=6.5,
+        title="fill: most common contraction strategy (out = in0 x in1)",
+        title_fontsize=7,
+        frameon=False,
+        alignment="left",
+    )
+    lax.add_artist(leg1)
+    lax.legend(
+        handles=[Patch(facecolor=v, label=k) for k, v in split_colour.items()],
+        loc="lower left",
+        fontsize=6.5,
+        title="strip: mesh axes splitting most parameter bytes",
+        title_fontsize=7,
+        frameon=False,
+        ncols=min(4, len(split_colour)),
+        alignment="left",
+    )
+
+    for k, pg in enumerate(params):
+        row, col = divmod(k, p_cols)
+        pax = axes(
+            left_w + col * cell_w + 0.3,
+            header_h + 0.25 + row * cell_h,
+            cell_w - 0.4,
+            cell_h - 0.45,
+        )
+        _draw_param(pax, pg, plan, axis_colour)
+
+    fig.savefig(out, format=fmt)
+    return out
