@@ -111,7 +111,8 @@ class Parallelized:
 
     # ---- internals ----------------------------------------------------------------------
     def _dyn(self, args) -> tuple:
-        return tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        static = _norm(self.static_argnums, len(args))
+        return tuple(a for i, a in enumerate(args) if i not in static)
 
     def _flat_dyn(self, args) -> list:
         return jax.tree_util.tree_leaves(self._dyn(args))
@@ -124,7 +125,7 @@ class Parallelized:
             else ("py", type(x).__name__)
             for x in leaves
         )
-        statics = tuple(_hashable(args[i]) for i in self.static_argnums if i < len(args))
+        statics = tuple(_hashable(args[i]) for i in _norm(self.static_argnums, len(args)))
         return (tree, sig, statics)
 
     def _get(self, args) -> _Compiled:
@@ -135,8 +136,9 @@ class Parallelized:
 
     def _compile(self, args) -> _Compiled:
         single = len(self.meshes) == 1
-        graph = capture(self.fn, args, self.static_argnums, self.meshes[0] if single else None)
-        donate = _flat_donate(args, self.static_argnums, self.donate_argnums)
+        static = _norm(self.static_argnums, len(args))
+        graph = capture(self.fn, args, static, self.meshes[0] if single else None)
+        donate = _flat_donate(args, static, _norm(self.donate_argnums, len(args)))
         if self.given_plan is not None:
             mesh = self._mesh_for_plan(self.given_plan)
             plan = bind_plan(self.given_plan, graph, mesh_info(mesh, self.profile), mesh)
@@ -400,6 +402,11 @@ def _sds_for(x, rec: TensorRecord, mesh):
             a.shape, a.dtype, sharding=NamedSharding(mesh, rec.spec.to_pspec())
         )
     return a
+
+
+def _norm(argnums: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """Argument positions as jax.jit reads them: negative ones count from the end."""
+    return tuple(i % n for i in argnums if -n <= i < n)
 
 
 def _flat_donate(args, static_argnums, donate_argnums) -> tuple[int, ...]:

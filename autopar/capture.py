@@ -152,7 +152,10 @@ class _Builder:
 
     def new_value(self, aval) -> int:
         shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        dtype = np.dtype(getattr(aval, "dtype", np.float32))
+        try:
+            dtype = np.dtype(getattr(aval, "dtype", np.float32))
+        except TypeError:  # extended dtypes (PRNG keys): priced as their uint32 words
+            dtype = np.dtype(np.uint32)
         self.values.append(TensorType(shape, dtype))
         return len(self.values) - 1
 

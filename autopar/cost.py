@@ -100,6 +100,7 @@ class CostModel:
             for a in scatter:
                 dims[dst_axis_dim[a]].append(a)
         # 2. Axes that sit where `dst` does not want them: move (all-to-all) or gather.
+        before = Spec(tuple(map(tuple, dims)))
         gather: list[str] = []
         moved: list[str] = []
         for i, d in enumerate(dims):
@@ -111,8 +112,9 @@ class CostModel:
                 (moved if a in dst_axis_dim else gather).append(a)
             dims[i] = d[:keep]
         if moved:
-            before = Spec(tuple(map(tuple, dims)))
             colls.append(self.collective("all-to-all", tuple(moved), self.local_bytes(t, before)))
+            for a in moved:
+                dims[dst_axis_dim[a]].append(a)
         if gather:
             after = Spec(tuple(map(tuple, dims)))
             colls.append(self.collective("all-gather", tuple(gather), self.local_bytes(t, after)))

@@ -24,6 +24,8 @@ def make_mesh(mesh: Mapping[str, int] | Mesh | AbstractMesh) -> Mesh | AbstractM
     if isinstance(mesh, Mesh):
         return Mesh(mesh.devices, mesh.axis_names, axis_types=auto(len(mesh.axis_names)))
     if isinstance(mesh, AbstractMesh):
+        if math.prod(mesh.axis_sizes) <= len(jax.devices()):
+            return make_mesh(dict(zip(mesh.axis_names, mesh.axis_sizes)))
         return AbstractMesh(
             tuple(mesh.axis_sizes), tuple(mesh.axis_names), axis_types=auto(len(mesh.axis_names))
         )

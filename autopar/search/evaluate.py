@@ -54,32 +54,33 @@ def total_time(problem: Problem, choice: Sequence[int]) -> float:
 
 
 def edge_collectives(problem: Problem, choice: Sequence[int]) -> list[tuple[int, Collective]]:
-    """(consumer cost-graph node, collective) for every reshard the plan pays."""
+    """(consumer cost-graph node, collective) for every reshard the plan pays. Uses of
+    one value that want the same spec share one reshard, as XLA computes it once (the
+    search's pairwise edge costs still count each use: a conservative overestimate)."""
     g, n_in, strategies = problem.graph, problem.num_inputs, problem.strategies
     out: list[tuple[int, Collective]] = []
+    seen: set[tuple[int, Spec]] = set()
+
+    def pay(x: int, src: Spec, dst: Spec, at: int) -> None:
+        if (x, dst) not in seen:
+            seen.add((x, dst))
+            out.extend((at, c) for c in problem.cost.reshard(g.values[x], src, dst).collectives)
+
     for node in g.nodes:
         v = n_in + node.id
         for j, x in enumerate(node.inputs):
-            if x not in problem.source:
-                continue
+            if x in problem.source:
+                u, k = problem.source[x]
+                pay(
+                    x,
+                    strategies[u][choice[u]].out_specs[k],
+                    strategies[v][choice[v]].in_specs[j],
+                    v,
+                )
+    for x, target in zip(g.outputs, output_specs(problem, choice)):
+        if x in problem.source:
             u, k = problem.source[x]
-            r = problem.cost.reshard(
-                g.values[x],
-                strategies[u][choice[u]].out_specs[k],
-                strategies[v][choice[v]].in_specs[j],
-            )
-            out.extend((v, c) for c in r.collectives)
-    for o, x in enumerate(g.outputs):
-        if x not in problem.source:
-            continue
-        u, k = problem.source[x]
-        spec = strategies[u][choice[u]].out_specs[k]
-        target = spec.without_partial()
-        if o in problem.aliases:
-            i = problem.aliases[o]
-            target = strategies[i][choice[i]].out_specs[0]
-        r = problem.cost.reshard(g.values[x], spec, target)
-        out.extend((u, c) for c in r.collectives)
+            pay(x, strategies[u][choice[u]].out_specs[k], target, u)
     return out
 
 

@@ -1,0 +1,439 @@
+"""The public API: `autopar.parallelize`, its cache, `Plan` files and user-facing errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_trees_close, is_sharded, run_steps, spec_leaves
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+import autopar
+import autopar.api
+from autopar.models import mlp
+
+MESH = {"data": 2, "model": 4}
+CONFIG = mlp.MLPConfig()
+
+
+@pytest.fixture(scope="module")
+def ts():
+    return mlp.make_train_step(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def state(ts):
+    return jax.jit(ts.init)(0)
+
+
+@pytest.fixture(scope="module")
+def searched(ts):
+    """One searched step function shared by the tests that only read its plan."""
+    return autopar.parallelize(ts.step, mesh=MESH)
+
+
+def _tanh_matmul(w, x):
+    return jnp.tanh(x @ w)
+
+
+def _residual(w, x):
+    """Output shaped like ``x``, so a donated ``x`` can hold it."""
+    return x + jnp.tanh(x @ w) @ w.T
+
+
+def _w_x(batch: int = 16):
+    w = (jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) % 7 - 3) / 16
+    x = (jnp.arange(batch * 64, dtype=jnp.float32).reshape(batch, 64) % 11 - 5) / 32
+    return w, x
+
+
+def _count_captures(monkeypatch) -> list:
+    """Record every trace autopar makes (a trace precedes every search)."""
+    calls = []
+    real = autopar.api.capture
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(autopar.api, "capture", counting)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------
+# Calling conventions and the per-signature cache
+# ---------------------------------------------------------------------------------------
+
+
+def test_decorator_form():
+    @autopar.parallelize(mesh=MESH)
+    def f(w, x):
+        """Docstring kept."""
+        return jnp.tanh(x @ w)
+
+    assert isinstance(f, autopar.Parallelized)
+    assert f.__name__ == "f" and f.__doc__ == "Docstring kept."
+    w, x = _w_x()
+    assert_trees_close(f(w, x), jax.jit(_tanh_matmul)(w, x))
+
+
+def test_cache_per_signature(ts, state, monkeypatch):
+    traces = _count_captures(monkeypatch)
+    step = autopar.parallelize(ts.step, mesh=MESH)
+    step(state, ts.batch(0))
+    assert len(step._cache) == 1 and len(traces) == 1
+    plan = step.plan(state, ts.batch(0))
+    # Same shapes, different values: no new trace, no new search.
+    step(state, ts.batch(1))
+    assert step.plan(state, ts.batch(1)) is plan
+    assert step.plan(*mlp.abstract_args(CONFIG)) is plan  # abstract args hit the cache too
+    assert len(step._cache) == 1 and len(traces) == 1
+    # A new batch shape is a new signature.
+    small = jax.tree_util.tree_map(lambda a: a[:8], ts.batch(0))
+    step(state, small)
+    assert len(step._cache) == 2 and len(traces) == 2
+    assert step.plan(state, small).inputs[-1].shape == (8, CONFIG.dout)
+    step(state, ts.batch(2))
+    assert len(step._cache) == 2 and len(traces) == 2
+
+
+def test_plan_with_shape_dtype_structs(ts, state, searched):
+    state_sds, batch_sds = mlp.abstract_args(CONFIG)
+    assert isinstance(jax.tree_util.tree_leaves(state_sds)[0], jax.ShapeDtypeStruct)
+    plan = searched.plan(state_sds, batch_sds)
+    assert isinstance(plan, autopar.Plan)
+    # The abstract plan is the one a concrete call uses.
+    assert searched.plan(state, ts.batch(0)) is plan
+    assert [r.shape for r in plan.inputs] == [
+        tuple(x.shape) for x in jax.tree_util.tree_leaves((state_sds, batch_sds))
+    ]
+
+
+def test_plan_pytrees_and_shardings(ts, state, searched):
+    args = (state, ts.batch(0))
+    plan = searched.plan(*args)
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    assert jax.tree_util.tree_structure(plan.in_specs, is_leaf=is_spec) == (
+        jax.tree_util.tree_structure(args)
+    )
+    out_shape = jax.eval_shape(ts.step, *args)
+    assert jax.tree_util.tree_structure(plan.out_specs, is_leaf=is_spec) == (
+        jax.tree_util.tree_structure(out_shape)
+    )
+    for tree in (plan.in_shardings, plan.out_shardings):
+        leaves = jax.tree_util.tree_leaves(tree)
+        assert leaves and all(isinstance(s, NamedSharding) for s in leaves)
+        assert all(s.mesh == searched.mesh for s in leaves)
+    for spec, sds in zip(spec_leaves(plan.in_specs), jax.tree_util.tree_leaves(args)):
+        assert len(spec) <= sds.ndim
+    text = str(plan)
+    assert plan.engine in text and f"engine {plan.engine}" in text
+    assert "params/dense_0/kernel" in text
+
+
+# ---------------------------------------------------------------------------------------
+# Plan files
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_step(ts):
+    """An fsdp plan: sharded parameters and partial sums, so the file holds every kind
+    of spec."""
+    return autopar.parallelize(ts.step, mesh=MESH, engine="fsdp")
+
+
+def test_plan_save_load_round_trip(ts, state, fsdp_step, tmp_path):
+    plan = fsdp_step.plan(state, ts.batch(0))
+    assert any(is_sharded(s) for s in spec_leaves(plan.in_specs))
+    assert any(s.partial for op in plan.ops for s in op.out_specs)  # partial sums saved too
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = autopar.Plan.load(path)
+    assert loaded.to_json() == plan.to_json()
+    again = tmp_path / "again.json"
+    loaded.save(again)
+    assert again.read_text() == path.read_text()
+    assert json.loads(path.read_text())["format"] == "autopar.plan/1"
+    # Unbound, the specs are keyed by argument path.
+    assert (
+        loaded.in_specs["state/params/dense_0/kernel"]
+        == (plan.in_specs[0]["params"]["dense_0"]["kernel"])
+    )
+
+    reused = autopar.parallelize(ts.step, mesh=MESH, plan=path)
+    bound = reused.plan(state, ts.batch(0))
+    assert bound.to_json() == plan.to_json()
+    assert bound.in_specs == plan.in_specs
+    ref_losses, ref_state = run_steps(fsdp_step, state, ts.batch, 2)
+    losses, new_state = run_steps(reused, state, ts.batch, 2)
+    assert_trees_close(losses, ref_losses, rtol=0, atol=0)  # the same program
+    assert_trees_close(new_state, ref_state, rtol=0, atol=0)
+    jit_losses, _ = run_steps(jax.jit(ts.step), state, ts.batch, 2)
+    assert_trees_close(losses, jit_losses)
+    # A Plan object works as well as a path.
+    assert autopar.parallelize(ts.step, mesh=MESH, plan=loaded).plan(state, ts.batch(0)).to_json()
+
+
+def test_plan_for_another_function_raises(tmp_path):
+    w, x = _w_x()
+    path = tmp_path / "plan.json"
+    autopar.parallelize(_tanh_matmul, mesh=MESH).plan(w, x).save(path)
+
+    def transposed(w, x):
+        return jnp.tanh(x @ w.T)
+
+    with pytest.raises(autopar.PlanError) as e:
+        autopar.parallelize(transposed, mesh=MESH, plan=path)(w.T, x)
+    msg = str(e.value)
+    assert "w: plan ((64, 32), 'float32') vs function ((32, 64), 'float32')" in msg
+    assert "x:" not in msg  # only the differing argument is named
+
+    # Same function, another batch shape: names the argument and both shapes.
+    with pytest.raises(autopar.PlanError, match=r"x: plan \(\(16, 64\).*\(\(8, 64\)"):
+        autopar.parallelize(_tanh_matmul, mesh=MESH, plan=path).plan(w, x[:8])
+
+    # Same shapes, another computation.
+    with pytest.raises(autopar.PlanError, match="different computation"):
+        autopar.parallelize(lambda w, x: jnp.sin(x @ w), mesh=MESH, plan=path).plan(w, x)
+
+    # Another mesh.
+    with pytest.raises(autopar.PlanError, match="mesh"):
+        autopar.parallelize(_tanh_matmul, mesh={"data": 8}, plan=path).plan(w, x)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(lambda text: text[: len(text) // 2], id="truncated"),
+        pytest.param(lambda text: "", id="empty"),
+        pytest.param(lambda text: text.replace("{", "[", 3), id="garbled"),
+        pytest.param(lambda text: text.replace('"inputs"', '"inputz"'), id="missing-key"),
+        pytest.param(lambda text: text.replace("autopar.plan/1", "autopar.plan/0"), id="format"),
+        pytest.param(lambda text: "[1, 2]", id="not-an-object"),
+    ],
+)
+def test_corrupted_plan_file_raises_one_line(corrupt, tmp_path):
+    w, x = _w_x()
+    path = tmp_path / "plan.json"
+    autopar.parallelize(_tanh_matmul, mesh=MESH).plan(w, x).save(path)
+    path.write_text(corrupt(path.read_text()))
+    for load in (
+        lambda: autopar.Plan.load(path),
+        lambda: autopar.parallelize(_tanh_matmul, mesh=MESH, plan=path),
+    ):
+        with pytest.raises(autopar.PlanError) as e:
+            load()
+        msg = str(e.value)
+        assert "\n" not in msg and str(path) in msg, msg
+
+
+def test_missing_plan_file(tmp_path):
+    with pytest.raises(autopar.PlanError, match="does not exist"):
+        autopar.parallelize(_tanh_matmul, mesh=MESH, plan=tmp_path / "nope.json")
+
+
+# ---------------------------------------------------------------------------------------
+# Meshes
+# ---------------------------------------------------------------------------------------
+
+
+def test_abstract_mesh_bigger_than_the_devices():
+    step = autopar.parallelize(mlp.make_train_step(CONFIG).step, mesh={"data": 16, "model": 8})
+    assert isinstance(step.mesh, AbstractMesh)
+    state_sds, batch_sds = mlp.abstract_args(CONFIG)
+    batch_sds = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct((128,) + a.shape[1:], a.dtype), batch_sds
+    )
+    plan = step.plan(state_sds, batch_sds)
+    assert plan.mesh.axis_sizes == (16, 8)
+    lowered = step.lower(state_sds, batch_sds)
+    assert isinstance(lowered, jax.stages.Lowered)
+    assert "sharding" in lowered.as_text()
+    with pytest.raises(autopar.PlanError, match="abstract"):
+        plan.in_shardings  # noqa: B018
+    state = jax.jit(mlp.make_train_step(CONFIG).init)(0)
+    batch = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), batch_sds)
+    with pytest.raises(autopar.MeshError) as e:
+        step(state, batch)
+    msg = str(e.value)
+    assert "128" in msg and "8" in msg.replace("128", "")
+
+
+def test_mesh_forms(ts, state):
+    """A jax Mesh and an AbstractMesh of the right size work like the dict."""
+    w, x = _w_x()
+    ref = jax.jit(_tanh_matmul)(w, x)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    out = autopar.parallelize(_tanh_matmul, mesh=mesh)(w, x)
+    assert_trees_close(out, ref)
+    assert out.sharding.mesh.axis_names == ("data", "model")
+    abstract = AbstractMesh((2, 4), ("data", "model"))
+    planned = autopar.parallelize(_tanh_matmul, mesh=abstract).plan(w, x)
+    assert planned.mesh.axis_sizes == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        {"data": 2.0, "model": 4},
+        {"data": "2"},
+        {"data": 0},
+        {"data": -2},
+        {"data": None},
+        {"data": True},
+        {},
+        [2, 4],
+    ],
+    ids=["float", "str", "zero", "negative", "none", "bool", "empty", "list"],
+)
+def test_bad_mesh_raises_mesh_error(mesh):
+    with pytest.raises(autopar.MeshError):
+        autopar.parallelize(_tanh_matmul, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------
+
+
+def test_memory_budget_too_small(ts, state):
+    step = autopar.parallelize(ts.step, mesh=MESH, memory_budget=1000)
+    with pytest.raises(autopar.MemoryBudgetError) as e:
+        step(state, ts.batch(0))
+    msg = str(e.value)
+    assert "smallest" in msg and "1000 B" in msg
+
+
+def test_unknown_engine_lists_the_engines():
+    w, x = _w_x()
+    with pytest.raises(ValueError, match="bogus") as e:
+        autopar.parallelize(_tanh_matmul, mesh=MESH, engine="bogus")(w, x)
+    for engine in ("auto", "recursive", "dp", "ilp", "data", "fsdp"):
+        assert engine in str(e.value)
+
+
+@pytest.mark.parametrize("engine", ["recursive", "dp", "data", "fsdp", "ilp"])
+def test_every_engine_runs(engine):
+    w, x = _w_x()
+    step = autopar.parallelize(_tanh_matmul, mesh=MESH, engine=engine)
+    assert_trees_close(step(w, x), jax.jit(_tanh_matmul)(w, x))
+    assert step.plan(w, x).engine.split("+")[0] == engine
+
+
+@pytest.mark.parametrize(
+    "fn, primitive",
+    [
+        (lambda a: jax.lax.linalg.cholesky(a @ a.T + 8 * jnp.eye(8)), "cholesky"),
+        (lambda a: jnp.linalg.inv(a @ a.T + 8 * jnp.eye(8)) * 2.0, "lu"),
+    ],
+    ids=["cholesky", "inv"],
+)
+def test_unsupported_primitive_runs_replicated_with_warning(fn, primitive):
+    a = (jnp.arange(64, dtype=jnp.float32).reshape(8, 8) % 5 - 2) / 8
+    step = autopar.parallelize(fn, mesh={"data": 8})
+    assert_trees_close(step(a), jax.jit(fn)(a))
+    warnings = step.plan(a).warnings
+    assert any(f"'{primitive}'" in w for w in warnings), warnings
+    assert f"'{primitive}'" in str(step.plan(a))
+
+
+def test_donate_argnums(ts, state):
+    step = autopar.parallelize(ts.step, mesh=MESH, donate_argnums=(0,))
+    plan = step.plan(state, ts.batch(0))
+    # Like jax.jit, only an argument already laid out as the plan wants can be donated
+    # (anything else is copied into place first, and the copy is donated).
+    # (A replicated device_put may share the source's buffer on its first device, so the
+    # donated copy is made from a private copy of the shared fixture.)
+    own = jax.tree_util.tree_map(jnp.copy, state)
+    placed = jax.device_put(own, plan.in_shardings[0])
+    batch = ts.batch(0)
+    new_state, metrics = step(placed, batch)
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(placed))
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(batch))
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(state))
+    ref_state, ref_metrics = jax.jit(ts.step)(state, batch)
+    assert_trees_close(metrics, ref_metrics)
+    assert_trees_close(new_state["opt_state"], ref_state["opt_state"])
+    # The int form. Donation only frees a buffer an output of the same per-device shape
+    # can reuse (else XLA warns "Some donated buffers were not usable" and keeps it), so
+    # use an elementwise function whose plan keeps the layout.
+    donate_x = autopar.parallelize(_affine, mesh=MESH, donate_argnums=0)
+    w, x = _w_x()
+    plan = donate_x.plan(x)
+    assert plan.in_specs[0] == plan.out_specs, str(plan)
+    ref = jax.jit(_affine)(x)
+    x = jax.device_put(jnp.copy(x), plan.in_shardings[0])
+    assert_trees_close(donate_x(x), ref)
+    assert x.is_deleted()
+
+
+def _affine(x):
+    return x * 2.0 + 1.0
+
+
+def test_static_argnums(monkeypatch):
+    def scaled(w, power, x):
+        assert isinstance(power, int)
+        return _residual(w, x) ** power
+
+    traces = _count_captures(monkeypatch)
+    step = autopar.parallelize(scaled, mesh=MESH, static_argnums=(1,))
+    w, x = _w_x()
+    for power in (1, 2, 1, 3):
+        assert_trees_close(step(w, power, x), jax.jit(scaled, static_argnums=1)(w, power, x))
+    assert len(step._cache) == 3 and len(traces) == 3
+    plan = step.plan(w, 2, x)
+    # The static argument is not an input of the plan.
+    assert [r.path for r in plan.inputs] == ["w", "x"]
+    assert len(plan.in_specs) == 2
+
+
+def test_static_and_donated_argnums_count_full_positions():
+    """donate_argnums index the full argument list, static arguments included."""
+
+    def powered(power, x):
+        return x**power
+
+    step = autopar.parallelize(powered, mesh=MESH, static_argnums=0, donate_argnums=1)
+    _, x = _w_x()
+    plan = step.plan(3, x)
+    assert plan.in_specs[0] == plan.out_specs, str(plan)
+    ref = jax.jit(powered, static_argnums=0)(3, x)
+    x = jax.device_put(jnp.copy(x), plan.in_shardings[0])
+    assert_trees_close(step(3, x), ref)
+    assert x.is_deleted()
+
+
+# ---------------------------------------------------------------------------------------
+# Regressions of bugs found and fixed
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", [lambda: jax.random.key(0), lambda: jax.random.PRNGKey(0)], ids=["typed", "raw"]
+)
+def test_function_using_jax_random(key):
+    def dropout(k, x):
+        return jnp.where(jax.random.bernoulli(k, 0.5, x.shape), x, 0.0)
+
+    _, x = _w_x()
+    step = autopar.parallelize(dropout, mesh=MESH)
+    assert_trees_close(step(key(), x), jax.jit(dropout)(key(), x))
+
+
+def test_negative_static_argnums():
+    def rows(x, n):
+        return x.reshape(n, -1) * 2.0
+
+    _, x = _w_x()
+    step = autopar.parallelize(rows, mesh=MESH, static_argnums=-1)
+    assert_trees_close(step(x, 4), jax.jit(rows, static_argnums=-1)(x, 4))
+
+
+def test_abstract_mesh_that_fits_the_devices_runs():
+    w, x = _w_x()
+    step = autopar.parallelize(_tanh_matmul, mesh=AbstractMesh((2, 4), ("data", "model")))
+    assert_trees_close(step(w, x), jax.jit(_tanh_matmul)(w, x))
