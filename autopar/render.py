@@ -252,6 +252,14 @@ def layer_groups(plan: Plan, max_boxes: int = MAX_BOXES) -> list[LayerGroup]:
                     continue
             merged.append(d)
         groups = merged
+    if len(groups) > max_boxes:  # still too many: merge runs of numbered layers regardless
+        merged = []
+        for d in groups:
+            if merged and _next_in_run(merged[-1].names[-1], d.names[0]):
+                merged[-1] = _merge(merged[-1], d, False)
+            else:
+                merged.append(d)
+        groups = merged
     return groups
 
 
