@@ -4,6 +4,7 @@ Trace a function, search a sharding for every op with a cost model, run it as
 `jax.jit` with those shardings.
 """
 
+from autopar import checkpoint, distributed
 from autopar.api import Parallelized, parallelize
 from autopar.errors import AutoparError, CaptureError, MemoryBudgetError, MeshError, PlanError
 from autopar.meshes import make_mesh
@@ -19,6 +20,8 @@ __all__ = [
     "Plan",
     "PlanError",
     "Workload",
+    "checkpoint",
+    "distributed",
     "make_mesh",
     "parallelize",
 ]

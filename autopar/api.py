@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ import cost_models
 from autopar._compat import broadcast_prefix
 from autopar.capture import abstractify_tree, capture, fn_name
 from autopar.cost import CostModel
-from autopar.errors import MemoryBudgetError, MeshError, PlanError, format_bytes
+from autopar.errors import AutoparError, MemoryBudgetError, MeshError, PlanError, format_bytes
 from autopar.ir import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.meshes import MeshLike, resolve
@@ -80,16 +81,18 @@ class Parallelized:
         return self.meshes[0]
 
     # ---- public -------------------------------------------------------------------------
-    def plan(self, *args) -> Plan:
+    def plan(self, *args, **kwargs) -> Plan:
         """Search (or load) the plan for these arguments. Abstract args are fine."""
-        return self._get(args).plan
+        return self._get(self._positional(args, kwargs)).plan
 
-    def lower(self, *args) -> jax.stages.Lowered:
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """Lower the sharded program, like `jax.jit(fn).lower(*args)`."""
+        args = self._positional(args, kwargs)
         c = self._get(args)
         return _lower(c.jitted, self._flat_dyn(args), c.plan, c.mesh)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        args = self._positional(args, kwargs)
         if isinstance(self.meshes[0], AbstractMesh):
             m = self.meshes[0]
             raise MeshError(
@@ -100,6 +103,13 @@ class Parallelized:
             )
         c = self._get(args)
         flat = self._flat_dyn(args)
+        for x, r in zip(flat, c.plan.inputs):
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise AutoparError(
+                    f"{fn_name(self.fn)}: argument {r.path} {r.dtype}{list(r.shape)} was deleted, most "
+                    f"likely donated to an earlier call (donate_argnums={self.donate_argnums}); pass the "
+                    "updated value that call returned instead"
+                )
         placed = [
             jax.device_put(x, NamedSharding(c.mesh, r.spec.to_pspec()))
             if isinstance(x, jax.Array | np.ndarray)
@@ -110,6 +120,21 @@ class Parallelized:
         return jax.tree_util.tree_unflatten(c.graph.out_tree, outs)
 
     # ---- internals ----------------------------------------------------------------------
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """Keyword arguments bound to their positions (autopar traces positionally)."""
+        if not kwargs:
+            return args
+        try:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise AutoparError(f"{fn_name(self.fn)}: cannot bind the arguments: {e}") from None
+        if bound.kwargs:
+            raise AutoparError(
+                f"{fn_name(self.fn)}: keyword-only arguments {sorted(bound.kwargs)} are not supported; "
+                "pass them positionally or close over them"
+            )
+        return tuple(bound.args)
+
     def _dyn(self, args) -> tuple:
         static = _norm(self.static_argnums, len(args))
         return tuple(a for i, a in enumerate(args) if i not in static)

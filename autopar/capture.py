@@ -164,7 +164,10 @@ class _Builder:
         self.consts[v] = value
         return v
 
-    def inline(self, jaxpr, consts, in_ids: Sequence[int], stack: str) -> list[int]:
+    def inline(self, jaxpr, consts, in_ids: Sequence[int], stack: str, site: str = "<unknown>") -> list[int]:
+        """Append `jaxpr`'s eqns, calls inlined. `site` is the source line of the call
+        being inlined: eqns with no user frame of their own (inside library jits such as
+        `jnp.linalg.eigh`) point there instead."""
         env: dict[Any, int] = {}
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = self.const(c, var.aval)
@@ -188,7 +191,7 @@ class _Builder:
                     sub, sub_consts = callee, ()
                 if name in ("pjit", "jit") and eqn.params.get("name"):
                     inner_stack = _join(inner_stack, str(eqn.params["name"]))
-                outs = self.inline(sub, sub_consts, ins, inner_stack)
+                outs = self.inline(sub, sub_consts, ins, inner_stack, _source(eqn, site))
                 for var, v in zip(eqn.outvars, outs):
                     env[var] = v
                 continue
@@ -205,10 +208,15 @@ class _Builder:
                     primitive=eqn.primitive,
                     params=dict(eqn.params),
                     name_stack=inner_stack,
-                    source=_compat.eqn_source(eqn),
+                    source=_source(eqn, site),
                 )
             )
         return [read(x) for x in jaxpr.outvars]
+
+
+def _source(eqn, site: str) -> str:
+    src = _compat.eqn_source(eqn)
+    return site if src == "<unknown>" else src
 
 
 def _join(a: str, b: str) -> str:

@@ -131,6 +131,44 @@ def replicated_rule(node: Node, graph: Graph, label: str, warning: str | None = 
     )
 
 
+def _fit_to_mesh(rule: Fixed, node: Node, graph: Graph, mesh: MeshInfo) -> tuple[Fixed, str | None]:
+    """Check a fixed rule (a user constraint) against the mesh: unknown axes are an
+    error naming the source line; axes that do not divide a dim are dropped (as jax.jit
+    would pad, autopar keeps every shard even) with a warning."""
+    from autopar.errors import MeshError
+
+    specs = (*rule.in_specs, *rule.out_specs)
+    unknown = sorted({a for s in specs for a in s.used_axes if a not in mesh.axis_names})
+    if unknown:
+        raise MeshError(
+            f"the sharding constraint at {node.key} names mesh axes {unknown}, but autopar plans on "
+            f"mesh axes {mesh.axis_names}; constrain with this mesh's axes (bare PartitionSpecs "
+            "resolve against the mesh given to autopar.parallelize)"
+        )
+    types = [graph.values[v] for v in (*node.inputs, *node.outputs)]
+    dropped: list[str] = []
+
+    def fit(spec: Spec, t) -> Spec:
+        dims = []
+        for size, axes in zip(t.shape, spec.dims):
+            n = math.prod(mesh.size(a) for a in axes)
+            if axes and size % n:
+                dropped.append(f"dim of size {size} over {'x'.join(axes)} ({n})")
+                axes = ()
+            dims.append(axes)
+        return Spec(tuple(dims), spec.partial)
+
+    fitted = [fit(s, t) for s, t in zip(specs, types)]
+    if not dropped:
+        return rule, None
+    k = len(rule.in_specs)
+    note = (
+        f"the sharding constraint at {node.key} on {types[0]} does not divide evenly "
+        f"({'; '.join(dict.fromkeys(dropped))}); those dims run unsplit"
+    )
+    return Fixed(tuple(fitted[:k]), tuple(fitted[k:]), rule.label, rule.warning), note
+
+
 @dataclass(frozen=True)
 class NodeStrategies:
     strategies: tuple[Strategy, ...]
@@ -151,6 +189,7 @@ def strategies_for(node: Node, graph: Graph, mesh: MeshInfo) -> NodeStrategies:
                 f"no sharding rule for primitive '{node.op}' at {node.key}; it runs replicated"
             )
     if isinstance(rule, Fixed):
-        return NodeStrategies((fixed_strategy(rule),), warning or rule.warning)
+        rule, note = _fit_to_mesh(rule, node, graph, mesh)
+        return NodeStrategies((fixed_strategy(rule),), warning or rule.warning or note)
     strategies = enumerate_factor_rule(rule, mesh)
     return NodeStrategies(tuple(strategies), warning)
