@@ -373,6 +373,7 @@ def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:
         cost=result.cost,
         warnings=problem.warnings,
         candidates=result.candidates,
+        search_info=result.solver_info,
         function=g.name,
         in_tree=g.in_tree,
         out_tree=g.out_tree,

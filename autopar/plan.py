@@ -125,6 +125,7 @@ class Plan:
     candidates: dict[str, Cost] = field(default_factory=dict)
     function: str = ""
     compiled_memory_bytes: int | None = None  # XLA's figure, when the plan was compiled to check it
+    search_info: dict = field(default_factory=dict)  # per engine: optimal, gap (dp / ilp)
     in_tree: Any = field(default=None, repr=False, compare=False)
     out_tree: Any = field(default=None, repr=False, compare=False)
     jax_mesh: Any = field(default=None, repr=False, compare=False)
@@ -183,6 +184,7 @@ class Plan:
             "ops": [o.to_json() for o in self.ops],
             "warnings": list(self.warnings),
             "compiled_memory_bytes": self.compiled_memory_bytes,
+            "search_info": self.search_info,
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -217,6 +219,7 @@ class Plan:
                 candidates={k: Cost.from_json(v) for k, v in d.get("candidates", {}).items()},
                 function=d.get("function", ""),
                 compiled_memory_bytes=d.get("compiled_memory_bytes"),
+                search_info=dict(d.get("search_info", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
@@ -256,6 +259,17 @@ class Plan:
                     f"{k} {v.step_s * 1e3:.3f} ms/{format_bytes(v.peak_memory_bytes)}"
                     for k, v in self.candidates.items()
                 )
+            )
+        for name, info in self.search_info.items():
+            gap = info.get("gap")
+            lines.append(
+                f"  {name}: "
+                + (
+                    "proven optimal under the cost model"
+                    if info.get("optimal")
+                    else "not proven optimal"
+                )
+                + (f" (gap {gap:.2%})" if isinstance(gap, float) and gap > 0 else "")
             )
         for w in self.warnings:
             lines.append(f"  warning: {w}")

@@ -4,25 +4,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autopar.errors import MemoryBudgetError, format_bytes
 from autopar.search import engines
 from autopar.search.evaluate import Cost, evaluate
 from autopar.search.problem import Problem
 
+# What the exact solvers prove, by engine name, for the plan file (`search_info`).
+SolverInfo = dict[str, object]
 
-def _dp(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
+
+def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
     from autopar.search.dp import solve_dp
 
-    return list(solve_dp(_pin(problem, pinned)).choice)
+    sol = solve_dp(_pin(problem, pinned))
+    info.update(optimal=sol.optimal, gap=sol.gap)
+    return list(sol.choice)
 
 
-def _ilp(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
+def _ilp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
     from autopar.search.ilp import solve_ilp
 
     warm = engines.recursive(problem, pinned)
-    return list(solve_ilp(_pin(problem, pinned), time_limit=60.0, warm_start=warm).choice)
+    sol = solve_ilp(_pin(problem, pinned), time_limit=ILP_TIME_LIMIT_S, warm_start=warm)
+    info.update(optimal=sol.optimal, gap=sol.gap, status=str(sol.info.get("status", "")))
+    return list(sol.choice)
+
+
+ILP_TIME_LIMIT_S = 60.0
 
 
 def _pin(problem: Problem, pinned: Mapping[int, int], forbid: float = 1e6):
@@ -39,15 +49,16 @@ def _pin(problem: Problem, pinned: Mapping[int, int], forbid: float = 1e6):
     return type(g)(tuple(cost), g.node_mem, g.edges)
 
 
-Engine = Callable[[Problem, Mapping[int, int]], list[int]]
+# An engine maps (problem, pinned nodes, info to fill) to one strategy index per node.
+Engine = Callable[[Problem, Mapping[int, int], SolverInfo], list[int]]
 ENGINES: dict[str, Engine] = {
-    "recursive": lambda p, pins: engines.recursive(p, pins),
+    "recursive": lambda p, pins, info: engines.recursive(p, pins),
     "dp": _dp,
     "ilp": _ilp,
     # Baselines fix the arguments' specs and let `dp` complete the rest optimally.
-    "data": lambda p, pins: _dp(p, {**engines.data_pins(p), **pins}),
-    "fsdp": lambda p, pins: _dp(p, {**engines.fsdp_pins(p), **pins}),
-    "propagate": engines.propagate,
+    "data": lambda p, pins, info: _dp(p, {**engines.data_pins(p), **pins}, info),
+    "fsdp": lambda p, pins, info: _dp(p, {**engines.fsdp_pins(p), **pins}, info),
+    "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }
 AUTO_ENGINES = ("recursive", "dp", "data", "fsdp")
 
@@ -60,6 +71,7 @@ class SearchResult:
     seconds: float
     candidates: dict[str, Cost]
     ranked: tuple[tuple[str, tuple[int, ...], Cost], ...] = ()  # every fitting plan, best first
+    solver_info: dict[str, SolverInfo] = field(default_factory=dict)  # optimality / gap per engine
 
     def pick(self, name: str) -> SearchResult:
         """The same search, answered with the ranked plan `name` instead of the best."""
@@ -78,20 +90,23 @@ def search(
     start = time.perf_counter()
     names = AUTO_ENGINES if engine == "auto" else (engine,)
     candidates: dict[str, tuple[list[int], Cost]] = {}
+    info: dict[str, SolverInfo] = {}
     zero_pins = {
         i: s
         for i, s in engines.fsdp_pins(problem).items()
         if i not in pinned and i in problem.aliases.values()
     }
     for name in names:
-        choice = ENGINES[name](problem, pinned)
+        info[name] = {}
+        choice = ENGINES[name](problem, pinned, info[name])
         candidates[name] = (choice, evaluate(problem, choice))
         if (
             candidates[name][1].peak_memory_bytes > memory_budget
             and name not in ("data", "fsdp")
             and zero_pins
         ):
-            choice = ENGINES[name](problem, {**zero_pins, **pinned})
+            info[f"{name}+zero3"] = {}
+            choice = ENGINES[name](problem, {**zero_pins, **pinned}, info[f"{name}+zero3"])
             candidates[f"{name}+zero3"] = (choice, evaluate(problem, choice))
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
@@ -114,6 +129,7 @@ def search(
         time.perf_counter() - start,
         {k: v[1] for k, v in candidates.items()},
         tuple((k, tuple(c), cost) for k, (c, cost) in ranked),
+        {k: v for k, v in info.items() if v},
     )
 
 
