@@ -1,9 +1,7 @@
 """Bad or unusual input: the catalogue of docs/troubleshooting.md, one test per entry.
 
 Each entry either gives correct numbers (the sharded program equals `jax.jit`) or a
-clear autopar error that names the user's code, the shapes and what to do. Where
-autopar's current behaviour falls short, a strict xfail states the bug; it starts
-failing loudly once fixed, so the xfail marker can be removed.
+clear autopar error that names the user's code, the shapes and what to do.
 """
 
 from __future__ import annotations
@@ -242,13 +240,6 @@ def _outer(x):
     return jnp.tanh(big).sum()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autopar/search/__init__.py:120 _dominant lists only the largest *arguments*; "
-    "when live intermediates dominate the peak (here a float32[64,256,256] outer product "
-    "makes the 4 MiB peak, arguments are 8 KiB) the message names neither them, their "
-    "shape nor their source line",
-)
 def test_memory_error_names_the_dominant_intermediate():
     with pytest.raises(autopar.MemoryBudgetError) as e:
         autopar.parallelize(_outer, mesh={"data": 8}, memory_budget=65536).plan(

@@ -134,14 +134,24 @@ def search(
 
 
 def _dominant(problem: Problem, choice, top: int = 3) -> str:
-    g = problem.graph
-    sizes = sorted(
+    """The largest arguments and the largest intermediates (with source lines) per device."""
+    g, n_in = problem.graph, problem.num_inputs
+    args = sorted(
         (
             (problem.node_mem[i][choice[i]], g.input_paths[i], g.values[g.inputs[i]])
-            for i in range(problem.num_inputs)
+            for i in range(n_in)
         ),
         key=lambda x: -x[0],
     )[:top]
-    return "Largest arguments per device: " + "; ".join(
-        f"{p} {t} -> {format_bytes(b)}" for b, p, t in sizes
+    inter = []
+    for node in g.nodes:
+        s = problem.strategies[n_in + node.id][choice[n_in + node.id]]
+        for v, spec in zip(node.outputs, s.out_specs):
+            inter.append((problem.cost.local_bytes(g.values[v], spec), node, g.values[v]))
+    inter = sorted(inter, key=lambda x: (-x[0], x[1].id))[:top]
+    return (
+        "Largest arguments per device: "
+        + "; ".join(f"{p} {t} -> {format_bytes(b)}" for b, p, t in args)
+        + "\nLargest intermediates per device: "
+        + "; ".join(f"{n.op} at {n.key} {t} -> {format_bytes(b)}" for b, n, t in inter)
     )
