@@ -26,7 +26,7 @@ from autopar.plan import OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search import search
 from autopar.search.evaluate import output_specs
 from autopar.search.problem import Problem, build_problem
-from autopar.sharding import MeshInfo, mesh_info
+from autopar.sharding import MeshInfo, Spec, mesh_info
 
 # Plans predicted to use more than this fraction of the budget are compiled once on
 # the mesh (when it has devices) and judged by XLA's memory analysis, because the
@@ -58,6 +58,7 @@ class Parallelized:
         donate_argnums,
         plan,
         in_specs=None,
+        allow_partial=False,
     ):
         self.fn = fn
         self.profile = cost_models.load(cluster)
@@ -69,6 +70,7 @@ class Parallelized:
         self.static_argnums = tuple(static_argnums)
         self.donate_argnums = tuple(donate_argnums)
         self.in_specs = in_specs
+        self.allow_partial = allow_partial
         self.given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
         self._cache: dict[Any, _Compiled] = {}
         functools.update_wrapper(self, fn)
@@ -164,10 +166,16 @@ class Parallelized:
         static = _norm(self.static_argnums, len(args))
         graph = capture(self.fn, args, static, self.meshes[0] if single else None)
         donate = _flat_donate(args, static, _norm(self.donate_argnums, len(args)))
+        reused: dict[int, Spec] = {}
         if self.given_plan is not None:
             mesh = self._mesh_for_plan(self.given_plan)
-            plan = bind_plan(self.given_plan, graph, mesh_info(mesh, self.profile), mesh)
-            return _Compiled(graph, plan, None, jit_from_plan(graph, plan, mesh, donate), mesh)
+            try:
+                plan = bind_plan(self.given_plan, graph, mesh_info(mesh, self.profile), mesh)
+                return _Compiled(graph, plan, None, jit_from_plan(graph, plan, mesh, donate), mesh)
+            except PlanError:
+                if not self.allow_partial:
+                    raise
+                reused = reusable_specs(self.given_plan, graph, mesh_info(mesh, self.profile))
         options, failures = [], []
         for k, mesh in enumerate(self.meshes):
             info = mesh_info(mesh, self.profile)
@@ -178,6 +186,7 @@ class Parallelized:
                     if self.in_specs is not None
                     else {}
                 )
+                pins.update(_spec_pins(problem, reused))
                 result = search(problem, self.engine, self.memory_budget, pins)
             except (MemoryBudgetError, MeshError) as e:
                 if single:
@@ -213,6 +222,13 @@ class Parallelized:
                     warnings=plan.warnings
                     + tuple(f"rejected after compiling: {r}" for r in rejected),
                 )
+            if self.given_plan is not None:
+                note = (
+                    f"partial reuse of a plan for {self.given_plan.function or '?'}: kept the specs "
+                    f"of {len(reused)} of {len(graph.inputs)} arguments whose path, shape and dtype "
+                    "match; searched everything else afresh"
+                )
+                plan = replace(plan, warnings=(note, *plan.warnings))
             return _Compiled(graph, plan, problem, jitted, mesh)
         raise MemoryBudgetError(
             f"every plan the cost model fit into {format_bytes(self.memory_budget)} needs more once compiled by XLA:\n  "
@@ -263,6 +279,7 @@ def parallelize(
     donate_argnums: Sequence[int] | int = (),
     plan: str | os.PathLike | Plan | None = None,
     in_specs: Any = None,
+    allow_partial: bool = False,
 ) -> Parallelized | Callable[[Callable], Parallelized]:
     """Automatically shard `fn` over `mesh`.
 
@@ -271,7 +288,9 @@ def parallelize(
     `cluster` under `memory_budget` bytes per device (default: the profile's HBM),
     and runs it as `jax.jit` with the plan's shardings. `engine` is one of "auto",
     "recursive", "dp", "ilp", "data", "fsdp". `plan` reuses a saved plan instead of
-    searching. `in_specs` fixes the specs of some arguments (semi-auto parallel): a
+    searching; with `allow_partial=True`, a plan made for a different version of the
+    function keeps the specs of the arguments that still match (path, shape, dtype)
+    and searches the rest, saying so in the plan's warnings. `in_specs` fixes the specs of some arguments (semi-auto parallel): a
     pytree prefix of the non-static args with a PartitionSpec to fix a leaf (or a
     whole subtree) and None to let the search decide; every engine honours it, as it
     honours the function's own `with_sharding_constraint` calls. Usable as
@@ -287,6 +306,7 @@ def parallelize(
         donate_argnums=as_tuple(donate_argnums),
         plan=plan,
         in_specs=in_specs,
+        allow_partial=allow_partial,
     )
     if fn is None:
         return lambda f: Parallelized(f, **kw)
@@ -296,8 +316,6 @@ def parallelize(
 def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int]:
     """Cost-graph pins for the argument specs the user fixed (`in_specs=`)."""
     from jax.sharding import PartitionSpec
-
-    from autopar.sharding import Spec
 
     is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
     try:
@@ -334,6 +352,29 @@ def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int
                 "(each sharded dim must be divisible by the product of its axes' sizes). Pick axes that divide it, or None to let autopar decide."
             )
         pins[i] = match[0]
+    return pins
+
+
+def reusable_specs(plan: Plan, graph: Graph, mesh: MeshInfo) -> dict[int, Spec]:
+    """Input position -> the saved spec, for inputs of `graph` that `plan` also has with
+    the same path, shape and dtype, and whose spec the mesh can still apply."""
+    saved = {r.path: r for r in plan.inputs}
+    out: dict[int, Spec] = {}
+    for i, (path, v) in enumerate(zip(graph.input_paths, graph.inputs)):
+        r, t = saved.get(path), graph.values[v]
+        if r is None or (tuple(r.shape), r.dtype) != (t.shape, t.dtype.name):
+            continue
+        if all(a in mesh.axis_names for a in r.spec.used_axes):
+            out[i] = r.spec
+    return out
+
+
+def _spec_pins(problem: Problem, specs: dict[int, Spec]) -> dict[int, int]:
+    pins = {}
+    for i, spec in specs.items():
+        match = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0] == spec]
+        if match:
+            pins[i] = match[0]
     return pins
 
 

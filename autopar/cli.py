@@ -218,6 +218,12 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("plan", metavar="PLAN")
     v.add_argument("target", metavar="TARGET")
     v.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="if PLAN was made for a different version of TARGET, keep the argument specs that "
+        "still match and search the rest (the plan's warnings say what was reused)",
+    )
+    v.add_argument(
         "--numerics",
         action="store_true",
         help="also run the plan and jax.jit on the Workload's make_args(0) and compare the "
@@ -465,6 +471,7 @@ def cmd_verify(args) -> int:
         plan=args.plan,
         static_argnums=wl.static_argnums,
         donate_argnums=wl.donate_argnums,
+        allow_partial=args.allow_partial,
     )
     t0 = time.perf_counter()
     lowered = step.lower(*wl.args)  # PlanError if the plan is not for this function

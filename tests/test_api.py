@@ -437,3 +437,31 @@ def test_abstract_mesh_that_fits_the_devices_runs():
     w, x = _w_x()
     step = autopar.parallelize(_tanh_matmul, mesh=AbstractMesh((2, 4), ("data", "model")))
     assert_trees_close(step(w, x), jax.jit(_tanh_matmul)(w, x))
+
+
+def test_allow_partial_reuses_what_still_matches(tmp_path):
+    """A plan for an older version of the function: refused by default; with
+    allow_partial=True the matching argument specs are kept and the rest searched."""
+
+    def old(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    def new(w, x, b):
+        return jnp.tanh(x @ w + b).sum()
+
+    w, x, b = (
+        jnp.ones((64, 32)) / 64,
+        jnp.arange(16 * 64, dtype=jnp.float32).reshape(16, 64) / 1e3,
+        jnp.ones(32),
+    )
+    mesh = {"data": 2, "model": 4}
+    path = tmp_path / "old.json"
+    autopar.parallelize(old, mesh=mesh, engine="fsdp").plan(w, x).save(path)
+    with pytest.raises(autopar.PlanError, match="different function"):
+        autopar.parallelize(new, mesh=mesh, plan=path).plan(w, x, b)
+    step = autopar.parallelize(new, mesh=mesh, plan=path, allow_partial=True)
+    plan = step.plan(w, x, b)
+    saved = autopar.Plan.load(path)
+    assert plan.in_specs[0] == saved.in_specs["w"] and plan.in_specs[1] == saved.in_specs["x"]
+    assert "kept the specs of 2 of 3 arguments" in plan.warnings[0]
+    assert_trees_close(step(w, x, b), jax.jit(new)(w, x, b))
