@@ -164,7 +164,9 @@ class _Builder:
         self.consts[v] = value
         return v
 
-    def inline(self, jaxpr, consts, in_ids: Sequence[int], stack: str, site: str = "<unknown>") -> list[int]:
+    def inline(
+        self, jaxpr, consts, in_ids: Sequence[int], stack: str, site: str = "<unknown>"
+    ) -> list[int]:
         """Append `jaxpr`'s eqns, calls inlined. `site` is the source line of the call
         being inlined: eqns with no user frame of their own (inside library jits such as
         `jnp.linalg.eigh`) point there instead."""
