@@ -555,7 +555,10 @@ def test_suite_shapes():
     assert str(params["wte"]["embedding"].dtype) == "bfloat16"
     assert wl.args[1]["inputs"].shape == (1536, 2048)
     assert examples.gpt_1_3b(batch=8).args[1]["inputs"].shape == (8, 1024)
-    assert set(examples.SUITE) == {"gpt_1_3b", "gpt_2_6b", "gpt_6_7b", "gpt3_175b"}
+    assert {"gpt_1_3b", "gpt_2_6b", "gpt_6_7b", "gpt3_175b"} <= set(examples.SUITE)
+    assert any(k.startswith("moe") for k in examples.SUITE)
+    assert any(k.startswith("vit") for k in examples.SUITE)
+    assert any(k.startswith("wide_resnet") for k in examples.SUITE)
 
 
 # ---------------------------------------------------------------------------- end to end

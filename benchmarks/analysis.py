@@ -1,0 +1,116 @@
+"""Summaries of one benchmark row's raw results: ratios to the best baseline, fidelity of
+every compiled plan (predicted vs compiled bytes, memory, flops) and Kendall tau between
+the cost model's ranking and the compiled ranking. No JAX needed (the report re-runs it
+on stored JSON)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.stats import kendalltau
+
+
+def rel_err(pred, got):
+    if pred in (None, 0) or got is None:
+        return None
+    return got / pred - 1.0
+
+
+def summarize_row(res: dict) -> None:
+    """Ratios to the best baseline, fidelity of the chosen plan, and Kendall tau."""
+    step = lambda e: e["priced"]["step_no_overlap_s"] if "priced" in e else math.inf
+    base = {k: step(v) for k, v in res["baselines"].items() if "priced" in v}
+    progs = {k: step(v) for k, v in res["programs"].items() if "priced" in v}
+    best_base = min(base.items(), key=lambda kv: kv[1]) if base else (None, math.inf)
+    auto = res["engines"].get("auto", {})
+    auto_prog = auto.get("program")
+    s: dict = {"best_baseline": best_base[0], "best_baseline_s": best_base[1]}
+    if auto_prog in progs:
+        s["auto_program"] = auto_prog
+        s["auto_s"] = progs[auto_prog]
+        s["auto_ratio"] = progs[auto_prog] / best_base[1]
+    if progs:
+        best = min(progs.items(), key=lambda kv: kv[1])
+        s["best_engine_program"] = best[0]
+        s["best_engine_s"] = best[1]
+        s["best_engine_ratio"] = best[1] / best_base[1]
+    # Overlap variant of the same ratios.
+    ov = lambda e: e["priced"]["step_overlap_s"] if "priced" in e else math.inf
+    bo = min((ov(v) for v in res["baselines"].values()), default=math.inf)
+    if auto_prog in res["programs"]:
+        s["auto_ratio_overlap"] = ov(res["programs"][auto_prog]) / bo
+    # Fidelity of every compiled plan: predicted vs compiled bytes, memory, flops.
+    fid = {}
+    for name, p in res["programs"].items():
+        if "measured" not in p:
+            continue
+        pred, meas = p["predicted"], p["measured"]
+        pb = sum(pred["comm_bytes"].values())
+        fid[name] = {
+            "pred_comm_by_key": norm_comm(pred["comm_bytes"], list(res["mesh"])),
+            "compiled_comm_by_key": meas["comm_bytes"],
+            "pred_comm_bytes": pb,
+            "compiled_comm_bytes": meas["total_comm_bytes"],
+            "comm_err": rel_err(pb, meas["total_comm_bytes"]),
+            "pred_memory": pred["peak_memory_bytes"],
+            "compiled_memory": meas["memory"]["total"],
+            "memory_err": rel_err(pred["peak_memory_bytes"], meas["memory"]["total"]),
+            "pred_arg_bytes": pred["argument_bytes"],
+            "compiled_arg_bytes": meas["memory"]["argument"],
+            "pred_flops": p.get("predicted_flops"),
+            "compiled_flops": meas["flops"],
+            "flops_err": rel_err(p.get("predicted_flops"), meas["flops"]),
+            "pred_step_s": pred["step_s"],
+            "compiled_step_s": p["priced"]["step_no_overlap_s"],
+            "pred_comm_s": pred["comm_s"],
+            "compiled_comm_s": p["priced"]["comm_s"],
+            "pred_compute_s": pred["compute_s"],
+            "compiled_compute_s": p["priced"]["compute_s"],
+        }
+    s["fidelity"] = fid
+    # Kendall tau: the cost model's ranking vs the compiled ranking.
+    items = []
+    for name, p in res["programs"].items():
+        if "priced" in p:
+            items.append((name, p["predicted"]["step_s"], p["priced"]["step_no_overlap_s"]))
+    eng_items = list(items)
+    for b, e in res["baselines"].items():
+        if "priced" in e and "autopar_priced" in e:
+            items.append((f"baseline:{b}", e["autopar_priced"]["step_s"], step(e)))
+    s["ranking_items"] = items
+    comm_items = [
+        (n, p["predicted"]["comm_s"], p["priced"]["comm_s"])
+        for n, p in res["programs"].items()
+        if "priced" in p
+    ] + [
+        (f"baseline:{b}", e["autopar_priced"]["comm_s"], e["priced"]["comm_s"])
+        for b, e in res["baselines"].items()
+        if "priced" in e and "autopar_priced" in e
+    ]
+    s["ranking_items_comm"] = comm_items
+    s["kendall_tau_comm"] = _tau(comm_items)
+    s["kendall_tau_all"] = _tau(items)
+    s["kendall_tau_engines"] = _tau(eng_items)
+    res["summary"] = s
+
+
+def norm_comm(comm: dict, axis_order) -> dict:
+    """``kind@axes`` keys with the axes in mesh order (the cost model may print
+    ``model,data``), summed."""
+    out: dict = {}
+    for k, v in comm.items():
+        kind, _, axes = k.partition("@")
+        order = sorted(
+            axes.split(","), key=lambda a: list(axis_order).index(a) if a in axis_order else 99
+        )
+        key = f"{kind}@{','.join(order)}"
+        out[key] = out.get(key, 0) + v
+    return dict(sorted(out.items()))
+
+
+def _tau(items):
+    if len(items) < 3:
+        return None
+    t = kendalltau([i[1] for i in items], [i[2] for i in items]).statistic
+    return None if t is None or np.isnan(t) else float(t)

@@ -1,0 +1,458 @@
+"""Judge a compiled program without a cluster: read what XLA compiled on simulated CPU
+devices and price it on a GPU profile.
+
+What is read (``measure``):
+
+* every collective, from ``autopar.hlo.parse_collectives(text, mesh)``: kind, bytes of
+  the full-size side, replica groups -> mesh axes, and the link tier of those axes
+  (``MeshInfo.is_intra_node``);
+* ``compiled.cost_analysis()`` flops and bytes accessed (per device);
+* ``compiled.memory_analysis()``: arguments + outputs + temporaries - aliased, per device.
+
+Two things the CPU backend compiles differently from a GPU, and how they are handled:
+
+1. **All-reduce + dynamic-slice instead of reduce-scatter.** The CPU compiler keeps
+   GSPMD's "all-reduce, then each device slices its part" (a GPU build runs XLA's
+   reduce-scatter creator and fuses the pair). ``parse_collectives`` reports these as
+   all-reduces of the full buffer. Here the pattern is *detected and reclassified*: an
+   all-reduce (or one element of a combined, tuple-shaped all-reduce) whose every user is
+   a ``dynamic-slice``, or a fusion containing one, producing at most ``1/n`` of the
+   buffer (``n`` = group size) is priced as a reduce-scatter of the same full-size bytes
+   (bus factor ``(n-1)/n`` instead of ``2(n-1)/n``). The count of reclassified
+   collectives is recorded (``reclassified_rs``), as are the unreclassified bytes.
+2. **bf16 collectives run in f32.** The CPU backend promotes bf16 collectives to f32 (a
+   ``convert`` before and after, or an all-reduce whose reducer is a ``*_promoted``
+   clone). A f32 collective element is counted at bf16 width (half its bytes) when its
+   reducer was promoted, its operand is a bf16->f32 convert, or all its users convert it
+   back to bf16. ``upcast_bytes`` records how many bytes were halved.
+
+Collectives inside while loops are multiplied by the loop's ``known_trip_count`` (nested
+loops multiply); the suite's models are unrolled, so the multiplier is 1 there.
+
+Pricing (``price``), with ``autopar.cost.CostModel`` on a cost_models profile: compute is
+the whole-program roofline ``max(flops / (peak(dtype) x eff), bytes / (HBM bw x eff))``;
+each collective is ``CostModel.collective(kind, axes, bytes)`` (alpha + bus factor x bytes
+/ link bandwidth of the slowest link its axes cross). Reported: the no-overlap sum
+``compute + comm`` and the perfect-overlap ``max(compute, comm)``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+import cost_models
+from autopar.cost import CostModel
+from autopar.hlo import _parse_instruction, parse_collectives, shape_bytes
+from autopar.sharding import mesh_info
+
+_HEADER_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_CALLEE_RE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_CALLEE_LIST_RE = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_TO_APPLY_RE = re.compile(r"\bto_apply=%?([\w.\-]+)")
+_DTYPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[")
+
+
+def _dtype(shape: str) -> str:
+    m = _DTYPE_RE.search(shape)
+    return m.group(1) if m else ""
+
+
+def _name(operand: str) -> str:
+    return operand.strip().rsplit(None, 1)[-1].lstrip("%")
+
+
+def _tuple_elems(shape: str) -> list[str]:
+    s = re.sub(r"/\*.*?\*/", "", shape.strip())
+    if not s.startswith("("):
+        return [s]
+    depth, cur, out = 0, [], []
+    for c in s[1:-1]:
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        if c == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(c)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+class HloModule:
+    """Just enough of a compiled module's text: instructions, users, callees, loops."""
+
+    def __init__(self, text: str):
+        self.instrs: dict[str, object] = {}
+        self.comp_instrs: dict[str, list] = {}
+        self.roots: dict[str, object] = {}
+        self.callees: dict[str, list[tuple[str, int]]] = {}  # comp -> [(callee, mult)]
+        self.entry = ""
+        current = ""
+        for line in text.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("HloModule"):
+                continue
+            hm = _HEADER_RE.match(line)
+            if hm and " = " not in line.split("(", 1)[0]:
+                current = hm.group(2)
+                if hm.group(1):
+                    self.entry = current
+                self.comp_instrs.setdefault(current, [])
+                continue
+            if stripped == "}":
+                current = ""
+                continue
+            ins = _parse_instruction(line, current)
+            if ins is None:
+                continue
+            self.instrs[ins.name] = ins
+            self.comp_instrs.setdefault(current, []).append(ins)
+            if stripped.startswith("ROOT"):
+                self.roots[current] = ins
+            trip = 1
+            if ins.opcode == "while":
+                m = _TRIP_RE.search(ins.attrs)
+                trip = int(m.group(1)) if m else 1
+            for key, callee in _CALLEE_RE.findall(ins.attrs):
+                self.callees.setdefault(current, []).append(
+                    (callee, trip if key in ("body", "condition") else 1)
+                )
+            for group in _CALLEE_LIST_RE.findall(ins.attrs):
+                for c in group.split(","):
+                    if c.strip():
+                        self.callees.setdefault(current, []).append((c.strip().lstrip("%"), 1))
+        self.users: dict[str, list] = {}
+        for ins in self.instrs.values():
+            for op in ins.operands:
+                self.users.setdefault(_name(op), []).append(ins)
+        # Execution multiplier per computation (loop trip counts, nested loops multiply).
+        self.mult: dict[str, int] = {}
+        stack = [(self.entry, 1)] if self.entry else []
+        while stack:
+            comp, m = stack.pop()
+            if self.mult.get(comp, 0) >= m:
+                continue
+            self.mult[comp] = m
+            for callee, k in self.callees.get(comp, ()):
+                stack.append((callee, m * k))
+        self.unknown_trip_loops = sum(
+            1
+            for ins in self.instrs.values()
+            if ins.opcode == "while" and not _TRIP_RE.search(ins.attrs)
+        )
+
+    # -- patterns --------------------------------------------------------------------
+    _LAYOUT = ("bitcast", "copy", "reshape", "transpose", "slice", "dynamic-slice")
+
+    def _fused(self, ins) -> str | None:
+        m = re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)
+        return m.group(1) if m else None
+
+    def produces_bf16_data(self, ins) -> bool:
+        """``ins`` is f32 holding bf16 values: a convert from bf16, or a fusion whose root
+        is one (behind layout ops)."""
+        if ins is None or _dtype(ins.shape) != "f32":
+            return False
+        root, comp = ins, None
+        if ins.opcode == "fusion":
+            comp = self._fused(ins)
+            root = self.roots.get(comp or "")
+        for _ in range(8):
+            if root is None:
+                return False
+            if root.opcode == "convert":
+                src = self._operand(root, 0, comp)
+                return src is not None and _dtype(src.shape) == "bf16"
+            if root.opcode not in self._LAYOUT:
+                return False
+            root = self._operand(root, 0, comp)
+        return False
+
+    def _operand(self, ins, i: int, comp: str | None):
+        if i >= len(ins.operands):
+            return None
+        return self.instrs.get(_name(ins.operands[i]))
+
+    def consumes_as_bf16(self, user, value: str) -> bool:
+        """Every use of ``value`` by ``user`` converts it to bf16 (behind layout ops)."""
+        if user.opcode == "convert":
+            return _dtype(user.shape) == "bf16"
+        if user.opcode != "fusion":
+            return False
+        comp = self._fused(user)
+        idx = [k for k, op in enumerate(user.operands) if _name(op) == value]
+        params = [
+            i
+            for i in self.comp_instrs.get(comp or "", [])
+            if i.opcode == "parameter" and i.operands and int(i.operands[0]) in idx
+        ]
+        if not params:
+            return False
+        inner_users: dict[str, list] = {}
+        for i in self.comp_instrs.get(comp or "", []):
+            for op in i.operands:
+                inner_users.setdefault(_name(op), []).append(i)
+
+        def ok(name: str, depth: int = 0) -> bool:
+            us = inner_users.get(name, [])
+            if not us or depth > 8:
+                return False
+            for u in us:
+                if u.opcode == "convert" and _dtype(u.shape) == "bf16":
+                    continue
+                if u.opcode in self._LAYOUT and ok(u.name, depth + 1):
+                    continue
+                return False
+            return True
+
+        return all(ok(p.name) for p in params)
+
+    def contains_dynamic_slice(self, ins, depth: int = 0) -> bool:
+        if ins.opcode == "dynamic-slice":
+            return True
+        if ins.opcode != "fusion" or depth > 3:
+            return False
+        comp = self._fused(ins)
+        return any(
+            i.opcode == "dynamic-slice" or self.contains_dynamic_slice(i, depth + 1)
+            for i in self.comp_instrs.get(comp or "", [])
+        )
+
+    def element_name(self, ins, index: int | None) -> list[str]:
+        """The value names of ``ins``'s tuple element ``index`` (its get-tuple-elements)."""
+        if index is None:
+            return [ins.name]
+        out = []
+        for u in self.users.get(ins.name, []):
+            m = re.search(r"\bindex=(\d+)", u.attrs)
+            if u.opcode == "get-tuple-element" and m and int(m.group(1)) == index:
+                out.append(u.name)
+        return out
+
+    def only_sliced(self, names: list[str], full_bytes: float, n: int, depth: int = 0) -> bool:
+        """Every use of the values ``names`` keeps at most ``1/n`` of ``full_bytes`` through
+        a dynamic-slice (looking through pure converts): GSPMD's reduce-scatter."""
+        users = [(nm, u) for nm in names for u in self.users.get(nm, [])]
+        if not users or depth > 4:
+            return False
+        for nm, u in users:
+            if u.opcode == "convert" or (
+                u.opcode == "fusion"
+                and not self.contains_dynamic_slice(u)
+                and self.consumes_as_bf16(u, nm)
+                and _dtype(u.shape) == "bf16"
+                and shape_bytes(u.shape) * 2 >= full_bytes * 0.999
+            ):
+                # A pure convert: follow it (its output is the full buffer at bf16 width).
+                if not self.only_sliced([u.name], full_bytes, n, depth + 1):
+                    return False
+                continue
+            if not self.contains_dynamic_slice(u):
+                return False
+            out_bytes = shape_bytes(_tuple_elems(u.shape)[0])
+            if out_bytes * n > full_bytes * 1.0001:
+                return False
+        return True
+
+
+@dataclass
+class Coll:
+    kind: str  # as priced (after reclassification)
+    raw_kind: str  # as compiled
+    bytes: float  # as priced (after the bf16 correction)
+    raw_bytes: int
+    dtype: str
+    axes: tuple[str, ...]
+    axes_matched: bool
+    intra_node: bool
+    mult: int
+    upcast: bool
+    name: str
+
+
+@dataclass
+class Measured:
+    """What the compiled program does, per device."""
+
+    compile_s: float
+    flops: float
+    bytes_accessed: float
+    memory: dict[str, int]
+    collectives: list[Coll] = field(default_factory=list)
+    reclassified_rs: int = 0
+    upcast_bytes: float = 0.0
+    unknown_trip_loops: int = 0
+    in_loop: int = 0
+
+    @property
+    def comm_bytes(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in self.collectives:
+            k = f"{c.kind}@{','.join(c.axes)}"
+            out[k] = out.get(k, 0.0) + c.bytes * c.mult
+        return dict(sorted(out.items()))
+
+    @property
+    def total_comm_bytes(self) -> float:
+        return sum(c.bytes * c.mult for c in self.collectives)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["collectives_count"] = len(self.collectives)
+        d["comm_bytes"] = self.comm_bytes
+        d["total_comm_bytes"] = self.total_comm_bytes
+        del d["collectives"]
+        return d
+
+
+def compiled_memory(m) -> dict[str, int]:
+    return {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+        "total": int(
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        ),
+    }
+
+
+def compile_lowered(lowered) -> tuple[object, float]:
+    t = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, time.perf_counter() - t
+
+
+def measure(compiled, mesh, compile_s: float = 0.0, correct_bf16: bool = True) -> Measured:
+    """Read collectives, flops, bytes and memory from a compiled program on ``mesh``."""
+    text = compiled.as_text()
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, list | tuple) else ca
+    prof = cost_models.load("h100-sxm")  # only devices_per_node matters for the tier
+    info = mesh_info(mesh, prof)
+    mod = HloModule(text)
+    out = Measured(
+        compile_s=compile_s,
+        flops=float(ca.get("flops", 0.0)),
+        bytes_accessed=float(ca.get("bytes accessed", 0.0)),
+        memory=compiled_memory(compiled.memory_analysis()),
+        unknown_trip_loops=mod.unknown_trip_loops,
+    )
+    all_axes = tuple(a for a, s in zip(info.axis_names, info.axis_sizes) if s > 1)
+    for hc in parse_collectives(text, mesh):
+        ins = mod.instrs.get(hc.name)
+        axes = hc.axes if hc.axes is not None else all_axes  # unmatched: slowest, all
+        mult = mod.mult.get(ins.computation, 1) if ins is not None else 1
+        out.in_loop += int(hc.in_loop)
+        if ins is None:
+            out.collectives.append(
+                Coll(
+                    hc.kind,
+                    hc.kind,
+                    hc.bytes,
+                    hc.bytes,
+                    hc.dtype,
+                    axes,
+                    hc.axes is not None,
+                    info.is_intra_node(axes),
+                    mult,
+                    False,
+                    hc.name,
+                )  # fmt: skip
+            )
+            continue
+        elems = _tuple_elems(ins.shape)
+        promoted = False
+        if hc.kind == "all-reduce":
+            m = _TO_APPLY_RE.search(ins.attrs)
+            promoted = bool(m and "promoted" in m.group(1))
+        # Split the instruction's bytes over its elements (all-gather: result side).
+        if len(elems) > 1:
+            sizes = [shape_bytes(e) for e in elems]
+            scale = hc.bytes / max(sum(sizes), 1)
+            parts = [
+                (i, s * scale, _dtype(e), ins.operands[i] if i < len(ins.operands) else None)
+                for i, (s, e) in enumerate(zip(sizes, elems))
+            ]
+        else:
+            parts = [(None, hc.bytes, hc.dtype, ins.operands[0] if ins.operands else None)]
+        groups: dict[tuple[str, bool], list[float]] = {}
+        for index, nbytes, dtype, operand in parts:
+            kind = hc.kind
+            names = mod.element_name(ins, index)
+            users = [(nm, u) for nm in names for u in mod.users.get(nm, [])]
+            if (
+                kind == "all-reduce"
+                and hc.group_size > 1
+                and mod.only_sliced(names, nbytes, hc.group_size)
+            ):
+                kind = "reduce-scatter"
+                out.reclassified_rs += 1
+            upcast = False
+            if correct_bf16 and dtype == "f32":
+                src = mod.instrs.get(_name(operand)) if operand else None
+                upcast = (
+                    promoted
+                    or mod.produces_bf16_data(src)
+                    or (bool(users) and all(mod.consumes_as_bf16(u, nm) for nm, u in users))
+                )
+            if upcast:
+                out.upcast_bytes += nbytes / 2 * mult
+                nbytes = nbytes / 2
+            groups.setdefault((kind, upcast), []).append(nbytes)
+        for (kind, upcast), sizes in groups.items():
+            out.collectives.append(
+                Coll(
+                    kind,
+                    hc.kind,
+                    float(sum(sizes)),
+                    hc.bytes,
+                    "bf16" if upcast else hc.dtype,
+                    tuple(axes),
+                    hc.axes is not None,
+                    info.is_intra_node(axes),
+                    mult,
+                    upcast,
+                    hc.name,
+                )
+            )
+    return out
+
+
+@dataclass
+class Priced:
+    compute_s: float
+    comm_s: float
+    comm_s_by_axis: dict[str, float]
+    step_no_overlap_s: float
+    step_overlap_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def price(m: Measured, profile, mesh, dtype) -> Priced:
+    """Seconds on ``profile`` (a cost_models name or ClusterProfile) for a measured program."""
+    prof = cost_models.load(profile)
+    info = mesh_info(mesh, prof)
+    cm = CostModel(prof, info)
+    compute = cm.compute_seconds(m.flops, m.bytes_accessed, dtype)
+    by_axis: dict[str, float] = {}
+    comm = 0.0
+    for c in m.collectives:
+        s = cm.collective(c.kind, c.axes, c.bytes).seconds * c.mult
+        key = ",".join(c.axes)
+        by_axis[key] = by_axis.get(key, 0.0) + s
+        comm += s
+    return Priced(compute, comm, dict(sorted(by_axis.items())), compute + comm, max(compute, comm))

@@ -1,0 +1,490 @@
+"""Turn ``benchmarks/results/*.json`` into ``benchmarks/REPORT.md`` and PNG plots.
+
+``python -m benchmarks.report`` regenerates both from stored results (no JAX needed).
+The full run's files are used when present, else the quick run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from benchmarks.analysis import summarize_row
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+MiB = 2**20
+GiB = 2**30
+
+TARGET_RATIO = {"moe": 0.9, "wrn": 0.9}
+
+
+def _load(out: Path):
+    runs = {}
+    for tag in ("full", "quick"):
+        f = out / f"run_{tag}.json"
+        if f.exists():
+            runs[tag] = json.loads(f.read_text())
+    tag = "full" if "full" in runs else "quick"
+    rows = []
+    if tag in runs:
+        for name in runs[tag]["rows"]:
+            f = out / f"{name}.{tag}.json"
+            if f.exists():
+                r = json.loads(f.read_text())
+                if "engines" in r:
+                    summarize_row(r)  # re-derive from the raw measurements
+                rows.append(r)
+    gpt3 = []
+    f = out / f"gpt3_175b_search_{tag}.json"
+    if f.exists():
+        gpt3 = json.loads(f.read_text())
+    return tag, runs, rows, gpt3
+
+
+def _ms(s):
+    return "—" if s is None or (isinstance(s, float) and not math.isfinite(s)) else f"{s * 1e3:.2f}"
+
+
+def _pct(x):
+    return "—" if x is None else f"{x * 100:+.1f}%"
+
+
+def _f(x, nd=2):
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def _comm(d: dict) -> str:
+    """Bytes per axis group (all kinds), MiB."""
+    by: dict[str, float] = {}
+    for k, v in d.items():
+        axes = k.partition("@")[2] or "?"
+        by[axes] = by.get(axes, 0.0) + v
+    return ", ".join(f"{a}: {v / MiB:.0f}" for a, v in sorted(by.items()) if v >= 0.5 * MiB) or "0"
+
+
+def _status(ok: bool | None) -> str:
+    return "—" if ok is None else ("met" if ok else "**not met**")
+
+
+def quality_tables(rows) -> list[str]:
+    L = []
+    L.append("### 1a. Summary per row\n")
+    L.append(
+        "| model | devices | mesh | layers (of) | auto picked | auto step ms | best baseline | "
+        "baseline step ms | auto / best baseline | best engine / best baseline | target |"
+    )
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "summary" not in r:
+            L.append(f"| {r['row']} | error: {r.get('error', '?')} |")
+            continue
+        s = r["summary"]
+        tgt = TARGET_RATIO.get(r["family"], 1.0)
+        best_ratio = s.get("best_engine_ratio")
+        ok = None if best_ratio is None else best_ratio <= tgt
+        mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items())
+        L.append(
+            f"| {r['row']} | {r['devices']} | {mesh} | {r['layers']} ({r['full_layers']}) | "
+            f"{s.get('auto_program', '—')} | {_ms(s.get('auto_s'))} | {s['best_baseline']} | "
+            f"{_ms(s['best_baseline_s'])} | {_f(s.get('auto_ratio'), 3)} | "
+            f"{_f(best_ratio, 3)} ({s.get('best_engine_program', '—')}) | "
+            f"≤ {tgt}: {_status(ok)} |"
+        )
+    L.append("")
+    L.append("### 1b. Every plan and baseline\n")
+    L.append(
+        "Step times are on the `h100-sxm` profile. *predicted*: autopar's cost model "
+        "(for a baseline: its argument specs pinned, the rest completed by `dp`). "
+        "*compiled*: the compiled program priced by `benchmarks.evaluator` (no overlap / "
+        "perfect overlap). Comm is the compiled collective MiB per mesh-axis group. "
+        "Memory is per device, GiB, predicted / compiled (`memory_analysis`).\n"
+    )
+    L.append(
+        "| model | plan | search s | search / trace | predicted step ms | compiled step ms | "
+        "comm MiB by axes (compiled) | memory GiB | ratio to best baseline |"
+    )
+    L.append("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "summary" not in r:
+            continue
+        best = r["summary"]["best_baseline_s"]
+        for name, p in r["programs"].items():
+            eng = r["engines"].get(p.get("engine"), {})
+            users = [e for e, v in r["engines"].items() if v.get("program") == name]
+            label = name + (
+                f" [{', '.join(u for u in users if u != name)}]"
+                if len(users) > 1 or (users and users[0] != name)
+                else ""
+            )
+            if "priced" not in p:
+                L.append(f"| {r['row']} | {label} | error: {p.get('error', '?')} |")
+                continue
+            pr, m = p["priced"], p["measured"]
+            L.append(
+                f"| {r['row']} | {label} | {_f(eng.get('search_s'))} | "
+                f"{_f(eng.get('search_trace_ratio'), 1)} | {_ms(p['predicted']['step_s'])} | "
+                f"{_ms(pr['step_no_overlap_s'])} / {_ms(pr['step_overlap_s'])} | "
+                f"{_comm(m['comm_bytes'])} | "
+                f"{p['predicted']['peak_memory_bytes'] / GiB:.2f} / {m['memory']['total'] / GiB:.2f} | "
+                f"{pr['step_no_overlap_s'] / best:.3f} |"
+            )
+        for b, e in r["baselines"].items():
+            if "priced" not in e:
+                L.append(f"| {r['row']} | baseline {b} | error: {e.get('error', '?')} |")
+                continue
+            pr, m = e["priced"], e["measured"]
+            ap = e.get("autopar_priced", {})
+            L.append(
+                f"| {r['row']} | baseline {b} | — | — | {_ms(ap.get('step_s'))} | "
+                f"{_ms(pr['step_no_overlap_s'])} / {_ms(pr['step_overlap_s'])} | "
+                f"{_comm(m['comm_bytes'])} | "
+                f"{ap.get('peak_memory_bytes', 0) / GiB:.2f} / {m['memory']['total'] / GiB:.2f} | "
+                f"{pr['step_no_overlap_s'] / best:.3f} |"
+            )
+    L.append("")
+    return L
+
+
+def search_tables(rows, gpt3) -> list[str]:
+    L = ["### 2a. Suite rows\n"]
+    engines = ["recursive", "dp", "data", "fsdp", "auto", "ilp"]
+    L.append(
+        "| model | devices | jaxpr eqns | trace s | "
+        + " | ".join(f"{e} s (x trace)" for e in engines)
+        + " |"
+    )
+    L.append("|---|---|---|---|" + "---|" * len(engines))
+    for r in rows:
+        if "engines" not in r:
+            continue
+        cells = []
+        for e in engines:
+            v = r["engines"].get(e)
+            if v is None:
+                cells.append("—")
+            elif "error" in v:
+                cells.append("error")
+            else:
+                cells.append(f"{v['search_s']:.2f} ({v['search_trace_ratio']:.0f}x)")
+        L.append(
+            f"| {r['row']} | {r['devices']} | {r['eqns']} | {r['trace_s']:.2f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    L.append("")
+    if gpt3:
+        L.append("### 2b. GPT-3 175B (search only, 64 devices, data 8 x model 8, batch 8)\n")
+        engs = sorted({e for g in gpt3 for e in g["engines"]}, key=engines.index)
+        L.append(
+            "| layers (of 96) | jaxpr eqns | trace s | "
+            + " | ".join(f"{e} search s (plan wall s)" for e in engs)
+            + " | predicted step ms (memory GiB) |"
+        )
+        L.append("|---|---|---|" + "---|" * len(engs) + "---|")
+        for g in gpt3:
+            cells = []
+            pred = "—"
+            for e in engs:
+                v = g["engines"].get(e, {})
+                if "error" in v:
+                    cells.append(f"error after {v.get('plan_wall_s', 0):.0f}s: {v['error'][:60]}")
+                elif v:
+                    cells.append(f"{v['search_s']:.1f} ({v['plan_wall_s']:.1f})")
+                    c = v["predicted"]
+                    pred = f"{c['step_s'] * 1e3:.0f} ({c['peak_memory_bytes'] / GiB:.1f}, {v['picked']})"
+                else:
+                    cells.append("—")
+            L.append(
+                f"| {g['layers']} | {g['eqns']} | {g['trace_s']:.2f} | "
+                + " | ".join(cells)
+                + f" | {pred} |"
+            )
+        L.append("")
+    return L
+
+
+def fidelity_tables(rows) -> list[str]:
+    L = [
+        "Per compiled plan: predicted vs compiled collective bytes (after the reduce-scatter "
+        "reclassification and the bf16 correction), per-device memory (predicted peak vs "
+        "`memory_analysis` arguments + outputs + temporaries - aliased), per-device FLOPs "
+        "(the cost model's op FLOPs / parallelism vs `cost_analysis`), and compute seconds "
+        "(the cost model's per-op roofline sum vs the whole-program roofline of the "
+        "compiled counts). Errors are compiled / predicted - 1.\n",
+        "| model | plan | comm MiB pred / compiled | comm err | memory GiB pred / compiled | "
+        "memory err | FLOPs err | compute ms pred / compiled | comm ms pred / compiled |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "summary" not in r:
+            continue
+        for name, f in r["summary"]["fidelity"].items():
+            L.append(
+                f"| {r['row']} | {name} | {f['pred_comm_bytes'] / MiB:.0f} / {f['compiled_comm_bytes'] / MiB:.0f} | "
+                f"{_pct(f['comm_err'])} | {f['pred_memory'] / GiB:.2f} / {f['compiled_memory'] / GiB:.2f} | "
+                f"{_pct(f['memory_err'])} | {_pct(f['flops_err'])} | "
+                f"{_ms(f['pred_compute_s'])} / {_ms(f['compiled_compute_s'])} | "
+                f"{_ms(f['pred_comm_s'])} / {_ms(f['compiled_comm_s'])} |"
+            )
+    L.append("")
+    L.append("### Ranking (Kendall tau, cost model vs compiled)\n")
+    L.append(
+        "Items: every distinct compiled autopar plan (engines) plus every baseline (priced "
+        "by autopar's cost model with its argument specs pinned). *step*: predicted step vs "
+        "compiled-priced step (no overlap); *comm*: predicted vs compiled communication "
+        "seconds only.\n"
+    )
+    L.append("| model | items | tau step (all) | tau step (engines only) | tau comm (all) |")
+    L.append("|---|---|---|---|---|")
+    for r in rows:
+        if "summary" not in r:
+            continue
+        s = r["summary"]
+        L.append(
+            f"| {r['row']} | {len(s['ranking_items'])} | {_f(s['kendall_tau_all'])} | "
+            f"{_f(s['kendall_tau_engines'])} | {_f(s.get('kendall_tau_comm'))} |"
+        )
+    L.append("")
+    return L
+
+
+def targets(rows) -> list[str]:
+    L = ["| target | rows met | detail |", "|---|---|---|"]
+    ratio_ok, ratio_detail = 0, []
+    bytes_ok, mem_ok, tau_ok, n = 0, 0, 0, 0
+    bytes_d, mem_d, tau_d = [], [], []
+    for r in rows:
+        if "summary" not in r:
+            continue
+        n += 1
+        s = r["summary"]
+        tgt = TARGET_RATIO.get(r["family"], 1.0)
+        br = s.get("best_engine_ratio")
+        if br is not None and br <= tgt:
+            ratio_ok += 1
+        ratio_detail.append(f"{r['row']} {_f(br, 3)}")
+        f = s["fidelity"].get(s.get("auto_program", ""), {})
+        ce, me = f.get("comm_err"), f.get("memory_err")
+        if ce is not None and abs(ce) <= 0.10:
+            bytes_ok += 1
+        if me is not None and abs(me) <= 0.15:
+            mem_ok += 1
+        bytes_d.append(f"{r['row']} {_pct(ce)}")
+        mem_d.append(f"{r['row']} {_pct(me)}")
+        t = s.get("kendall_tau_all")
+        if t is not None and t >= 0.8:
+            tau_ok += 1
+        tau_d.append(f"{r['row']} {_f(t)}")
+    L.append(
+        f"| best engine ≤ 1.0x best baseline (≤ 0.9x MoE, WRN) | {ratio_ok}/{n} | {'; '.join(ratio_detail)} |"
+    )
+    L.append(
+        f"| predicted vs compiled collective bytes within 10% (auto's plan) | {bytes_ok}/{n} | {'; '.join(bytes_d)} |"
+    )
+    L.append(f"| memory within 15% (auto's plan) | {mem_ok}/{n} | {'; '.join(mem_d)} |")
+    L.append(f"| Kendall tau ≥ 0.8 (step, all items) | {tau_ok}/{n} | {'; '.join(tau_d)} |")
+    L.append("")
+    return L
+
+
+def plots(out: Path, rows, gpt3) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["(matplotlib is not installed: no plots; `pip install -e '.[bench]'`)"]
+    made = []
+    ok = [r for r in rows if "summary" in r]
+    # 1. plan cost vs baselines
+    if ok:
+        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(ok)), 4.5))
+        names = sorted(
+            {n for r in ok for n in r["programs"]} | {f"b:{b}" for r in ok for b in r["baselines"]}
+        )
+        width = 0.8 / max(len(names), 1)
+        cmap = plt.get_cmap("tab20")
+        for i, n in enumerate(names):
+            ys = []
+            for r in ok:
+                best = r["summary"]["best_baseline_s"]
+                e = r["baselines"].get(n[2:]) if n.startswith("b:") else r["programs"].get(n)
+                ys.append(e["priced"]["step_no_overlap_s"] / best if e and "priced" in e else 0)
+            ax.bar(
+                [k + i * width for k in range(len(ok))],
+                ys,
+                width,
+                label=n,
+                color=cmap(i % 20),
+                hatch="//" if n.startswith("b:") else None,
+            )
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(ok))])
+        ax.set_xticklabels([f"{r['row']}\n{r['devices']} dev" for r in ok], fontsize=8)
+        ax.set_ylabel("compiled-priced step / best baseline")
+        ax.set_ylim(0, min(3, max(1.5, ax.get_ylim()[1])))
+        ax.legend(fontsize=7, ncol=4)
+        ax.set_title("Plan cost vs hand-written baselines (h100-sxm, no overlap)")
+        fig.tight_layout()
+        fig.savefig(out / "plan_vs_baselines.png", dpi=110)
+        plt.close(fig)
+        made.append("plan_vs_baselines.png")
+    # 2. search time vs graph size and device count
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    markers = {"recursive": "o", "dp": "s", "auto": "^", "ilp": "D", "data": "v", "fsdp": "<"}
+    for eng, mk in markers.items():
+        xs, ys, ds, dy = [], [], [], []
+        for r in [*ok, *gpt3]:
+            v = r["engines"].get(eng)
+            if v and "search_s" in v:
+                xs.append(r["eqns"])
+                ys.append(v["search_s"])
+                ds.append(r["devices"])
+                dy.append(v["search_s"])
+        if xs:
+            a1.scatter(xs, ys, marker=mk, label=eng)
+            a2.scatter(ds, dy, marker=mk, label=eng)
+    for g in gpt3:
+        a1.annotate(
+            f"175B L{g['layers']}",
+            (g["eqns"], max((v.get("search_s", 0) for v in g["engines"].values()), default=0)),
+            fontsize=7,
+        )
+    a1.set_xscale("log")
+    a1.set_yscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    a1.xaxis.set_minor_formatter(NullFormatter())
+    a1.set_xlabel("jaxpr equations (graph size)")
+    a1.set_ylabel("search seconds")
+    a1.legend(fontsize=8)
+    a1.set_title("Search time vs graph size")
+    a2.set_xscale("log", base=2)
+    a2.set_yscale("log")
+    a2.set_xlabel("devices")
+    a2.set_title("Search time vs device count")
+    fig.tight_layout()
+    fig.savefig(out / "search_time.png", dpi=110)
+    plt.close(fig)
+    made.append("search_time.png")
+    # 3. predicted vs compiled collective bytes
+    if ok:
+        fig, ax = plt.subplots(figsize=(5.5, 5))
+        fams = sorted({r["family"] for r in ok})
+        lo, hi = math.inf, 0
+        for fam in fams:
+            xs, ys = [], []
+            for r in ok:
+                if r["family"] != fam:
+                    continue
+                for f in r["summary"]["fidelity"].values():
+                    if f["pred_comm_bytes"] > 0 and f["compiled_comm_bytes"] > 0:
+                        xs.append(f["pred_comm_bytes"] / MiB)
+                        ys.append(f["compiled_comm_bytes"] / MiB)
+            if xs:
+                ax.scatter(xs, ys, label=fam)
+                lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
+        if hi > 0:
+            ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+            ax.plot([lo, hi], [lo * 1.1, hi * 1.1], "k:", lw=0.6)
+            ax.plot([lo, hi], [lo * 0.9, hi * 0.9], "k:", lw=0.6)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("predicted collective MiB / device")
+        ax.set_ylabel("compiled collective MiB / device")
+        ax.set_title("Collective bytes: cost model vs compiled")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "fidelity_bytes.png", dpi=110)
+        plt.close(fig)
+        made.append("fidelity_bytes.png")
+    return [f"![{m}](results/{m})" for m in made]
+
+
+METHOD = """\
+## How this was measured
+
+* **No GPU cluster.** Each plan is compiled for N simulated CPU devices
+  (`--xla_force_host_platform_device_count=16`) from `ShapeDtypeStruct` arguments — no
+  weights are allocated — and the compiled program is read (`benchmarks/evaluator.py`):
+  every collective from `autopar.hlo.parse_collectives` (kind, bytes of the full-size
+  side, mesh axes, link tier via `MeshInfo.is_intra_node`), `cost_analysis()` FLOPs and
+  bytes accessed, and `memory_analysis()` per-device bytes.
+* **Pricing** on the `h100-sxm` profile with `autopar.cost.CostModel`: each collective
+  is `alpha + busbw factor x bytes / link bandwidth` (`CostModel.collective`), compute is
+  the whole-program roofline `max(FLOPs / (peak x 0.6), bytes / (HBM bw x 0.8))`. The
+  step is reported without overlap (`compute + comm`, used for all ratios) and with
+  perfect overlap (`max`). The CPU compiler's bytes-accessed (its fusion is not a GPU's)
+  dominates the compute term, so compute seconds are an estimate; FLOPs agree closely.
+* **Reduce-scatter.** The CPU compiler emits all-reduce + dynamic-slice where a GPU build
+  emits reduce-scatter. The evaluator *detects the pattern and reclassifies it*: an
+  all-reduce (or an element of a combined tuple all-reduce) whose every use keeps at
+  most 1/n of the buffer through a dynamic-slice (looking through pure converts) is
+  priced as a reduce-scatter of the same full-size bytes (bus factor (n-1)/n instead of
+  2(n-1)/n). Unmatched all-reduces stay all-reduces (priced at the full buffer).
+* **bf16.** The CPU backend runs bf16 collectives in f32 (convert before/after, or a
+  `*_promoted` reducer). Such collectives are counted at bf16 width; genuinely f32 ones
+  (softmax statistics, the loss) are not.
+* **Loops.** Collectives inside `while` bodies are multiplied by the loop's
+  `known_trip_count`; the suite's models are unrolled, so there were none.
+* **Scaling.** Widths, heads, experts, sequence lengths, vocabularies and images are the
+  papers'; *layers* are cut (GPT 2 of 24/32, MoE 2 of 16 — one dense + one MoE layer,
+  ViT 2 of 12/24/32, Wide-ResNet one bottleneck block per stage = 14 of 50 layers) and
+  the batch is 8 per device (one micro-batch, no gradient accumulation) instead of the
+  papers' global 1024-1536. Memory is therefore far below 80 GB on every row and never
+  binds the search.
+* **Baselines** (`benchmarks/baselines.py`) are plain `jax.jit` in/out shardings built
+  from parameter paths; GSPMD propagation decides the rest. DP and FSDP use every device
+  for the batch; Megatron splits q/k/v/c_fc by column and o/c_proj by row on `model`
+  (vocab-split embedding), batch on `data`; expert parallel splits the expert dim on
+  `model` (`expert`) or over all devices (`expert_all`).
+"""
+
+
+def write(out: Path = RESULTS) -> Path:
+    out = Path(out)
+    tag, runs, rows, gpt3 = _load(out)
+    meta = runs.get(tag, {}).get("meta", {})
+    L = ["# autopar benchmarks: plan quality, search speed, cost-model fidelity", ""]
+    L.append(
+        f"Generated by `python -m benchmarks.run{' --quick' if tag == 'quick' else ''}` "
+        f"({tag} run, {meta.get('started', '?')}; JAX {meta.get('jax', '?')}, "
+        f"{meta.get('cpus', '?')} CPUs, load average {_f(meta.get('loadavg_start', [None])[0], 1)} at start; "
+        f"run wall time {meta.get('wall_s', 0) / 60:.1f} min). "
+        "Other runs: "
+        + (
+            ", ".join(
+                f"{t}: {r['meta']['wall_s'] / 60:.1f} min ({len(r['rows'])} rows)"
+                for t, r in runs.items()
+            )
+            or "none"
+        )
+        + ". Absolute times on this shared machine are noisy; compare ratios measured in one run."
+    )
+    L.append("")
+    L.append("## Targets\n")
+    L += targets(rows)
+    L.append("## 1. Plan quality against hand-written baselines\n")
+    L += quality_tables(rows)
+    L.append("## 2. Search speed\n")
+    L += search_tables(rows, gpt3)
+    L.append("## 3. Cost-model fidelity\n")
+    L += fidelity_tables(rows)
+    L.append("## Plots\n")
+    L += plots(out, rows, gpt3)
+    L.append("")
+    L.append(METHOD)
+    disc = HERE / "discussion.md"
+    if disc.exists():
+        L.append(disc.read_text())
+    path = HERE / "REPORT.md" if out.resolve() == RESULTS.resolve() else out / "REPORT.md"
+    path.write_text("\n".join(L) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    print(write(Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS))
