@@ -132,6 +132,8 @@ def node_flops(node: Node, graph: Graph) -> float:
     if node.op == "conv_general_dilated":
         rhs = graph.values[node.inputs[1]]
         o = rhs.shape[node.params["dimension_numbers"].rhs_spec[0]]
-        return 2.0 * outs[0].size * rhs.size / max(o, 1)
+        # Input-gradient convs dilate the input with zeros; those products are not work.
+        dilation = math.prod(node.params.get("lhs_dilation") or (1,))
+        return 2.0 * outs[0].size * rhs.size / max(o, 1) / dilation
     ins = [graph.values[v].size for v in node.inputs]
     return float(max([t.size for t in outs] + ins + [1]))

@@ -3,6 +3,7 @@ communication, collectives by mesh axis and kind, and per-device peak memory."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -105,7 +106,8 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
     colls = edge_collectives(problem, choice)
     by: dict[str, int] = {}
     for _, c in colls:
-        key = f"{c.kind}@{','.join(c.axes)}"
+        axes = sorted(c.axes, key=problem.mesh.axis_names.index)
+        key = f"{c.kind}@{','.join(axes)}"
         by[key] = by.get(key, 0) + c.bytes
     comm = sum(c.seconds for _, c in colls)
     peak, args = peak_memory(problem, choice)
@@ -118,21 +120,22 @@ def settle_partials(
     op_out_specs: Sequence[Sequence[Spec]],
     output_specs: Sequence[Spec],
 ) -> dict[int, Spec]:
-    """Partial values that every use wants in one and the same spec: the lowering
-    reduces them right where they are produced (so the full-size partial sum, e.g. a
-    weight gradient before its reduce-scatter, dies at once). value id -> that spec."""
-    wants: dict[int, set[Spec]] = {}
+    """Where the lowering sums each partial value: right where it is produced, into
+    the spec most of its uses want (the first such use on a tie). A partial sum cannot
+    be written as a sharding constraint, and left unconstrained XLA may partition the
+    producing contraction its own way; summing at once also frees the full-size
+    partial (e.g. a weight gradient before its reduce-scatter). value id -> spec."""
+    wants: dict[int, Counter[Spec]] = {}
     for node, specs in zip(graph.nodes, op_in_specs):
-        for v, sp in zip(node.inputs, specs):
-            wants.setdefault(v, set()).add(sp)
+        for v, sp in zip(dict.fromkeys(node.inputs), specs):
+            wants.setdefault(v, Counter())[sp] += 1
     for v, sp in zip(graph.outputs, output_specs):
-        wants.setdefault(v, set()).add(sp)
+        wants.setdefault(v, Counter())[sp] += 1
     out: dict[int, Spec] = {}
     for node, specs in zip(graph.nodes, op_out_specs):
         for v, sp in zip(node.outputs, specs):
-            w = wants.get(v, set())
-            if sp.partial and len(w) == 1:
-                out[v] = next(iter(w))
+            if sp.partial and wants.get(v):
+                out[v] = wants[v].most_common(1)[0][0]
     return out
 
 
