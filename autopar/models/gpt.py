@@ -78,10 +78,13 @@ def _dense(features: int, name: str, dtype: Any) -> nn.Dense:
     )
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention written with explicit einsums and softmax."""
+class SelfAttention(nn.Module):
+    """Multi-head self-attention written with explicit einsums and a float32 softmax;
+    causal by default (GPT), bidirectional with `causal=False` (ViT). `config` is any
+    config with `hidden`, `heads`, `head_dim` and `dtype`."""
 
-    config: GPTConfig
+    config: Any
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -98,8 +101,9 @@ class CausalSelfAttention(nn.Module):
         v = heads(_dense(cfg.hidden, "v", cfg.dtype)(x))
 
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        if self.causal:
+            mask = jnp.tril(jnp.ones((s, s), dtype=bool))
+            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
 
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, cfg.hidden)
@@ -127,7 +131,7 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         ln = functools.partial(nn.LayerNorm, dtype=cfg.dtype, param_dtype=cfg.dtype)
-        x = x + CausalSelfAttention(cfg, name="attn")(ln(name="ln_1")(x))
+        x = x + SelfAttention(cfg, name="attn")(ln(name="ln_1")(x))
         x = x + MLP(cfg, name="mlp")(ln(name="ln_2")(x))
         return x
 

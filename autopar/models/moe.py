@@ -185,7 +185,7 @@ class MoEBlock(nn.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         ln = functools.partial(nn.LayerNorm, dtype=cfg.dtype, param_dtype=cfg.dtype)
-        x = x + gpt.CausalSelfAttention(cfg.gpt_config(), name="attn")(ln(name="ln_1")(x))
+        x = x + gpt.SelfAttention(cfg.gpt_config(), name="attn")(ln(name="ln_1")(x))
         y = ln(name="ln_2")(x)
         if self.moe:
             y, aux = MoELayer(cfg, name="moe")(y)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from autopar.models import gpt
 from autopar.models.common import Batch, PyTree, TrainStep, abstract_args_of, simple_train_step
 
 _INIT_STD = 0.02
@@ -82,29 +83,6 @@ def _dense(features: int, name: str, dtype: Any) -> nn.Dense:
     )
 
 
-class SelfAttention(nn.Module):
-    """Bidirectional multi-head self-attention (explicit einsums, float32 softmax)."""
-
-    config: ViTConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.config
-        b, s, _ = x.shape
-        nh, hd = cfg.heads, cfg.head_dim
-
-        def heads(t: jax.Array) -> jax.Array:
-            return t.reshape(b, s, nh, hd)
-
-        q = heads(_dense(cfg.hidden, "q", cfg.dtype)(x)) / math.sqrt(hd)
-        k = heads(_dense(cfg.hidden, "k", cfg.dtype)(x))
-        v = heads(_dense(cfg.hidden, "v", cfg.dtype)(x))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, cfg.hidden)
-        return _dense(cfg.hidden, "o", cfg.dtype)(out)
-
-
 class MLP(nn.Module):
     config: ViTConfig
 
@@ -122,7 +100,7 @@ class EncoderBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         ln = functools.partial(nn.LayerNorm, dtype=cfg.dtype, param_dtype=cfg.dtype)
-        x = x + SelfAttention(cfg, name="attn")(ln(name="ln_1")(x))
+        x = x + gpt.SelfAttention(cfg, causal=False, name="attn")(ln(name="ln_1")(x))
         return x + MLP(cfg, name="mlp")(ln(name="ln_2")(x))
 
 
