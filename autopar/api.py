@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from autopar.sharding import MeshInfo, Spec, mesh_info
 # the mesh (when it has devices) and judged by XLA's memory analysis, because the
 # liveness estimate does not see XLA's own temporaries.
 COMPILE_CHECK_FRACTION = 0.7
+log = logging.getLogger("autopar")
 
 
 @dataclass
@@ -164,6 +166,7 @@ class Parallelized:
     def _compile(self, args) -> _Compiled:
         single = len(self.meshes) == 1
         static = _norm(self.static_argnums, len(args))
+        log.info("tracing %s", fn_name(self.fn))
         graph = capture(self.fn, args, static, self.meshes[0] if single else None)
         donate = _flat_donate(args, static, _norm(self.donate_argnums, len(args)))
         reused: dict[int, Spec] = {}
@@ -179,6 +182,7 @@ class Parallelized:
         options, failures = [], []
         for k, mesh in enumerate(self.meshes):
             info = mesh_info(mesh, self.profile)
+            log.info("mesh %s: pricing the strategies of %d ops", info.shape, len(graph.nodes))
             problem = build_problem(graph, info, CostModel(self.profile, info))
             try:
                 pins = (
@@ -209,6 +213,7 @@ class Parallelized:
                 isinstance(mesh, Mesh)
                 and plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * self.memory_budget
             ):
+                log.info("compiling %s to check its memory", info_str(plan))
                 compiled = compiled_memory(
                     _lower(jitted, self._flat_dyn(args), plan, mesh).compile()
                 )

@@ -349,7 +349,10 @@ def cmd_search(args) -> int:
         static_argnums=wl.static_argnums,
         donate_argnums=wl.donate_argnums,
     )
-    plan = step.plan(*wl.args)
+    from autopar.progress import Progress
+
+    with Progress():
+        plan = step.plan(*wl.args)
     seconds = time.perf_counter() - t0
     plan.save(args.out)
     import jax

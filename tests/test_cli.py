@@ -584,3 +584,14 @@ def test_searched_plan_runs_with_the_same_loss_as_jit(plans):
     # The plan's shardings are the ones used: some parameter is really split.
     sharded = [r for r in step.plan(state, batch).inputs if r.spec.used_axes]
     assert sharded
+
+
+def test_search_reports_progress_on_stderr(tmp_path):
+    """A search that takes more than a moment shows its phase and elapsed time."""
+    r = run(
+        "search", "autopar/examples.py:gpt_small", "--mesh", "8", "--out", str(tmp_path / "p.json")
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
+    assert lines and any("searching with" in ln for ln in lines), r.stderr
+    assert "Traceback" not in r.stderr

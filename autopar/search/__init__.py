@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import MemoryBudgetError, format_bytes
+from autopar.progress import log
 from autopar.search import engines
 from autopar.search.evaluate import Cost, evaluate
 from autopar.search.problem import Problem
@@ -98,6 +99,7 @@ def search(
     }
     for name in names:
         info[name] = {}
+        log.info("mesh %s: searching with %s", problem.mesh.shape, name)
         choice = ENGINES[name](problem, pinned, info[name])
         candidates[name] = (choice, evaluate(problem, choice))
         if (
@@ -106,6 +108,9 @@ def search(
             and zero_pins
         ):
             info[f"{name}+zero3"] = {}
+            log.info(
+                "mesh %s: %s over budget, retrying with ZeRO-3 state", problem.mesh.shape, name
+            )
             choice = ENGINES[name](problem, {**zero_pins, **pinned}, info[f"{name}+zero3"])
             candidates[f"{name}+zero3"] = (choice, evaluate(problem, choice))
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
