@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -121,3 +125,39 @@ def is_sharded(spec: PartitionSpec) -> bool:
 
 def spec_leaves(tree) -> list[PartitionSpec]:
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+# ---- the CLI through its real entry point ------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path = REPO_ROOT, env_extra: dict | None = None, timeout: float = 240):
+    """`python -m autopar ARGS` with neither XLA_FLAGS nor JAX_PLATFORMS set, so the CLI
+    sets up its simulated devices itself."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "autopar", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def ok(r) -> str:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r.stdout
+
+
+def bad_input(r, *needles: str) -> str:
+    """Exit status 2, exactly one line on stderr, no traceback."""
+    assert r.returncode == 2, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]

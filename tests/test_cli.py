@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import bad_input, ok, run_cli
 
 import autopar
 from autopar import cli, examples
@@ -26,35 +27,8 @@ GPT = "autopar/examples.py:gpt_small"
 MLP = "autopar/examples.py:mlp_small"
 
 
-def run(*args: str, cwd: Path = ROOT, env_extra: dict | None = None, timeout: float = 240):
-    """`python -m autopar ARGS` with neither XLA_FLAGS nor JAX_PLATFORMS set, so the CLI
-    sets up its simulated devices itself."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "autopar", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def ok(r) -> str:
-    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    return r.stdout
-
-
-def bad_input(r, *needles: str) -> str:
-    """Exit status 2, exactly one line on stderr, no traceback."""
-    assert r.returncode == 2, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+def run(*args: str, **kw):
+    return run_cli(*args, **kw)
 
 
 # ---------------------------------------------------------------------------- JSON Schema

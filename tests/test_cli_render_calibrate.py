@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from helpers import bad_input, ok, run_cli
 
 import cost_models
 from autopar import render
@@ -22,34 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT = "autopar/examples.py:gpt_small"
 
 
-def run(*args: str, timeout: float = 120):
-    """`python -m autopar ARGS` with neither XLA_FLAGS nor JAX_PLATFORMS set, so the CLI
-    sets up its simulated devices itself."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run(
-        [sys.executable, "-m", "autopar", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def ok(r) -> str:
-    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    return r.stdout
-
-
-def bad_input(r, *needles: str) -> str:
-    """Exit status 2, exactly one line on stderr, no traceback."""
-    assert r.returncode == 2, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+def run(*args: str, **kw):
+    return run_cli(*args, **kw)
 
 
 @pytest.fixture(scope="module")
