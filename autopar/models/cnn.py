@@ -12,22 +12,20 @@ statistics live in ``state["batch_stats"]`` and are updated by the train step.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from autopar.models.common import (
     Batch,
     PyTree,
-    State,
     TrainStep,
     abstract_args_of,
-    make_optimizer,
+    batch_norm_train_step,
+    image_batch,
 )
 
 
@@ -67,63 +65,14 @@ class CNN(nn.Module):
 
 
 def make_batch(config: CNNConfig, seed: int) -> Batch:
-    """``{"images": [B, H, W, C] float in [-0.75, 0.75], "labels": [B] int32}``."""
-    shape = (config.batch_size, config.image, config.image, config.channels)
-    n = config.batch_size * config.image * config.image * config.channels
-    v = (jnp.arange(n, dtype=jnp.int32) * 13 + seed * 5) % 97
-    # Power-of-two scale keeps the values exact (identical under jit and eagerly).
-    images = (v.astype(jnp.float32) / 64.0 - 0.75).reshape(shape)
-    labels = (jnp.arange(config.batch_size, dtype=jnp.int32) * 3 + seed) % config.classes
-    return {"images": images.astype(config.dtype), "labels": labels}
+    """Position-dependent images and labels (:func:`autopar.models.common.image_batch`)."""
+    return image_batch(config, seed)
 
 
 def make_train_step(config: CNNConfig, learning_rate: float = 1e-2) -> TrainStep:
-    """AdamW train step for :class:`CNN`; ``state`` has ``params``, ``batch_stats``, ``opt_state``."""
+    """AdamW train step; ``state`` has ``params``, ``batch_stats`` and ``opt_state``."""
     model = CNN(config)
-    tx = make_optimizer(learning_rate)
-
-    def forward(params: PyTree, batch_stats: PyTree, batch: Batch) -> tuple[jax.Array, PyTree]:
-        logits, updates = model.apply(
-            {"params": params, "batch_stats": batch_stats},
-            batch["images"],
-            mutable=["batch_stats"],
-        )
-        logits = logits.astype(jnp.float32)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-        return loss, updates["batch_stats"]
-
-    def init(seed: int) -> State:
-        dummy = jnp.zeros(
-            (config.batch_size, config.image, config.image, config.channels), config.dtype
-        )
-        variables = model.init(jax.random.key(seed), dummy)
-        params = variables["params"]
-        return {
-            "params": params,
-            "batch_stats": variables["batch_stats"],
-            "opt_state": tx.init(params),
-        }
-
-    def loss(state: State, batch: Batch) -> jax.Array:
-        return forward(state["params"], state["batch_stats"], batch)[0]
-
-    def step(state: State, batch: Batch) -> tuple[State, dict[str, jax.Array]]:
-        params = state["params"]
-        (value, batch_stats), grads = jax.value_and_grad(forward, has_aux=True)(
-            params, state["batch_stats"], batch
-        )
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
-        new_state = {"params": params, "batch_stats": batch_stats, "opt_state": opt_state}
-        return new_state, {"loss": value}
-
-    return TrainStep(
-        step=step,
-        init=init,
-        batch=functools.partial(make_batch, config),
-        loss=loss,
-        name="cnn",
-    )
+    return batch_norm_train_step("cnn", model, config, learning_rate)
 
 
 def abstract_args(config: CNNConfig) -> tuple[PyTree, PyTree]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -105,3 +106,60 @@ def simple_train_step(
         return {"params": params, "opt_state": opt_state}, {"loss": value}
 
     return TrainStep(step=step, init=init, batch=make_batch, loss=loss, name=name)
+
+
+def image_batch(config: Any, seed: int) -> Batch:
+    """``{"images": [B, H, W, C] in [-0.75, 0.75], "labels": [B] int32}``, position-dependent.
+    `config` has ``batch_size``, ``image``, ``channels``, ``classes`` and ``dtype``."""
+    shape = (config.batch_size, config.image, config.image, config.channels)
+    v = (jnp.arange(int(np.prod(shape)), dtype=jnp.int32) * 13 + seed * 5) % 97
+    # Power-of-two scale keeps the values exact (identical under jit and eagerly).
+    images = (v.astype(jnp.float32) / 64.0 - 0.75).reshape(shape)
+    labels = (jnp.arange(config.batch_size, dtype=jnp.int32) * 3 + seed) % config.classes
+    return {"images": images.astype(config.dtype), "labels": labels}
+
+
+def batch_norm_train_step(name: str, model: Any, config: Any, learning_rate: float) -> TrainStep:
+    """AdamW train step for an image classifier with BatchNorm (`model.apply` takes
+    images, mutates ``batch_stats``). ``state`` has ``params``, ``batch_stats``,
+    ``opt_state``; the batch comes from :func:`image_batch`."""
+    tx = make_optimizer(learning_rate)
+
+    def forward(params: PyTree, batch_stats: PyTree, batch: Batch) -> tuple[jax.Array, PyTree]:
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            batch["images"],
+            mutable=["batch_stats"],
+        )
+        logits = logits.astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+        return loss, updates["batch_stats"]
+
+    def init(seed: int) -> State:
+        dummy = jnp.zeros(
+            (config.batch_size, config.image, config.image, config.channels), config.dtype
+        )
+        variables = model.init(jax.random.key(seed), dummy)
+        params = variables["params"]
+        return {
+            "params": params,
+            "batch_stats": variables["batch_stats"],
+            "opt_state": tx.init(params),
+        }
+
+    def loss(state: State, batch: Batch) -> jax.Array:
+        return forward(state["params"], state["batch_stats"], batch)[0]
+
+    def step(state: State, batch: Batch) -> tuple[State, dict[str, jax.Array]]:
+        params = state["params"]
+        (value, batch_stats), grads = jax.value_and_grad(forward, has_aux=True)(
+            params, state["batch_stats"], batch
+        )
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        new_state = {"params": params, "batch_stats": batch_stats, "opt_state": opt_state}
+        return new_state, {"loss": value}
+
+    return TrainStep(
+        step=step, init=init, batch=functools.partial(image_batch, config), loss=loss, name=name
+    )
