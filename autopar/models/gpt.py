@@ -113,7 +113,7 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """Transformer feed-forward block: ``c_proj(gelu(c_fc(x)))``."""
 
-    config: GPTConfig
+    config: Any
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -123,17 +123,36 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block."""
+    """Pre-LayerNorm transformer block; `causal=False` for an encoder (ViT). `config` is
+    any config with `hidden`, `heads`, `head_dim`, `ffn_dim` and `dtype`."""
 
-    config: GPTConfig
+    config: Any
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         ln = functools.partial(nn.LayerNorm, dtype=cfg.dtype, param_dtype=cfg.dtype)
-        x = x + SelfAttention(cfg, name="attn")(ln(name="ln_1")(x))
+        x = x + SelfAttention(cfg, self.causal, name="attn")(ln(name="ln_1")(x))
         x = x + MLP(cfg, name="mlp")(ln(name="ln_2")(x))
         return x
+
+
+def embed_tokens(module: nn.Module, cfg: Any, tokens: jax.Array) -> tuple[jax.Array, nn.Embed]:
+    """Token (`wte`, tied with the output layer) plus learned position (`wpe`) embeddings,
+    created inside `module`'s compact `__call__`. Returns the embedded tokens and `wte`."""
+    wte = nn.Embed(
+        cfg.vocab,
+        cfg.hidden,
+        name="wte",
+        dtype=cfg.dtype,
+        param_dtype=cfg.dtype,
+        embedding_init=nn.initializers.normal(_INIT_STD),
+    )
+    wpe = module.param(
+        "wpe", nn.initializers.normal(_INIT_STD / 2), (cfg.seq, cfg.hidden), cfg.dtype
+    )
+    return wte(tokens) + wpe[None, : tokens.shape[1], :], wte
 
 
 class GPT(nn.Module):
@@ -144,19 +163,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
-        _, s = tokens.shape
-        wte = nn.Embed(
-            cfg.vocab,
-            cfg.hidden,
-            name="wte",
-            dtype=cfg.dtype,
-            param_dtype=cfg.dtype,
-            embedding_init=nn.initializers.normal(_INIT_STD),
-        )
-        wpe = self.param(
-            "wpe", nn.initializers.normal(_INIT_STD / 2), (cfg.seq, cfg.hidden), cfg.dtype
-        )
-        x = wte(tokens) + wpe[None, :s, :]
+        x, wte = embed_tokens(self, cfg, tokens)
         for i in range(cfg.layers):
             x = Block(cfg, name=f"h_{i}")(x)
         x = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name="ln_f")(x)

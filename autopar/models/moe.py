@@ -202,19 +202,7 @@ class MoETransformer(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
-        _, s = tokens.shape
-        wte = nn.Embed(
-            cfg.vocab,
-            cfg.hidden,
-            name="wte",
-            dtype=cfg.dtype,
-            param_dtype=cfg.dtype,
-            embedding_init=nn.initializers.normal(_INIT_STD),
-        )
-        wpe = self.param(
-            "wpe", nn.initializers.normal(_INIT_STD / 2), (cfg.seq, cfg.hidden), cfg.dtype
-        )
-        x = wte(tokens) + wpe[None, :s, :]
+        x, wte = gpt.embed_tokens(self, cfg, tokens)
         aux = jnp.zeros((), jnp.float32)
         for i in range(cfg.layers):
             x, a = MoEBlock(cfg, cfg.is_moe(i), name=f"h_{i}")(x)

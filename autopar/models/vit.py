@@ -61,6 +61,11 @@ class ViTConfig:
             raise ValueError(f"hidden={self.hidden} not divisible by heads={self.heads}")
 
     @property
+    def ffn_dim(self) -> int:
+        """The MLP width under the name the shared transformer block reads."""
+        return self.mlp_dim
+
+    @property
     def mlp_dim(self) -> int:
         return self.mlp if self.mlp is not None else 4 * self.hidden
 
@@ -81,27 +86,6 @@ def _dense(features: int, name: str, dtype: Any) -> nn.Dense:
         param_dtype=dtype,
         kernel_init=nn.initializers.normal(_INIT_STD),
     )
-
-
-class MLP(nn.Module):
-    config: ViTConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.config
-        h = nn.gelu(_dense(cfg.mlp_dim, "c_fc", cfg.dtype)(x))
-        return _dense(cfg.hidden, "c_proj", cfg.dtype)(h)
-
-
-class EncoderBlock(nn.Module):
-    config: ViTConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.config
-        ln = functools.partial(nn.LayerNorm, dtype=cfg.dtype, param_dtype=cfg.dtype)
-        x = x + gpt.SelfAttention(cfg, causal=False, name="attn")(ln(name="ln_1")(x))
-        return x + MLP(cfg, name="mlp")(ln(name="ln_2")(x))
 
 
 def patchify(images: jax.Array, patch: int) -> jax.Array:
@@ -131,7 +115,7 @@ class ViT(nn.Module):
         )
         x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, cfg.hidden)), x], axis=1) + pos
         for i in range(cfg.layers):
-            x = EncoderBlock(cfg, name=f"h_{i}")(x)
+            x = gpt.Block(cfg, causal=False, name=f"h_{i}")(x)
         x = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name="ln_f")(x)
         return _dense(cfg.classes, "head", cfg.dtype)(x[:, 0])
 
