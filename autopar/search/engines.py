@@ -26,11 +26,12 @@ _TIER = {
 }
 
 
-def _tables(problem: Problem):
+def _tables(problem: Problem) -> list[list[tuple[int, np.ndarray]]]:
+    """Per node v: (neighbour u, matrix indexed [s_u, s_v]) for every edge touching v."""
     n = len(problem.strategies)
     nb: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     for (u, v), m in problem.edges.items():
-        nb[u].append((v, m.T))  # matrix indexed [s_v, s_u] from u's point of view... see use
+        nb[u].append((v, m.T))
         nb[v].append((u, m))
     return nb
 
@@ -250,7 +251,7 @@ def data_pins(problem: Problem) -> dict[int, int]:
     }
 
 
-def fsdp_pins(problem: Problem, state_only: bool = False) -> dict[int, int]:
+def fsdp_pins(problem: Problem) -> dict[int, int]:
     """ZeRO-3 / FSDP: parameters and optimizer state sharded over every device."""
     batch = batch_like_inputs(problem)
     return {
