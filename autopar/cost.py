@@ -83,9 +83,15 @@ class CostModel:
 
     @functools.cache  # noqa: B019 - one CostModel per search
     def reshard(self, t: TensorType, src: Spec, dst: Spec) -> Reshard:
-        """Cheapest collective sequence (in this simple model) from `src` to `dst`."""
-        if src == dst or t.rank == 0 and not src.partial:
+        """Cheapest collective sequence (in this simple model) from `src` to `dst`.
+
+        A Partial `dst` other than `src` is reached by first summing `src` into
+        `dst`'s dims; splitting a whole value into summands is local (one device per
+        group keeps it, the others hold zeros)."""
+        if src == dst or t.rank == 0 and not src.partial and not dst.partial:
             return NO_RESHARD
+        if dst.partial:
+            return self.reshard(t, src, dst.without_partial())
         colls: list[Collective] = []
         dims = [list(d) for d in src.dims]
         # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else all-reduce.

@@ -285,3 +285,52 @@ REGRESSIONS = [
 @pytest.mark.parametrize("program, mesh", REGRESSIONS)
 def test_regressions(program, mesh):
     check(program, mesh)
+
+
+def random_plan(fn, args, mesh: dict[str, int], seed: int):
+    """`fn` jitted under a random (valid) plan: every op a random strategy, half the
+    time one that passes a partial sum through when the op has such variants."""
+    import cost_models
+    from autopar.api import make_plan
+    from autopar.capture import capture
+    from autopar.cost import CostModel
+    from autopar.lower.jit import jit_from_plan
+    from autopar.meshes import make_mesh
+    from autopar.search import SearchResult
+    from autopar.search.evaluate import evaluate
+    from autopar.search.problem import build_problem
+    from autopar.sharding import mesh_info
+
+    jmesh = make_mesh(mesh)
+    profile = cost_models.load("h100-sxm")
+    graph = capture(fn, args)
+    info = mesh_info(jmesh, profile)
+    problem = build_problem(graph, info, CostModel(profile, info))
+    rng = np.random.default_rng(seed)
+    choice = []
+    for strategies in problem.strategies:
+        passing = [k for k, s in enumerate(strategies) if any(p.partial for p in s.in_specs)]
+        pool = passing if passing and rng.random() < 0.5 else range(len(strategies))
+        choice.append(int(rng.choice(list(pool))))
+    result = SearchResult(tuple(choice), "random", evaluate(problem, choice), 0.0, {})
+    plan = make_plan(problem, result, profile, jmesh)
+    return jit_from_plan(graph, plan, jmesh), plan
+
+
+@settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(programs(), st.sampled_from(MESHES), st.integers(0, 2**16))
+def test_random_plans_lower_exactly(program, mesh, seed):
+    """The lowering is right for *any* plan, not only the ones the engines like:
+    random strategies (partial sums passed through linear ops included)."""
+    fn = build(program)
+    args = inputs_for(program)
+    want = jax.jit(fn)(*args)
+    jitted, plan = random_plan(fn, args, mesh, seed)
+    got = jax.tree.unflatten(jax.tree.structure(want), jitted(*jax.tree.leaves(args)))
+    assert_trees_close(got, want, rtol=1e-4, atol=1e-5, what=f"{program}\n{mesh} seed {seed}")

@@ -1,17 +1,28 @@
 """jit lowering: re-run the graph op by op, pinning every value to the plan's spec
-with `with_sharding_constraint`; XLA's partitioner inserts the collectives."""
+with `with_sharding_constraint`; XLA's partitioner inserts the collectives.
+
+A sharding constraint cannot say "partial sum", so a partial value is summed where
+it is produced (`settle_partials`) unless a linear op takes it as the same partial
+sum. Such a value is kept *stacked*: a global array with one extra leading dim,
+sharded over the partial axes, whose slices are the per-device summands; ops on
+it run per device inside `shard_map`, and a sum over the leading dim (an
+all-reduce or reduce-scatter) settles it where a use wants the true value.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import jax
-from jax.sharding import NamedSharding
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.ir import Graph
+from autopar.ir import Graph, Node
 from autopar.plan import Plan
 from autopar.search.evaluate import settle_partials
 from autopar.sharding import Spec
+from autopar.strategies.linear import LOCAL_OPS
 
 
 def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
@@ -27,35 +38,96 @@ def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
     def constrain(x, spec: Spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_pspec()))
 
+    def smap(f, in_specs, out_specs):
+        return jax.shard_map(
+            f, mesh=mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=False
+        )
+
+    def split(x, want: Spec):
+        """A whole value as summands over `want.partial`: the first device keeps it."""
+
+        def body(x):
+            first = math.prod(jax.lax.axis_index(a) == 0 for a in want.partial)
+            return (jnp.where(first, x, jnp.zeros_like(x))[None],)
+
+        return smap(body, [want.to_pspec()], [_stacked(want)])(x)[0]
+
     def run(*flat_args):
         env: dict[int, object] = dict(zip(graph.inputs, flat_args))
-        produced: dict[int, Spec] = dict(in_specs)
+        # the spec env[v] is in: partial means stacked; None, a whole value XLA may
+        # lay out as it likes (a result of the plain path, not yet constrained)
+        produced: dict[int, Spec | None] = dict(in_specs)
 
         def read(v: int, want: Spec):
             if v in graph.consts:
-                return graph.consts[v]
-            have = produced[v]
-            if have == want or not want.dims and not have.partial:
-                return env[v]
-            return constrain(env[v], want)
+                x, have = jnp.asarray(graph.consts[v]), None
+            else:
+                x, have = env[v], produced[v]
+                if have == want:
+                    return x
+            if have is not None and have.partial:
+                x = jnp.sum(x, axis=0, dtype=x.dtype)
+            dense = want.without_partial()
+            if dense.dims or have is not None and have.partial:
+                x = constrain(x, dense)
+            return split(x, want) if want.partial else x
 
         for node, rec in zip(graph.nodes, plan.ops):
-            invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
-            outs = bind(node, invals)
-            if not node.primitive.multiple_results:
-                outs = [outs]
-            for v, val, spec in zip(node.outputs, outs, rec.out_specs):
-                spec = settled.get(v, spec)
-                env[v] = val if spec.partial or not spec.dims else constrain(val, spec)
-                produced[v] = spec
+            wants = [
+                settled.get(v, s.without_partial()) for v, s in zip(node.outputs, rec.out_specs)
+            ]
+            local = node.op in LOCAL_OPS and (
+                any(s.partial for s in rec.in_specs) or any(w.partial for w in wants)
+            )
+            if local:
+                invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
+                outs, haves = _run_local(node, rec, graph, mesh, smap, invals), rec.out_specs
+            else:
+                invals = [read(v, s.without_partial()) for v, s in zip(node.inputs, rec.in_specs)]
+                outs, haves = bind(node, invals), [None] * len(node.outputs)
+                outs = outs if node.primitive.multiple_results else [outs]
+            for v, val, have, want in zip(node.outputs, outs, haves, wants):
+                env[v], produced[v] = val, have
+                if have != want:
+                    env[v], produced[v] = read(v, want), want
         return tuple(read(v, r.spec) for v, r in zip(graph.outputs, plan.outputs))
 
     return run
 
 
-def bind(node, invals):
-    """Apply a captured node's primitive, as `jax.core.eval_jaxpr` does."""
-    params = node.primitive.get_bind_params(node.params)
+def _stacked(spec: Spec) -> PartitionSpec:
+    lead = spec.partial[0] if len(spec.partial) == 1 else tuple(spec.partial)
+    return PartitionSpec(lead, *spec.without_partial().to_pspec())
+
+
+def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals) -> list:
+    """Run `node` per device on its shards; partial operands and results are stacked."""
+    local_shapes = [
+        tuple(s // math.prod(mesh.shape[a] for a in d) for s, d in zip(t.shape, sp.dims))
+        for t, sp in zip((graph.values[v] for v in node.outputs), rec.out_specs)
+    ]
+
+    def body(*xs):
+        xs = [x[0] if s.partial else x for x, s in zip(xs, rec.in_specs)]
+        outs = bind(node, xs, local_shapes[0])
+        outs = list(outs) if node.primitive.multiple_results else [outs]
+        return tuple(o[None] if s.partial else o for o, s in zip(outs, rec.out_specs))
+
+    ins = [_stacked(s) if s.partial else s.to_pspec() for s in rec.in_specs]
+    outs = [_stacked(s) if s.partial else s.to_pspec() for s in rec.out_specs]
+    return list(smap(body, ins, outs)(*invals))
+
+
+def bind(node, invals, local_shape: tuple[int, ...] | None = None):
+    """Apply a captured node's primitive, as `jax.core.eval_jaxpr` does; inside
+    `shard_map`, shape parameters are the per-device `local_shape`."""
+    params = dict(node.params)
+    if local_shape is not None:
+        if node.op == "broadcast_in_dim":
+            params["shape"] = local_shape
+        elif node.op == "reshape":
+            params["new_sizes"] = local_shape
+    params = node.primitive.get_bind_params(params)
     return node.primitive.bind(*invals, **params)
 
 

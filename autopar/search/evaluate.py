@@ -124,7 +124,9 @@ def settle_partials(
     the spec most of its uses want (the first such use on a tie). A partial sum cannot
     be written as a sharding constraint, and left unconstrained XLA may partition the
     producing contraction its own way; summing at once also frees the full-size
-    partial (e.g. a weight gradient before its reduce-scatter). value id -> spec."""
+    partial (e.g. a weight gradient before its reduce-scatter). A value some use takes
+    as the same partial sum (a linear op passing it through) stays partial: its
+    settled spec is its own. value id -> spec."""
     wants: dict[int, Counter[Spec]] = {}
     for node, specs in zip(graph.nodes, op_in_specs):
         for v, sp in zip(dict.fromkeys(node.inputs), specs):
@@ -135,7 +137,7 @@ def settle_partials(
     for node, specs in zip(graph.nodes, op_out_specs):
         for v, sp in zip(node.outputs, specs):
             if sp.partial and wants.get(v):
-                out[v] = wants[v].most_common(1)[0][0]
+                out[v] = sp if sp in wants[v] else wants[v].most_common(1)[0][0]
     return out
 
 

@@ -58,7 +58,8 @@ class Strategy:
     name: str
     in_specs: tuple[Spec, ...]
     out_specs: tuple[Spec, ...]
-    assignment: tuple[int | None, ...]  # per mesh axis: the factor it shards, or None
+    # per mesh axis: the factor it shards, None, or linear.PARTIAL (a passed-through sum)
+    assignment: tuple[int | None, ...]
     parallel: int  # ways the op's work is divided
 
     def __str__(self) -> str:
@@ -178,6 +179,7 @@ class NodeStrategies:
 def strategies_for(node: Node, graph: Graph, mesh: MeshInfo) -> NodeStrategies:
     """All candidate strategies of `node` on `mesh` (never empty)."""
     from autopar.strategies import rules  # noqa: F401  (registers the rules)
+    from autopar.strategies.linear import partial_variants
 
     rule_fn = RULES.get(node.op)
     warning = None
@@ -192,4 +194,5 @@ def strategies_for(node: Node, graph: Graph, mesh: MeshInfo) -> NodeStrategies:
         rule, note = _fit_to_mesh(rule, node, graph, mesh)
         return NodeStrategies((fixed_strategy(rule),), warning or rule.warning or note)
     strategies = enumerate_factor_rule(rule, mesh)
+    strategies += partial_variants(node, graph, mesh, strategies)
     return NodeStrategies(tuple(strategies), warning)
