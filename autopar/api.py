@@ -23,7 +23,7 @@ from autopar.errors import AutoparError, MemoryBudgetError, MeshError, PlanError
 from autopar.ir import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.meshes import MeshLike, resolve
-from autopar.plan import OpRecord, Plan, TensorRecord, fingerprint, op_keys
+from autopar.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search import search
 from autopar.search.evaluate import output_specs
 from autopar.search.problem import Problem, build_problem
@@ -384,29 +384,8 @@ def _spec_pins(problem: Problem, specs: dict[int, Spec]) -> dict[int, int]:
 
 
 def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:
-    g, n_in, choice = problem.graph, problem.num_inputs, result.choice
-    strat = lambda v: problem.strategies[v][choice[v]]
-    inputs = tuple(
-        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, strat(i).out_specs[0])
-        for i, (p, v) in enumerate(zip(g.input_paths, g.inputs))
-    )
-    outputs = tuple(
-        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, spec)
-        for p, v, spec in zip(g.output_paths, g.outputs, output_specs(problem, choice))
-    )
-    keys = op_keys(g)
-    ops = tuple(
-        OpRecord(
-            keys[n.id],
-            n.op,
-            n.source,
-            strat(n_in + n.id).name,
-            strat(n_in + n.id).in_specs,
-            strat(n_in + n.id).out_specs,
-            float(problem.node_time[n_in + n.id][choice[n_in + n.id]]),
-        )
-        for n in g.nodes
-    )
+    g = problem.graph
+    inputs, outputs, ops = _records(problem, result.choice)
     return Plan(
         fingerprint=fingerprint(g),
         mesh=problem.mesh,
@@ -425,6 +404,42 @@ def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:
         out_tree=g.out_tree,
         jax_mesh=jax_mesh,
     )
+
+
+def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
+    """(inputs, outputs, ops) records of a choice; a scan op carries its body's."""
+    g, n_in = problem.graph, problem.num_inputs
+    strat = lambda v: problem.strategies[v][choice[v]]
+    inputs = tuple(
+        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, strat(i).out_specs[0])
+        for i, (p, v) in enumerate(zip(g.input_paths, g.inputs))
+    )
+    outputs = tuple(
+        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, spec)
+        for p, v, spec in zip(g.output_paths, g.outputs, output_specs(problem, choice))
+    )
+
+    def body(n):
+        if n.id not in problem.bodies:
+            return None
+        sub, res = problem.bodies[n.id]
+        return BodyRecord(res.engine, *_records(sub, res.choice), res.cost)
+
+    keys = op_keys(g)
+    ops = tuple(
+        OpRecord(
+            keys[n.id],
+            n.op,
+            n.source,
+            strat(n_in + n.id).name,
+            strat(n_in + n.id).in_specs,
+            strat(n_in + n.id).out_specs,
+            float(problem.node_time[n_in + n.id][choice[n_in + n.id]]),
+            body(n),
+        )
+        for n in g.nodes
+    )
+    return inputs, outputs, ops
 
 
 def bind_plan(plan: Plan, graph: Graph, mesh: MeshInfo, jax_mesh) -> Plan:

@@ -2,8 +2,9 @@
 
 Calls (`jit`/`pjit`, `closed_call`, `custom_jvp_call`, `custom_vjp_call`,
 `checkpoint`) are inlined, so the graph is one flat list of primitives.
-Structured control flow (`scan`, `while`, `cond`) stays a single node that the
-strategy rules treat as opaque. Note: inlining `custom_jvp`/`custom_vjp`
+Structured control flow stays a single node: a `scan` node carries its body as
+a graph of its own (`Node.body`, searched once for every step); `while` and
+`cond` are opaque to the strategy rules. Note: inlining `custom_jvp`/`custom_vjp`
 keeps their primal computation only, so differentiate *inside* the function you
 parallelize (a train step), not through it.
 """
@@ -197,6 +198,7 @@ class _Builder:
                 for var, v in zip(eqn.outvars, outs):
                     env[var] = v
                 continue
+            body = _scan_body(eqn, inner_stack, _source(eqn, site)) if name == "scan" else None
             outs = [self.new_value(var.aval) for var in eqn.outvars]
             for var, v in zip(eqn.outvars, outs):
                 if not isinstance(var, _compat.DropVar):
@@ -211,9 +213,37 @@ class _Builder:
                     params=dict(eqn.params),
                     name_stack=inner_stack,
                     source=_source(eqn, site),
+                    body=body,
                 )
             )
         return [read(x) for x in jaxpr.outvars]
+
+
+def _scan_body(eqn, stack: str, site: str) -> Graph:
+    """A scan's body jaxpr as a graph; paths name the loop's roles (`body/carry0` in
+    and out, so the search keeps each carry in one spec, like updated state)."""
+    closed = eqn.params["jaxpr"]
+    n_c, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_in, n_out = len(closed.jaxpr.invars), len(closed.jaxpr.outvars)
+    roles_in = ["const"] * n_c + ["carry"] * n_carry + ["x"] * (n_in - n_c - n_carry)
+    roles_out = ["carry"] * n_carry + ["y"] * (n_out - n_carry)
+    k_in = [i - roles_in.index(r) for i, r in enumerate(roles_in)]
+    k_out = [i - roles_out.index(r) for i, r in enumerate(roles_out)]
+    b = _Builder()
+    in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
+    out_ids = b.inline(closed.jaxpr, closed.consts, in_ids, stack, site)
+    g = Graph(
+        values=tuple(b.values),
+        nodes=tuple(b.nodes),
+        inputs=tuple(in_ids),
+        input_paths=tuple(f"body/{r}{k}" for r, k in zip(roles_in, k_in)),
+        outputs=tuple(out_ids),
+        output_paths=tuple(f"body/{r}{k}" for r, k in zip(roles_out, k_out)),
+        consts=b.consts,
+        name=f"scan body at {site}",
+    )
+    check_graph(g)
+    return g
 
 
 def _source(eqn, site: str) -> str:

@@ -48,6 +48,9 @@ class Node:
     params: Mapping[str, Any] = field(repr=False)
     name_stack: str = ""
     source: str = "<unknown>"
+    # `scan`: the loop body as its own graph (inputs: consts, carry, one slice of
+    # each xs; outputs: carry, one slice of each ys), searched once for all steps
+    body: Graph | None = field(default=None, repr=False)
 
     @property
     def key(self) -> str:

@@ -48,17 +48,21 @@ class OpRecord:
     in_specs: tuple[Spec, ...]
     out_specs: tuple[Spec, ...]
     compute_s: float
+    body: BodyRecord | None = None  # a scan's body plan
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "key": self.key,
             "op": self.op,
             "source": self.source,
             "strategy": self.strategy,
-            "in_specs": [s.to_json() for s in self.in_specs],
+            "in_specs": [_spec_json(s) for s in self.in_specs],
             "out_specs": [_spec_json(s) for s in self.out_specs],
             "compute_s": self.compute_s,
         }
+        if self.body is not None:
+            d["body"] = self.body.to_json()
+        return d
 
     @staticmethod
     def from_json(d: dict) -> OpRecord:
@@ -67,9 +71,42 @@ class OpRecord:
             d["op"],
             d["source"],
             d["strategy"],
-            tuple(Spec.from_json(s) for s in d["in_specs"]),
+            tuple(_spec_from(s) for s in d["in_specs"]),
             tuple(_spec_from(s) for s in d["out_specs"]),
             float(d["compute_s"]),
+            BodyRecord.from_json(d["body"]) if "body" in d else None,
+        )
+
+
+@dataclass(frozen=True)
+class BodyRecord:
+    """A scan body's plan, searched once and used for every step of the loop: the
+    body's inputs (consts, carry, one slice of each xs), outputs and ops, as in a
+    Plan; `cost` is one step's."""
+
+    engine: str
+    inputs: tuple[TensorRecord, ...]
+    outputs: tuple[TensorRecord, ...]
+    ops: tuple[OpRecord, ...]
+    cost: Cost
+
+    def to_json(self) -> dict:
+        return {
+            "engine": self.engine,
+            "cost": self.cost.to_json(),
+            "inputs": [r.to_json() for r in self.inputs],
+            "outputs": [r.to_json() for r in self.outputs],
+            "ops": [o.to_json() for o in self.ops],
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> BodyRecord:
+        return BodyRecord(
+            d["engine"],
+            tuple(TensorRecord.from_json(r) for r in d["inputs"]),
+            tuple(TensorRecord.from_json(r) for r in d["outputs"]),
+            tuple(OpRecord.from_json(o) for o in d["ops"]),
+            Cost.from_json(d["cost"]),
         )
 
 
@@ -84,7 +121,8 @@ def _spec_from(d) -> Spec:
 
 
 def fingerprint(graph: Graph) -> str:
-    """Hash of what a plan depends on: arg/result paths and types, and the op sequence."""
+    """Hash of what a plan depends on: arg/result paths and types, and the op sequence
+    (scan bodies included)."""
     h = hashlib.sha256()
     for p, v in zip(graph.input_paths, graph.inputs):
         h.update(f"in {p} {graph.values[v]}\n".encode())
@@ -94,6 +132,8 @@ def fingerprint(graph: Graph) -> str:
         ins = ",".join(str(graph.values[v]) for v in n.inputs)
         outs = ",".join(str(graph.values[v]) for v in n.outputs)
         h.update(f"{n.op}({ins})->{outs}\n".encode())
+        if n.body is not None:
+            h.update(f"body {fingerprint(n.body)}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -284,7 +324,22 @@ class Plan:
         for r in self.outputs:
             lines.append(f"  {r.path:<{width}}  {r.dtype}{list(r.shape)}  {r.spec}")
         lines.append("ops (contractions and gathers; `autopar inspect --by op` lists all):")
-        for o in self.ops:
-            if o.op in ("dot_general", "conv_general_dilated", "gather", "scatter-add"):
-                lines.append(f"  {o.source:<22} {o.op:<20} {o.strategy}")
+        lines += _op_lines(self.ops, "  ")
         return "\n".join(lines)
+
+
+_SHOWN = ("dot_general", "conv_general_dilated", "gather", "scatter-add")
+
+
+def _op_lines(ops, indent: str) -> list[str]:
+    lines = []
+    for o in ops:
+        if o.op in _SHOWN:
+            lines.append(f"{indent}{o.source:<22} {o.op:<20} {o.strategy}")
+        elif o.body is not None:
+            lines.append(
+                f"{indent}{o.source:<22} {o.op:<20} body searched once ({o.body.engine}), "
+                f"{o.body.cost.step_s * 1e3:.3f} ms a step:"
+            )
+            lines += _op_lines(o.body.ops, indent + "  ")
+    return lines

@@ -8,7 +8,8 @@
    backward) on {"model": 8}: autopar's compiled collectives against a hand-written
    Megatron column/row plan's, both priced by the same profile.
 
-Run: `python -m benchmarks.e2e_checks [--quick]` (writes benchmarks/results/e2e_checks.json).
+Run: `python -m benchmarks.e2e_checks [--quick] [--only gpt|megatron]` (writes
+benchmarks/results/e2e_checks.json).
 """
 
 from __future__ import annotations
@@ -122,25 +123,31 @@ def megatron_mlp() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 GPT layers instead of 32")
+    ap.add_argument(
+        "--only", choices=("gpt", "megatron"), help="rerun one check; keep the other's result"
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     layers = 8 if args.quick else 32
-    out = {"gpt_6_7b": [], "megatron_mlp": None}
-    # The baselines are planned without a budget, to measure what they need.
-    for mesh, engine, budget in [
-        (8, "auto", None),
-        ({"data": 8}, "fsdp", 1e15),
-        ({"data": 8}, "data", 1e15),
-    ]:
-        try:
-            out["gpt_6_7b"].append(gpt_memory(layers, mesh, engine, budget))
-        except Exception as e:  # noqa: BLE001 - recorded (e.g. data parallel does not fit)
-            out["gpt_6_7b"].append(
-                {"requested_mesh": mesh, "engine": engine, "error": str(e).splitlines()[0]}
-            )
-        print(json.dumps(out["gpt_6_7b"][-1], indent=1), flush=True)
-    out["megatron_mlp"] = megatron_mlp()
-    print(json.dumps(out["megatron_mlp"], indent=1))
+    out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if args.only != "megatron":
+        out["gpt_6_7b"] = []
+        # The baselines are planned without a budget, to measure what they need.
+        for mesh, engine, budget in [
+            (8, "auto", None),
+            ({"data": 8}, "fsdp", 1e15),
+            ({"data": 8}, "data", 1e15),
+        ]:
+            try:
+                out["gpt_6_7b"].append(gpt_memory(layers, mesh, engine, budget))
+            except Exception as e:  # noqa: BLE001 - recorded (e.g. data parallel does not fit)
+                out["gpt_6_7b"].append(
+                    {"requested_mesh": mesh, "engine": engine, "error": str(e).splitlines()[0]}
+                )
+            print(json.dumps(out["gpt_6_7b"][-1], indent=1), flush=True)
+    if args.only != "gpt":
+        out["megatron_mlp"] = megatron_mlp()
+        print(json.dumps(out["megatron_mlp"], indent=1))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=1) + "\n")
     return 0

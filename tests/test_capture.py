@@ -48,6 +48,22 @@ def test_control_flow_stays_one_node():
     assert [n.op for n in g.nodes] == ["scan"]  # fori_loop with static bounds is a scan
 
 
+def test_scan_body_is_a_graph_with_loop_roles():
+    def f(w, x):
+        def body(c, wi):
+            return jnp.tanh(c @ wi), c.sum()
+
+        return jax.lax.scan(body, x, w)
+
+    g = capture(f, (jnp.ones((3, 4, 4)), jnp.ones((2, 4))))
+    (node,) = g.nodes
+    body = node.body
+    assert body.input_paths == ("body/carry0", "body/x0")
+    assert body.output_paths == ("body/carry0", "body/y0")
+    assert [body.values[v].shape for v in body.inputs] == [(2, 4), (4, 4)]
+    assert [n.op for n in body.nodes] == ["dot_general", "tanh", "reduce_sum"]
+
+
 def test_static_argnums_and_constants():
     def f(x, n):
         return x * n + np.arange(4.0)

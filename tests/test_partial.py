@@ -46,3 +46,13 @@ def test_partial_destination_costs_the_sum_then_splits_free():
     moved = cm.reshard(t, p_model, p_data)
     assert [c.kind for c in moved.collectives] == ["all-reduce"]
     assert moved.seconds == cm.reshard(t, p_model, Spec.replicated(2)).seconds
+
+
+def test_partial_operand_specs_survive_the_plan_file(tmp_path):
+    cfg = gpt.MLPBlockConfig(batch=8, seq=64, hidden=64, ffn=256, dtype=jnp.float32)
+    params, x = gpt.mlp_block_init(cfg), gpt.mlp_block_input(cfg)
+    plan = autopar.parallelize(gpt.mlp_block_value_and_grad, mesh={"model": 8}).plan(params, x)
+    assert any(s.partial for o in plan.ops for s in o.in_specs)  # a passed-through sum
+    plan.save(tmp_path / "p.json")
+    loaded = autopar.Plan.load(tmp_path / "p.json")
+    assert [o.in_specs for o in loaded.ops] == [o.in_specs for o in plan.ops]

@@ -19,14 +19,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir import Graph, Node
-from autopar.plan import Plan
+from autopar.plan import BodyRecord, Plan
 from autopar.search.evaluate import settle_partials
 from autopar.sharding import Spec
 from autopar.strategies.linear import LOCAL_OPS
 
 
-def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
-    """A function of the flat args that computes `graph` under `plan`'s shardings."""
+def interpret(graph: Graph, plan: Plan | BodyRecord, mesh, pin_inputs: bool = False) -> Callable:
+    """A function of the flat args that computes `graph` under `plan`'s shardings.
+    `pin_inputs` constrains the args to their specs on entry (a scan body's, whose
+    carry and slices come in however the loop left them)."""
     in_specs = {v: r.spec for v, r in zip(graph.inputs, plan.inputs)}
     settled = settle_partials(
         graph,
@@ -53,6 +55,11 @@ def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
         return smap(body, [want.to_pspec()], [_stacked(want)])(x)[0]
 
     def run(*flat_args):
+        if pin_inputs:
+            flat_args = [
+                constrain(x, in_specs[v]) if in_specs[v].dims else x
+                for v, x in zip(graph.inputs, flat_args)
+            ]
         env: dict[int, object] = dict(zip(graph.inputs, flat_args))
         # the spec env[v] is in: partial means stacked; None, a whole value XLA may
         # lay out as it likes (a result of the plain path, not yet constrained)
@@ -79,7 +86,10 @@ def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
             local = node.op in LOCAL_OPS and (
                 any(s.partial for s in rec.in_specs) or any(w.partial for w in wants)
             )
-            if local:
+            if node.body is not None:
+                invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
+                outs, haves = _run_scan(node, rec, mesh, invals), rec.out_specs
+            elif local:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
                 outs, haves = _run_local(node, rec, graph, mesh, smap, invals), rec.out_specs
             else:
@@ -93,6 +103,23 @@ def interpret(graph: Graph, plan: Plan, mesh) -> Callable:
         return tuple(read(v, r.spec) for v, r in zip(graph.outputs, plan.outputs))
 
     return run
+
+
+def _run_scan(node: Node, rec, mesh, invals) -> list:
+    """`lax.scan` over the body interpreted under its own plan (`rec.body`)."""
+    p = node.params
+    n_c, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:n_c], invals[n_c : n_c + n_carry], invals[n_c + n_carry :]
+    run_body = interpret(node.body, rec.body, mesh, pin_inputs=True)
+
+    def step(carry, x):
+        outs = run_body(*consts, *carry, *x)
+        return list(outs[:n_carry]), list(outs[n_carry:])
+
+    carry, ys = jax.lax.scan(
+        step, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    return [*carry, *ys]
 
 
 def _stacked(spec: Spec) -> PartitionSpec:

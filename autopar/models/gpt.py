@@ -10,6 +10,9 @@ Parameter paths are readable and unrolled per layer, e.g.::
     params/h_0/mlp/{c_fc,c_proj}/{kernel,bias}
     params/ln_f/{scale,bias}
 
+With ``scan_layers=True`` the layers run under ``nn.scan`` and their parameters are
+stacked: ``params/h/block/attn/q/kernel [layers, hidden, hidden]`` and so on.
+
 Output logits reuse the token embedding (``wte.attend``, weight tying).
 """
 
@@ -52,6 +55,7 @@ class GPTConfig:
     ffn: int | None = None
     dtype: Any = jnp.float32
     batch_size: int = 8
+    scan_layers: bool = False  # layers under `nn.scan`: params/h/... stacked [layers, ...]
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
@@ -155,6 +159,16 @@ def embed_tokens(module: nn.Module, cfg: Any, tokens: jax.Array) -> tuple[jax.Ar
     return wte(tokens) + wpe[None, : tokens.shape[1], :], wte
 
 
+class _ScanBlock(nn.Module):
+    """`Block` with the `(carry, x) -> (carry, y)` signature `nn.scan` wants."""
+
+    config: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+        return Block(self.config, name="block")(x), None
+
+
 class GPT(nn.Module):
     """GPT-2 style decoder: ``tokens [B, S] int32 -> logits [B, S, vocab]``."""
 
@@ -164,8 +178,16 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
         x, wte = embed_tokens(self, cfg, tokens)
-        for i in range(cfg.layers):
-            x = Block(cfg, name=f"h_{i}")(x)
+        if cfg.scan_layers:
+            x, _ = nn.scan(
+                _ScanBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.layers,
+            )(cfg, name="h")(x, None)
+        else:
+            for i in range(cfg.layers):
+                x = Block(cfg, name=f"h_{i}")(x)
         x = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.dtype, name="ln_f")(x)
         return wte.attend(x)
 

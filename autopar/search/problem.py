@@ -10,6 +10,7 @@ argument, so both keep one sharding. Every engine works on this one object.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +18,16 @@ from autopar.cost import CostModel, node_flops
 from autopar.ir import Graph, TensorType
 from autopar.search.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
-from autopar.strategies import Factor, FactorRule, Strategy, enumerate_factor_rule, strategies_for
+from autopar.strategies import (
+    Factor,
+    FactorRule,
+    Fixed,
+    NodeStrategies,
+    Strategy,
+    enumerate_factor_rule,
+    fixed_strategy,
+    strategies_for,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +43,8 @@ class Problem:
     node_time: tuple[np.ndarray, ...]
     node_mem: tuple[np.ndarray, ...]
     edges: dict[tuple[int, int], np.ndarray] = field(repr=False)
+    # scan node id -> (its body's problem, the body's SearchResult)
+    bodies: dict[int, tuple[Problem, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def num_inputs(self) -> int:
@@ -93,10 +105,13 @@ def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
             cache[key] = input_strategies(t, mesh)
         strategies.append(cache[key])
         source[v] = (i, 0)
+    bodies: dict[int, tuple[Problem, Any]] = {}
     for node in graph.nodes:
-        key = _node_key(node, graph)
+        key = _node_key(node, graph) if node.body is None else None
         ns = cache.get(key) if key is not None else None
-        if ns is None:
+        if node.body is not None:
+            ns, bodies[node.id] = _scan_strategy(node, mesh, cost)
+        elif ns is None:
             ns = strategies_for(node, graph, mesh)
             if key is not None:
                 cache[key] = ns
@@ -108,6 +123,10 @@ def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
         flops[n_in + node.id] = node_flops(node, graph)
 
     node_time, node_mem = _node_costs(graph, mesh, cost, strategies, flops)
+    node_time = list(node_time)
+    for i, (_, result) in bodies.items():
+        node_time[n_in + i] = np.array([graph.nodes[i].params["length"] * result.cost.step_s])
+    node_time = tuple(node_time)
     edges = _edges(graph, cost, strategies, source)
     aliases = find_aliases(graph)
     for o, i in aliases.items():
@@ -137,7 +156,29 @@ def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
         node_time,
         node_mem,
         edges,
+        bodies,
     )
+
+
+def _scan_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategies, tuple]:
+    """A scan's one strategy: its body searched once (every engine, fastest plan), the
+    carry kept in one spec from step to step by the body's alias edges. Each xs/ys
+    value is one body slice with the loop dim in front, unsplit."""
+    from autopar.search import search
+    from autopar.search.evaluate import output_specs
+
+    body = build_problem(node.body, mesh, cost)
+    result = search(body, "auto", float("inf"))
+    ins = [body.strategies[i][result.choice[i]].out_specs[0] for i in range(body.num_inputs)]
+    outs = output_specs(body, result.choice)
+    n_fixed = node.params["num_consts"] + node.params["num_carry"]
+    n_carry = node.params["num_carry"]
+    lift = lambda sp: Spec(((), *sp.dims))
+    in_specs = tuple(sp if k < n_fixed else lift(sp) for k, sp in enumerate(ins))
+    out_specs = tuple(sp if k < n_carry else lift(sp) for k, sp in enumerate(outs))
+    rule = Fixed(in_specs, out_specs, f"scan body searched once ({result.engine})")
+    warnings = tuple(f"{w} (in the scan body at {node.key})" for w in body.warnings)
+    return NodeStrategies((fixed_strategy(rule),), "; ".join(warnings) or None), (body, result)
 
 
 def _node_key(node, graph):

@@ -18,13 +18,13 @@ def sharding_constraint_rule(node: Node, graph: Graph) -> Fixed:
     return Fixed((spec,), (spec,), "user constraint")
 
 
-@register("scan", "while", "cond")
+@register("while", "cond")
 def control_flow_rule(node: Node, graph: Graph) -> Fixed:
     return replicated_rule(
         node,
         graph,
         f"replicated {node.op}",
-        f"control flow '{node.op}' at {node.key} runs replicated: autopar does not search inside loops or branches yet",
+        f"control flow '{node.op}' at {node.key} runs replicated: autopar does not search inside while loops or branches yet (scan bodies are searched)",
     )
 
 

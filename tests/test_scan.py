@@ -1,0 +1,51 @@
+"""Layers under `scan`: the body is captured as a graph, searched once, recorded in the
+plan file and lowered as a `lax.scan` over the body's own plan."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+from helpers import assert_trees_close
+from test_cli import SCHEMA, check_schema
+
+import autopar
+from autopar.capture import capture
+from autopar.models import gpt
+
+MESH = {"data": 2, "model": 4}
+
+
+def _gpt(layers: int) -> gpt.GPTConfig:
+    return gpt.GPTConfig(hidden=64, heads=4, seq=32, vocab=256, layers=layers, scan_layers=True)
+
+
+def test_graph_size_does_not_grow_with_depth():
+    sizes = []
+    for layers in (2, 6):
+        ts = gpt.make_train_step(_gpt(layers))
+        g = capture(ts.step, gpt.abstract_args(_gpt(layers)))
+        bodies = [n.body for n in g.nodes if n.op == "scan"]
+        assert len(bodies) == 2  # forward and backward layer
+        sizes.append((len(g.nodes), [len(b.nodes) for b in bodies]))
+    assert sizes[0] == sizes[1]
+
+
+def test_scan_plan_file_round_trips_and_runs(tmp_path):
+    cfg = _gpt(3)
+    ts = gpt.make_train_step(cfg)
+    state, batch = jax.jit(ts.init)(0), ts.batch(0)
+    step = autopar.parallelize(ts.step, mesh=MESH)
+    plan = step.plan(state, batch)
+    scans = [o for o in plan.ops if o.op == "scan"]
+    assert len(scans) == 2 and all(o.body is not None and o.body.ops for o in scans)
+    assert "body searched once" in str(plan)
+
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert check_schema(json.loads(path.read_text()), SCHEMA) == []
+    loaded = autopar.Plan.load(path)
+    assert loaded.to_json() == plan.to_json()
+    replay = autopar.parallelize(ts.step, mesh=MESH, plan=loaded)
+    assert_trees_close(replay(state, batch), step(state, batch), rtol=0, atol=0)
+    assert_trees_close(step(state, batch)[1], jax.jit(ts.step)(state, batch)[1])
