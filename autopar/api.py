@@ -422,7 +422,8 @@ def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
     def body(n):
         if n.id not in problem.bodies:
             return None
-        sub, res = problem.bodies[n.id]
+        sub, results = problem.bodies[n.id]
+        res = results[choice[n_in + n.id]]
         return BodyRecord(res.engine, *_records(sub, res.choice), res.cost)
 
     keys = op_keys(g)

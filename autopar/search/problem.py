@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from autopar.cost import CostModel, node_flops
+from autopar.errors import MemoryBudgetError
 from autopar.ir import Graph, TensorType
 from autopar.search.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
@@ -43,7 +44,7 @@ class Problem:
     node_time: tuple[np.ndarray, ...]
     node_mem: tuple[np.ndarray, ...]
     edges: dict[tuple[int, int], np.ndarray] = field(repr=False)
-    # scan node id -> (its body's problem, the body's SearchResult)
+    # scan node id -> (its body's problem, one body SearchResult per scan strategy)
     bodies: dict[int, tuple[Problem, Any]] = field(default_factory=dict, repr=False)
 
     @property
@@ -124,8 +125,9 @@ def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
 
     node_time, node_mem = _node_costs(graph, mesh, cost, strategies, flops)
     node_time = list(node_time)
-    for i, (_, result) in bodies.items():
-        node_time[n_in + i] = np.array([graph.nodes[i].params["length"] * result.cost.step_s])
+    for i, (_, results) in bodies.items():
+        steps = graph.nodes[i].params["length"]
+        node_time[n_in + i] = np.array([steps * r.cost.step_s for r in results])
     node_time = tuple(node_time)
     edges = _edges(graph, cost, strategies, source)
     aliases = find_aliases(graph)
@@ -161,24 +163,37 @@ def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
 
 
 def _scan_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategies, tuple]:
-    """A scan's one strategy: its body searched once (every engine, fastest plan), the
-    carry kept in one spec from step to step by the body's alias edges. Each xs/ys
-    value is one body slice with the loop dim in front, unsplit."""
+    """A scan's strategies: its body searched once (every engine), each distinct plan
+    found one strategy of the scan, priced at `length` steps; the outer search picks
+    the one that fits its neighbours. The body must fit the device's memory (its
+    arguments are the loop's slices, which a free search would leave replicated);
+    the carry keeps one spec from step to step through the body's alias edges.
+    Each xs/ys value is one body slice with the loop dim in front, unsplit."""
     from autopar.search import search
     from autopar.search.evaluate import output_specs
 
     body = build_problem(node.body, mesh, cost)
-    result = search(body, "auto", float("inf"))
-    ins = [body.strategies[i][result.choice[i]].out_specs[0] for i in range(body.num_inputs)]
-    outs = output_specs(body, result.choice)
+    try:
+        result = search(body, "auto", cost.profile.hbm_bytes)
+    except MemoryBudgetError:
+        result = search(body, "auto", float("inf"))
     n_fixed = node.params["num_consts"] + node.params["num_carry"]
     n_carry = node.params["num_carry"]
     lift = lambda sp: Spec(((), *sp.dims))
-    in_specs = tuple(sp if k < n_fixed else lift(sp) for k, sp in enumerate(ins))
-    out_specs = tuple(sp if k < n_carry else lift(sp) for k, sp in enumerate(outs))
-    rule = Fixed(in_specs, out_specs, f"scan body searched once ({result.engine})")
+    strategies, results, seen = [], [], set()
+    for name, _, _ in result.ranked:
+        r = result.pick(name)
+        ins = [body.strategies[i][r.choice[i]].out_specs[0] for i in range(body.num_inputs)]
+        outs = output_specs(body, r.choice)
+        in_specs = tuple(sp if k < n_fixed else lift(sp) for k, sp in enumerate(ins))
+        out_specs = tuple(sp if k < n_carry else lift(sp) for k, sp in enumerate(outs))
+        if (in_specs, out_specs) in seen:
+            continue
+        seen.add((in_specs, out_specs))
+        strategies.append(fixed_strategy(Fixed(in_specs, out_specs, f"scan body: {name}")))
+        results.append(r)
     warnings = tuple(f"{w} (in the scan body at {node.key})" for w in body.warnings)
-    return NodeStrategies((fixed_strategy(rule),), "; ".join(warnings) or None), (body, result)
+    return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (body, results)
 
 
 def _node_key(node, graph):
