@@ -7,6 +7,9 @@ sum. Such a value is kept *stacked*: a global array with one extra leading dim,
 sharded over the partial axes, whose slices are the per-device summands; ops on
 it run per device inside `shard_map`, and a sum over the leading dim (an
 all-reduce or reduce-scatter) settles it where a use wants the true value.
+Contractions (`EXACT_OPS`) always run per device in `shard_map`, on exactly the
+operand shards the plan chose, so the compiled program communicates what the
+plan priced.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from autopar.plan import BodyRecord, Plan
 from autopar.search.evaluate import settle_partials
 from autopar.sharding import Spec
 from autopar.strategies.linear import LOCAL_OPS
+
+# Contractions run per device exactly as planned, in `shard_map`: left to XLA's
+# partitioner, one may be split its own way (e.g. a GPT's output-embedding gradient
+# all-gathered a 3.2 GB operand where the plan sums a 200 MB result).
+EXACT_OPS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def interpret(graph: Graph, plan: Plan | BodyRecord, mesh, pin_inputs: bool = False) -> Callable:
@@ -83,8 +91,15 @@ def interpret(graph: Graph, plan: Plan | BodyRecord, mesh, pin_inputs: bool = Fa
             wants = [
                 settled.get(v, s.without_partial()) for v, s in zip(node.outputs, rec.out_specs)
             ]
-            local = node.op in LOCAL_OPS and (
-                any(s.partial for s in rec.in_specs) or any(w.partial for w in wants)
+            empty = any(graph.values[v].size == 0 for v in (*node.inputs, *node.outputs))
+            local = (
+                node.op in LOCAL_OPS
+                and not empty
+                and (
+                    node.op in EXACT_OPS
+                    or any(s.partial for s in rec.in_specs)
+                    or any(w.partial for w in wants)
+                )
             )
             if node.body is not None:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]

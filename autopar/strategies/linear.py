@@ -76,8 +76,8 @@ def partial_variants(node: Node, graph: Graph, mesh: MeshInfo, strategies: list)
     from autopar.strategies import Strategy, _name
 
     groups = _linear_groups(node, graph)
-    if not groups:
-        return []
+    if not groups or any(graph.values[v].size == 0 for v in (*node.inputs, *node.outputs)):
+        return []  # (shard_map cannot run per device on empty arrays)
     out = []
     names = mesh.axis_names
     for st in strategies:
