@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from autopar.ir import Graph, Node, TensorType
 from autopar.sharding import Axes, MeshInfo, Spec
+from autopar.strategies.elementwise import ELEMENTWISE
 from cost_models import ClusterProfile
 
 BUS_FACTOR = {
@@ -126,6 +127,22 @@ class CostModel:
             colls.append(self.collective("all-gather", tuple(gather), self.local_bytes(t, after)))
         # 3. Axes `dst` adds are a local slice: free.
         return Reshard(sum(c.seconds for c in colls), tuple(colls))
+
+
+# Ops XLA fuses with their neighbours into one kernel: elementwise math and the shape
+# ops around it (see `search.problem._hbm_traffic` for how their HBM traffic is priced).
+FUSED_OPS = frozenset(ELEMENTWISE) | {
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "transpose",
+    "iota",
+    "slice",
+    "concatenate",
+    "pad",
+    "rev",
+}
 
 
 def node_flops(node: Node, graph: Graph) -> float:

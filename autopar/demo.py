@@ -29,7 +29,7 @@ RTOL = 1e-5
 # Small enough to train in seconds on 2 CPU cores; big enough (3.45M parameters, 256-wide
 # contractions) that the cost model's engines disagree and trade gradient all-reduces
 # against activation traffic (on the default h100-sxm profile the winner is 8-way data
-# parallelism over both axes, with part of the optimizer state sharded).
+# parallelism over both axes).
 MODEL = dict(vocab=1024, seq=128, hidden=256, layers=4, heads=8, batch_size=16)
 # make_train_step's default 1e-2 makes this GPT's loss climb; in that regime AdamW
 # amplifies float32 reduction-order noise (even plain jax data parallelism drifts ~1e-5

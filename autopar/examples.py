@@ -93,8 +93,10 @@ def gpt(
 
 
 def gpt_small() -> Workload:
-    """A 2-layer GPT with hidden 32: about 80k parameters, plans in seconds."""
-    return gpt(hidden=32, layers=2, heads=4, seq=16, vocab=128, batch=8, name="gpt_small")
+    """A 2-layer GPT with hidden 128: about 0.5M parameters, plans in seconds. Planned
+    for a GPU profile it is rightly left replicated (every op is faster than one
+    collective's latency); `--cluster cpu` plans it for the simulated devices."""
+    return gpt(hidden=128, layers=2, heads=4, seq=64, vocab=512, batch=16, name="gpt_small")
 
 
 def gpt_1_3b(batch: int = 1024) -> Workload:

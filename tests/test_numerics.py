@@ -23,17 +23,20 @@ from autopar.models import cnn, embedding, gpt, mlp
 
 STEPS = 3
 LEARNING_RATE = 1e-2
+# Plan for the machine the tests run on: the models are small enough that on a GPU
+# profile replicating everything is (rightly) fastest, which would test nothing.
+CLUSTER = "cpu"
 
 MODELS = {
     "mlp": (mlp, mlp.MLPConfig()),
-    "gpt": (gpt, gpt.GPTConfig(hidden=64, heads=4, seq=32, vocab=256, layers=2, batch_size=8)),
+    "gpt": (gpt, gpt.GPTConfig(hidden=128, heads=4, seq=64, vocab=512, layers=2, batch_size=16)),
     "cnn": (cnn, cnn.CNNConfig()),
     "embedding": (embedding, embedding.EmbeddingConfig()),
     # layers under nn.scan: the scan bodies (forward and backward) are searched once
     "gpt_scan": (
         gpt,
         gpt.GPTConfig(
-            hidden=64, heads=4, seq=32, vocab=256, layers=3, batch_size=8, scan_layers=True
+            hidden=128, heads=4, seq=64, vocab=512, layers=2, batch_size=16, scan_layers=True
         ),
     ),
 }
@@ -183,6 +186,7 @@ def check_model(name: str, step, grad=None) -> autopar.Plan:
     ref_losses, ref_states, ref_grads, noisy = reference(name)
     plan = step.plan(initial_state(name), ts.batch(0))
     what = f"{name} [{plan.engine}]"
+    assert any(r.spec.used_axes for r in plan.inputs), f"{what}: nothing sharded\n{plan}"
 
     # Free-running: the sharded state is fed back, as in training.
     losses, states = run_steps(step, initial_state(name), ts.batch, STEPS, keep_states=True)
@@ -213,7 +217,11 @@ def check_model(name: str, step, grad=None) -> autopar.Plan:
 def parallel_step(name: str, mesh: str, engine: str, memory_budget: float | None = None):
     """Cached so that tests needing the same plan do not search and compile it twice."""
     return autopar.parallelize(
-        model(name).step, mesh=MESHES[mesh], engine=engine, memory_budget=memory_budget
+        model(name).step,
+        mesh=MESHES[mesh],
+        engine=engine,
+        memory_budget=memory_budget,
+        cluster=CLUSTER,
     )
 
 
@@ -223,7 +231,9 @@ def test_sharded_equals_single_device(name, mesh, engine):
     # Gradients once per model and mesh (compiling is what takes the time).
     grad = None
     if engine == "auto":
-        grad = autopar.parallelize(grad_fn_for(name), mesh=MESHES[mesh], engine=engine)
+        grad = autopar.parallelize(
+            grad_fn_for(name), mesh=MESHES[mesh], engine=engine, cluster=CLUSTER
+        )
     plan = check_model(name, step, grad)
     if engine != "auto":
         assert plan.engine.split("+")[0] == engine, plan.engine
@@ -236,7 +246,8 @@ def test_memory_budget_forces_sharding():
     ts = model(name)
     args = (initial_state(name), ts.batch(0))
     fsdp = parallel_step(name, mesh, "fsdp").plan(*args)
-    budget = fsdp.cost.peak_memory_bytes * 1.02
+    # (XLA needs ~10% more than the liveness estimate here; the compile check enforces it)
+    budget = fsdp.cost.peak_memory_bytes * 1.15
     step = parallel_step(name, mesh, "auto", budget)
     plan = step.plan(*args)
     assert plan.cost.peak_memory_bytes <= budget

@@ -17,20 +17,35 @@ from autopar.meshes import make_mesh
 from autopar.models import gpt
 from autopar.sharding import Spec, mesh_info
 
+MEGATRON = {"w1": jax.P(None, "model"), "w2": jax.P("model", None)}
+
+
+def _only_collectives(step, *args) -> list[tuple[str, int]]:
+    colls = parse_collectives(step.lower(*args).compile().as_text(), step.mesh)
+    return [(c.kind, c.bytes) for c in colls]
+
 
 def test_megatron_mlp_sums_only_the_loss():
-    """sum(gelu(x @ W1) @ W2): column/row split, and the partial product flows through
-    convert and reduce_sum, so the only collective is the scalar loss's all-reduce
-    (Megatron's hand-written plan all-reduces the whole activation)."""
+    """sum(gelu(x @ W1) @ W2), shapes where compute matters (abstract args): dp finds the
+    column/row split, and the partial product flows through convert and reduce_sum, so
+    the only collective is the scalar loss's all-reduce (Megatron's hand-written plan
+    all-reduces the whole activation)."""
+    cfg = gpt.MLPBlockConfig(batch=8, seq=256, hidden=1024, ffn=4096, dtype=jnp.bfloat16)
+    args = gpt.mlp_block_abstract_args(cfg)
+    step = autopar.parallelize(gpt.mlp_block_value_and_grad, mesh={"model": 8}, engine="dp")
+    plan = step.plan(*args)
+    assert plan.in_specs[0] == MEGATRON
+    assert plan.cost.comm_bytes == {"all-reduce@model": 4}
+    assert _only_collectives(step, *args) == [("all-reduce", 4)]
+
+
+def test_passed_through_sum_is_exact():
+    """The same program on real (small) arrays with the Megatron split pinned."""
     cfg = gpt.MLPBlockConfig(batch=8, seq=64, hidden=64, ffn=256, dtype=jnp.float32)
     params, x = gpt.mlp_block_init(cfg), gpt.mlp_block_input(cfg)
     f = gpt.mlp_block_value_and_grad
-    step = autopar.parallelize(f, mesh={"model": 8}, engine="dp")
-    plan = step.plan(params, x)
-    assert plan.in_specs[0] == {"w1": jax.P(None, "model"), "w2": jax.P("model", None)}
-    colls = parse_collectives(step.lower(params, x).compile().as_text(), step.mesh)
-    assert [(c.kind, c.bytes) for c in colls] == [("all-reduce", 4)]
-    assert plan.cost.comm_bytes == {"all-reduce@model": 4}
+    step = autopar.parallelize(f, mesh={"model": 8}, engine="dp", in_specs=(MEGATRON, None))
+    assert _only_collectives(step, params, x) == [("all-reduce", 4)]
     assert_trees_close(step(params, x), jax.jit(f)(params, x), rtol=1e-5, atol=1e-5)
 
 
@@ -49,9 +64,9 @@ def test_partial_destination_costs_the_sum_then_splits_free():
 
 
 def test_partial_operand_specs_survive_the_plan_file(tmp_path):
-    cfg = gpt.MLPBlockConfig(batch=8, seq=64, hidden=64, ffn=256, dtype=jnp.float32)
-    params, x = gpt.mlp_block_init(cfg), gpt.mlp_block_input(cfg)
-    plan = autopar.parallelize(gpt.mlp_block_value_and_grad, mesh={"model": 8}).plan(params, x)
+    cfg = gpt.MLPBlockConfig(batch=8, seq=256, hidden=1024, ffn=4096, dtype=jnp.bfloat16)
+    args = gpt.mlp_block_abstract_args(cfg)
+    plan = autopar.parallelize(gpt.mlp_block_value_and_grad, mesh={"model": 8}).plan(*args)
     assert any(s.partial for o in plan.ops for s in o.in_specs)  # a passed-through sum
     plan.save(tmp_path / "p.json")
     loaded = autopar.Plan.load(tmp_path / "p.json")

@@ -17,11 +17,22 @@ SolverInfo = dict[str, object]
 
 
 def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
-    from autopar.search.dp import solve_dp
+    from autopar.search.dp import _forest_descent
+    from autopar.search.layers import solve_dp_layered  # repeated layers solved once
 
-    sol = solve_dp(_pin(problem, pinned))
+    g = _pin(problem, pinned)
+    sol = solve_dp_layered(problem, g, pinned)
     info.update(optimal=sol.optimal, gap=sol.gap)
-    return list(sol.choice)
+    choice = list(sol.choice)
+    if not sol.optimal:
+        # dp guessed part of the graph and polished the guess locally, which can stall
+        # in a poor optimum (e.g. a channel-split conv paying a 128 MB all-to-all);
+        # polish recursive's plan the same way too and keep the cheaper one.
+        cost, edges = g.presolve()
+        other, _ = _forest_descent(cost, edges, engines.recursive(problem, pinned))
+        if g.total(other) < g.total(choice):
+            choice = list(other)
+    return choice
 
 
 def _ilp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:

@@ -289,13 +289,14 @@ class _Eliminator:
         return choice[: self.n]
 
 
-def _eliminate(cost, edges, max_states, max_work):
-    """Minimize node + edge costs; exact unless the kernel had to be guessed."""
+def _eliminate(cost, edges, max_states, max_work, polish=(30, 3)):
+    """Minimize node + edge costs; exact unless the kernel had to be guessed.
+    ``polish``: (max_rounds, patience) of the forest descent after a guessed kernel."""
     e = _Eliminator(cost, edges, max_states, max_work)
     choice = e.run()
     counts = dict(e.counts)
     if not e.exact:
-        choice, counts["forest_rounds"] = _forest_descent(cost, edges, choice)
+        choice, counts["forest_rounds"] = _forest_descent(cost, edges, choice, *polish)
     return choice, e.exact, counts
 
 
@@ -427,7 +428,7 @@ class _LocalSearch:
         return choice
 
 
-def _within_budget(g, cost, edges, budget, first, max_states, max_work):
+def _within_budget(g, cost, edges, budget, first, max_states, max_work, polish=(30, 3)):
     """Cheapest plan within ``budget``, by Lagrangian relaxation on memory.
 
     Minimizing ``time + lam * memory`` exactly gives a plan ``x(lam)`` and a
@@ -451,7 +452,7 @@ def _within_budget(g, cost, edges, budget, first, max_states, max_work):
     lo = (first[0], *evaluate(first[0]))  # over budget
     exact = first[1]
     smallest = [np.where(m <= m.min(), c, np.inf) for c, m in zip(cost, mem)]
-    x, _, _ = _eliminate(smallest, edges, max_states, max_work)
+    x, _, _ = _eliminate(smallest, edges, max_states, max_work, polish)
     hi = (x, *evaluate(x))
     best = hi
     seen = [lo, hi]
@@ -461,7 +462,9 @@ def _within_budget(g, cost, edges, budget, first, max_states, max_work):
     while iterations < 64 and hi[1] > lo[1]:
         iterations += 1
         lam = (hi[1] - lo[1]) / (lo[2] - hi[2])
-        x, ex, _ = _eliminate([c + lam * m for c, m in zip(cost, mem)], edges, max_states, max_work)
+        x, ex, _ = _eliminate(
+            [c + lam * m for c, m in zip(cost, mem)], edges, max_states, max_work, polish
+        )
         exact &= ex
         t, used = evaluate(x)
         seen.append((x, t, used))
@@ -501,6 +504,7 @@ def solve_dp(
     *,
     max_states: int = 4096,
     max_work: float = 2**26,
+    polish: tuple[int, int] = (30, 3),
 ) -> Solution:
     """Choose one strategy per node minimizing total time, by graph elimination.
 
@@ -511,6 +515,8 @@ def solve_dp(
       max_work: the most min-plus terms one elimination step may evaluate.
         A graph that cannot be shrunk within these bounds has its remaining
         kernel assigned heuristically, and the result is marked not optimal.
+      polish: (max_rounds, patience) of the forest descent that improves a plan
+        whose kernel was guessed (``_forest_descent``); more rounds, better plans.
 
     Returns:
       A :class:`Solution`. ``optimal`` is True when the elimination was exact
@@ -525,7 +531,7 @@ def solve_dp(
     start = time.perf_counter()
     g.check()
     cost, edges = g.presolve()
-    choice, exact, counts = _eliminate(cost, edges, max_states, max_work)
+    choice, exact, counts = _eliminate(cost, edges, max_states, max_work, polish)
     counts["edge"] = len(g.edges) - len(g.merged_edges())
     counts["separable"] = len(g.merged_edges()) - len(edges)
     info: dict[str, object] = {"eliminations": counts, "exact": exact}
@@ -533,7 +539,7 @@ def solve_dp(
     if g.memory(choice) > memory_budget:
         g.check_budget(memory_budget)
         choice, optimal, gap, extra = _within_budget(
-            g, cost, edges, memory_budget, (choice, exact), max_states, max_work
+            g, cost, edges, memory_budget, (choice, exact), max_states, max_work, polish
         )
         info.update(extra)
     choice = tuple(int(s) for s in choice)

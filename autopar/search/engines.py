@@ -134,6 +134,7 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 2)
         key=lambda v: (_TIER[g.nodes[v - n_in].op], -problem.flops[v], v),
     )
     penalty = _replication_penalty(problem)
+    small = _latency_bound(problem)
 
     def decide(v: int, ai: int, decided: np.ndarray) -> None:
         base = problem.strategies[v][choice[v]].assignment
@@ -142,6 +143,12 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 2)
             for i, s in enumerate(problem.strategies[v])
             if all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
         ]
+        if small[v]:  # not worth a collective: stays whole along this axis
+            cands = [
+                i
+                for i in cands
+                if problem.strategies[v][i].assignment[ai : ai + 1] in ((), (None,))
+            ] or cands
         edge = _edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
         scores = [problem.node_time[v][i] + penalty(v, i, ai) + edge[i] for i in cands]
         choice[v] = cands[int(np.argmin(scores))]
@@ -167,6 +174,26 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 2)
                 decide(v, ai, decided)
                 flood(deque([v]), ai, decided)
     return refine(problem, choice, pinned, sweeps)
+
+
+def _latency_bound(problem: Problem) -> list[bool]:
+    """Per cost-graph node: are all its tensors so small that moving any of them takes
+    less than one collective's latency? Cutting such an op (a bias, a LayerNorm scale,
+    a scalar) can only add collectives that cost their latency, and D-Rec's penalty,
+    bytes over bandwidth, does not see that; so `recursive` leaves them whole (the
+    final `refine` may still split them where a neighbour makes it free)."""
+    g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
+    names = problem.mesh.axis_names
+    latency = min(cost.link((a,))[0] for a in names)
+    bandwidth = max(cost.link((a,))[1] for a in names)
+    out = []
+    for v in range(len(problem.strategies)):
+        values = (
+            [g.inputs[v]] if v < n_in else [*g.nodes[v - n_in].inputs, *g.nodes[v - n_in].outputs]
+        )
+        biggest = max((g.values[x].nbytes for x in values), default=0)
+        out.append(biggest / bandwidth < latency)
+    return out
 
 
 def _replication_penalty(problem: Problem):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.cost import CostModel, node_flops
+from autopar.cost import FUSED_OPS, CostModel, node_flops
 from autopar.errors import MemoryBudgetError
 from autopar.ir import Graph, TensorType
 from autopar.search.costgraph import CostGraph
@@ -220,8 +220,10 @@ def _node_costs(graph, mesh, cost, strategies, flops):
         [graph.values[v] for v in n.inputs] for n in graph.nodes
     ]
     pending = _output_partials(graph, strategies, n_in)
+    traffic = _hbm_traffic(graph)
     memo: dict = {}  # repeated layers: identical ops cost the same
     for c, strats in enumerate(strategies):
+        moved = traffic[c - n_in] if c >= n_in else None
         key = (
             id(strats),
             tuple(in_types[c]),
@@ -229,25 +231,59 @@ def _node_costs(graph, mesh, cost, strategies, flops):
             flops[c],
             tuple(pending.get(c, ())),
             c < n_in,
+            moved,
         )
         if key not in memo:
             memo[key] = _strategy_costs(
-                cost, strats, in_types[c], out_types[c], flops[c], pending.get(c, ()), c < n_in
+                cost,
+                strats,
+                in_types[c],
+                out_types[c],
+                flops[c],
+                pending.get(c, ()),
+                c < n_in,
+                moved,
             )
         times.append(memo[key][0])
         mems.append(memo[key][1])
     return tuple(times), tuple(mems)
 
 
-def _strategy_costs(cost, strats, in_types, out_types, flops, pending, is_input):
+def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]] | None]:
+    """Per node, which operands it reads from and which results it writes to HBM:
+    None for all of them. XLA fuses chains of elementwise and shape ops (FUSED_OPS)
+    into one kernel, so such an op reads only operands made outside its chain (by a
+    heavy op, or arguments) and writes only results that leave it (read by a heavy
+    op, or returned); values passed along the chain never touch HBM."""
+    fused = [n.op in FUSED_OPS for n in graph.nodes]
+    producer, consumers = graph.producer, graph.consumers
+    returned = set(graph.outputs)
+    out: list = []
+    for n in graph.nodes:
+        if not fused[n.id]:
+            out.append(None)
+            continue
+        reads = tuple(not (v in producer and fused[producer[v]]) for v in n.inputs)
+        writes = tuple(
+            v in returned or any(not fused[c] for c in consumers.get(v, ())) for v in n.outputs
+        )
+        out.append((reads, writes))
+    return out
+
+
+def _strategy_costs(cost, strats, in_types, out_types, flops, pending, is_input, moved=None):
     t_arr = np.zeros(len(strats))
     m_arr = np.zeros(len(strats))
+    reads, writes = moved or ((True,) * len(in_types), (True,) * len(out_types))
     for s_i, s in enumerate(strats):
-        mem = sum(cost.local_bytes(t, sp) for t, sp in zip(out_types, s.out_specs))
+        out_bytes = [cost.local_bytes(t, sp) for t, sp in zip(out_types, s.out_specs)]
+        mem = sum(out_bytes)
         m_arr[s_i] = mem
         if is_input:
             continue
-        nbytes = mem + sum(cost.local_bytes(t, sp) for t, sp in zip(in_types, s.in_specs))
+        nbytes = sum(b for b, w in zip(out_bytes, writes) if w) + sum(
+            cost.local_bytes(t, sp) for t, sp, r in zip(in_types, s.in_specs, reads) if r
+        )
         dtype = out_types[0].dtype if out_types else np.float32
         t_arr[s_i] = cost.compute_seconds(flops / s.parallel, nbytes, dtype)
         # A partial value returned by the function must be summed before it leaves.

@@ -1,0 +1,327 @@
+"""Repeated layers solved once: fold identical layers of a cost graph into one.
+
+A deep model repeats one block: GPT's ``h_0 .. h_95``, each with its forward
+ops, its backward ops, its parameters and optimizer state, and the optimizer
+ops that update them. Their cost-graph nodes have the same strategy lists
+position by position, so a plan can give every copy the same strategies.
+This module restricts the ``dp`` search to such plans and solves the
+restricted problem *exactly* on a graph whose size does not grow with depth.
+
+**Detection** (:func:`find_layers`, needs the :class:`Problem` for names)
+
+1. Every name (an op's name stack with the transformation wrappers such as
+   ``jvp(...)`` / ``transpose(...)`` stripped, an argument's path) is split
+   into segments; a segment ``base_<i>`` / ``base<i>`` (``h_3``,
+   ``blocks_3``), or a bare number after a segment (``layers/3``), is
+   *indexed*. A *family* is a base with at least ``2 * keep + 2`` distinct
+   indices; a name belongs to the layer ``(base, i)`` of its first indexed
+   segment whose base is a family (so ``opt_state/0`` is not a layer, and
+   ``h_3/Dense_1`` belongs to ``h_3``).
+2. Ops that carry no name at all (the optimizer update, written outside any
+   module) join the layer of their neighbours when every labelled neighbour
+   is in one layer (breadth-first, then any node whose labelled neighbours
+   disagree is unlabelled again). Shared scalars (AdamW's step count and bias
+   corrections) touch every layer and stay global.
+3. A layer's *signature* is its nodes in graph order with their strategy
+   counts, op names and output types. Per family, the layers with the most
+   common signature form the group (others stay as they are). The first and
+   last ``keep`` layers of the group stay distinct (they touch the embedding
+   and the head); the middle layers, ``m`` of them, are *merged* into the
+   first middle layer, the representative ``R``, position by position.
+   A middle layer whose strategy list at some position differs from
+   ``R``'s, or whose pins (fixed strategies) differ, is not merged.
+
+**Reduction** (:func:`quotient`, pure cost graph). Map every node ``v`` to
+``phi(v)``: a merged layer's node at position ``k`` to ``R``'s node ``k``,
+every other node to itself. The quotient graph has one node per image;
+node costs and memory are summed over preimages, an edge ``(u, v)`` adds
+its matrix onto ``(phi(u), phi(v))``, and an edge whose ends map to the
+same node (position ``k`` of one layer to position ``k`` of another) adds
+its diagonal to that node's cost. So for every plan ``x`` of the quotient,
+its lift ``x(v) = x(phi(v))`` costs exactly the same in the full graph
+(time and additive memory): the quotient *is* the full problem restricted
+to plans where the merged layers copy ``R``. Edges between consecutive
+middle layers become edges inside ``R`` (``R``'s output -> ``R``'s input,
+weighted ``m - 1``), so inter-layer resharding is still priced.
+
+**Solve and lift** (:func:`solve_dp_layered`). ``dp`` solves the quotient,
+which has ``2 * keep + 1`` layers whatever the depth, and the choice is
+lifted back: one strategy index per node of the full graph, as from any
+engine. The plan is optimal over layer-uniform plans when ``dp`` is exact on
+the quotient; the full problem could do better by varying strategies between
+middle layers, so the solution is not marked optimal. When ``dp`` has to guess
+a kernel (GPT train steps: forward and backward of a layer share activations,
+so the graph does not shrink by leaf/op steps alone), its forest-descent
+polish gets more rounds here (``POLISH``) than on a full graph: the quotient
+is small, so rounds are cheap. Measured: ``benchmarks/results/scale.md``.
+
+**Two starts.** A guessed kernel can settle in a poor local optimum; on GPT
+it keeps parameters replicated (no memory term pushes it off), although
+plans that shard them are as fast or faster under the same cost model. So
+when the first solve is not exact, ``dp`` solves the quotient again with
+the state's bytes (the arguments the step returns updated: parameters and
+optimizer state) priced at ``lam`` seconds per byte, where ``lam`` makes the
+first plan's state cost ``STATE_WEIGHT`` of its time, and keeps whichever
+plan is cheaper under the *true* costs (and within the budget). The
+price only steers the search; it never enters the comparison.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter, deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.search.costgraph import CostGraph, Solution
+from autopar.search.dp import solve_dp
+from autopar.search.problem import Problem
+
+__all__ = ["Layers", "find_layers", "quotient", "solve_dp_layered"]
+
+# How many layers at each end of a group keep their own strategies.
+KEEP = 1
+# False: solve_dp_layered is plain solve_dp (benchmarks compare the two this way).
+ENABLED = True
+# Forest-descent (max_rounds, patience) on the quotient when dp's kernel was guessed:
+# the quotient is small whatever the depth, so it gets a longer polish than dp's default.
+POLISH = (200, 20)
+# The second start prices state bytes so that the first plan's state would cost this
+# fraction of its time (module docstring, "Two starts").
+STATE_WEIGHT = 0.1
+
+_WRAPPER = re.compile(r"^(?:[A-Za-z_]\w*\()+|\)+$")
+_INDEXED = re.compile(r"^(?P<base>[A-Za-z][\w.]*?)[_.]?(?P<idx>\d+)$")
+_NUMBER = re.compile(r"^\d+$")
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Which cost-graph nodes are merged into which.
+
+    phi[v]: the node v is merged into (v itself when it is not merged).
+    groups: per family, the layers in its group, the indices kept distinct (the
+      representative among them), the representative's index, how many layers were
+      merged into it and the nodes per layer.
+    """
+
+    phi: np.ndarray
+    groups: dict[str, dict[str, object]]
+
+    @property
+    def merged(self) -> int:
+        """Nodes folded into a representative (0: nothing to gain)."""
+        return int((self.phi != np.arange(len(self.phi))).sum())
+
+
+def _segments(name: str) -> list[tuple[str, int]]:
+    """(base, index) of every indexed segment of a name, outermost first."""
+    out = []
+    prev = ""
+    for seg in name.split("/"):
+        seg = _WRAPPER.sub("", seg)
+        if _NUMBER.match(seg):
+            if prev:
+                out.append((prev, int(seg)))
+        else:
+            m = _INDEXED.match(seg)
+            if m:
+                out.append((m["base"], int(m["idx"])))
+        prev = seg
+    return out
+
+
+def _names(problem: Problem) -> list[str]:
+    g = problem.graph
+    return list(g.input_paths) + [n.name_stack for n in g.nodes]
+
+
+def _unnamed(name: str) -> bool:
+    return not any(_WRAPPER.sub("", s) for s in name.split("/"))
+
+
+def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
+    """Each cost-graph node's layer (family, index), or None for global nodes."""
+    names = _names(problem)
+    segs = [_segments(nm) for nm in names]
+    indices: dict[str, set[int]] = {}
+    for ss in segs:
+        for base, i in ss:
+            indices.setdefault(base, set()).add(i)
+    families = {b for b, ix in indices.items() if len(ix) >= 2 * keep + 2}
+    label: list[tuple[str, int] | None] = [
+        next(((b, i) for b, i in ss if b in families), None) for ss in segs
+    ]
+    if not families:
+        return label
+    # Unnamed ops (optimizer updates) follow their labelled neighbours.
+    nb = problem.neighbours()
+    n_in = problem.num_inputs
+    free = [v >= n_in and label[v] is None and _unnamed(names[v]) for v in range(len(names))]
+
+    def agreed(v):
+        seen = {label[u] for u in nb[v] if label[u] is not None}
+        return next(iter(seen)) if len(seen) == 1 else None
+
+    queue = deque(v for v in range(len(names)) if label[v] is not None)
+    while queue:
+        u = queue.popleft()
+        for v in nb[u]:
+            if free[v] and label[v] is None:
+                lab = agreed(v)
+                if lab is not None:
+                    label[v] = lab
+                    queue.append(v)
+    for _ in range(4):  # a node labelled early may touch several layers in the end
+        bad = [v for v in range(len(names)) if free[v] and label[v] is not None and not agreed(v)]
+        if not bad:
+            break
+        for v in bad:
+            label[v] = None
+    return label
+
+
+def find_layers(
+    problem: Problem,
+    pinned: Mapping[int, int] = {},
+    keep: int = KEEP,  # noqa: B006
+) -> Layers:
+    """Detect repeated layers and the merge map (module docstring, steps 1-3)."""
+    n = len(problem.strategies)
+    phi = np.arange(n)
+    label = _label(problem, keep)
+    members: dict[str, dict[int, list[int]]] = {}
+    for v, lab in enumerate(label):
+        if lab is not None:
+            members.setdefault(lab[0], {}).setdefault(lab[1], []).append(v)
+    g, n_in = problem.graph, problem.num_inputs
+
+    def sig_of(v):
+        if v < n_in:
+            return ("input", g.values[g.inputs[v]], len(problem.strategies[v]))
+        node = g.nodes[v - n_in]
+        return (node.op, tuple(g.values[x] for x in node.outputs), len(problem.strategies[v]))
+
+    groups: dict[str, dict[str, object]] = {}
+    for fam, layers in members.items():
+        sigs = {i: tuple(sig_of(v) for v in vs) for i, vs in layers.items()}
+        common, _ = Counter(sigs.values()).most_common(1)[0]
+        group = sorted(i for i, s in sigs.items() if s == common)
+        if len(group) < 2 * keep + 2:
+            continue
+        middle = group[keep : len(group) - keep]
+        rep = layers[middle[0]]
+        rep_pins = [pinned.get(v) for v in rep]
+        merged = []
+        for i in middle[1:]:
+            vs = layers[i]
+            same = all(
+                problem.strategies[a] is problem.strategies[b]
+                or problem.strategies[a] == problem.strategies[b]
+                for a, b in zip(vs, rep)
+            )
+            if same and [pinned.get(v) for v in vs] == rep_pins:
+                phi[vs] = rep
+                merged.append(i)
+        if merged:
+            groups[fam] = {
+                "layers": len(group),
+                "kept": [i for i in group if i not in merged],
+                "representative": middle[0],
+                "merged": len(merged),
+                "nodes_per_layer": len(rep),
+            }
+    return Layers(phi, groups)
+
+
+def quotient(g: CostGraph, phi: np.ndarray) -> tuple[CostGraph, np.ndarray]:
+    """The cost graph over the images of ``phi`` (module docstring, "Reduction").
+
+    Returns the quotient graph and, per original node, its quotient node."""
+    n = g.num_nodes()
+    keep = np.flatnonzero(phi == np.arange(n))
+    new = np.full(n, -1)
+    new[keep] = np.arange(len(keep))
+    idx = new[phi]
+    if (idx < 0).any():
+        raise ValueError("phi must map every node onto a node that maps to itself")
+    cost = [np.array(g.node_cost[v], dtype=np.float64) for v in keep]
+    mem = [np.array(g.node_mem[v], dtype=np.float64) for v in keep]
+    for v in np.flatnonzero(phi != np.arange(n)):
+        k = idx[v]
+        cost[k] += g.node_cost[v]
+        mem[k] += g.node_mem[v]
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    for (u, v), m in g.edges.items():
+        a, b = int(idx[u]), int(idx[v])
+        if a == b:  # position k of one merged layer to position k of another
+            cost[a] += np.diagonal(m)
+            continue
+        if a > b:
+            a, b, m = b, a, m.T
+        if (a, b) in edges:
+            edges[a, b] = edges[a, b] + m
+        else:
+            edges[a, b] = m
+    return CostGraph(tuple(cost), tuple(mem), edges), idx
+
+
+def _priced(g: CostGraph, nodes: list[int], lam: float) -> CostGraph:
+    """``g`` with ``lam`` seconds per byte added to the strategies of ``nodes``."""
+    cost = list(g.node_cost)
+    for v in nodes:
+        cost[v] = cost[v] + lam * g.node_mem[v]
+    return CostGraph(tuple(cost), g.node_mem, g.edges)
+
+
+def solve_dp_layered(
+    problem: Problem,
+    g: CostGraph,
+    pinned: Mapping[int, int] = {},  # noqa: B006
+    memory_budget: float = float("inf"),
+    keep: int = KEEP,
+) -> Solution:
+    """``solve_dp`` on ``g`` (the problem's cost graph, pins applied) with repeated
+    layers folded into one; the plan is lifted back to every node of ``g``."""
+    if not ENABLED:
+        return solve_dp(g, memory_budget)
+    start = time.perf_counter()
+    layers = find_layers(problem, pinned, keep)
+    if layers.merged == 0:
+        return solve_dp(g, memory_budget)
+    q, idx = quotient(g, layers.phi)
+    detect_s = time.perf_counter() - start
+    sol = solve_dp(q, memory_budget, polish=POLISH)
+    starts = {"free": sol.cost}
+    state = sorted({int(idx[i]) for i in problem.aliases.values() if i not in pinned})
+    state_bytes = sum(float(q.node_mem[k][sol.choice[k]]) for k in state)
+    if not sol.optimal and state_bytes > 0:
+        # Second start: the state's bytes priced in (module docstring, "Two starts").
+        lam = STATE_WEIGHT * sol.cost / state_bytes
+        other = solve_dp(_priced(q, state, lam), memory_budget, polish=POLISH)
+        x = list(other.choice)
+        starts["state_priced"] = q.total(x)
+        if starts["state_priced"] < sol.cost and q.memory(x) <= memory_budget:
+            sol = other
+    choice = tuple(int(sol.choice[k]) for k in idx)
+    info = dict(sol.info)
+    info["layers"] = {
+        "groups": layers.groups,
+        "nodes": g.num_nodes(),
+        "reduced_nodes": q.num_nodes(),
+        "reduce_s": detect_s,
+        "reduced_optimal": sol.optimal,
+        "starts": starts,
+    }
+    return Solution(
+        choice=choice,
+        cost=g.total(choice),
+        memory=g.memory(choice),
+        optimal=False,  # optimal among layer-uniform plans at best
+        gap=None,
+        seconds=time.perf_counter() - start,
+        info=info,
+    )
