@@ -303,7 +303,7 @@ def random_plan(fn, args, mesh: dict[str, int], seed: int):
 
     jmesh = make_mesh(mesh)
     profile = cost_models.load("h100-sxm")
-    graph = capture(fn, args)
+    graph = capture(fn, args, (), jmesh)  # as parallelize does: under the mesh
     info = mesh_info(jmesh, profile)
     problem = build_problem(graph, info, CostModel(profile, info))
     rng = np.random.default_rng(seed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import assert_trees_close
 
 import autopar
@@ -71,3 +72,20 @@ def test_partial_operand_specs_survive_the_plan_file(tmp_path):
     plan.save(tmp_path / "p.json")
     loaded = autopar.Plan.load(tmp_path / "p.json")
     assert [o.in_specs for o in loaded.ops] == [o.in_specs for o in plan.ops]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_plans_of_a_gpt_train_step_are_exact(seed):
+    """Random strategies (half of the linear ops passing partial sums) for every op of a
+    real train step: layer norm's and softmax's implicitly broadcast operands included."""
+    from test_fuzz import random_plan
+
+    cfg = gpt.GPTConfig(hidden=32, heads=4, seq=16, vocab=64, layers=1, batch_size=8)
+    ts = gpt.make_train_step(cfg)
+    state, batch = jax.jit(ts.init)(0), ts.batch(0)
+    want = jax.jit(ts.step)(state, batch)
+    jitted, _ = random_plan(ts.step, (state, batch), {"data": 2, "model": 4}, seed)
+    got = jitted(*jax.tree.leaves((state, batch)))
+    got = jax.tree.unflatten(jax.tree.structure(want), got)
+    assert_trees_close(got[1], want[1], rtol=1e-4, atol=1e-5)  # the loss
+    assert_trees_close(got[0]["opt_state"], want[0]["opt_state"], rtol=1e-3, atol=1e-5)

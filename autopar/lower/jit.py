@@ -165,6 +165,11 @@ def bind(node, invals, local_shape: tuple[int, ...] | None = None):
     `shard_map`, shape parameters are the per-device `local_shape`."""
     params = dict(node.params)
     if local_shape is not None:
+        # Shardings traced under the user's mesh name global layouts; per device there
+        # are none.
+        for k in ("sharding", "out_sharding"):
+            if k in params:
+                params[k] = None
         if node.op == "broadcast_in_dim":
             params["shape"] = local_shape
         elif node.op == "reshape":

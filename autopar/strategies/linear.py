@@ -59,12 +59,15 @@ def _linear_groups(node: Node, graph: Graph) -> tuple[tuple[int, ...], ...]:
         src = graph.values[node.inputs[0]]
         if not (_is_float(src.dtype) and _is_float(out.dtype)):
             return ()
-    # A partial operand must have the output's shape (no implicit scalar broadcast).
-    return tuple(
-        grp
-        for grp in groups
-        if all(graph.values[node.inputs[j]].shape == out.shape for j in grp) or node.op in _UNARY
-    )
+    if node.op in _UNARY:
+        return groups
+    # Per device, an operand broadcast implicitly (size-1 dims, replicated by the
+    # elementwise rule) would not line up with a split one: only same-shape operands,
+    # or scalars that are not the partial one.
+    shapes = [graph.values[v].shape for v in node.inputs]
+    if any(s not in (out.shape, ()) for s in shapes):
+        return ()
+    return tuple(grp for grp in groups if all(shapes[j] == out.shape for j in grp))
 
 
 def _is_float(dtype) -> bool:
