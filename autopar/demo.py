@@ -28,8 +28,8 @@ DEFAULT_STEPS = 5
 RTOL = 1e-5
 # Small enough to train in seconds on 2 CPU cores; big enough (3.45M parameters, 256-wide
 # contractions) that the cost model's engines disagree and trade gradient all-reduces
-# against activation traffic (on the default h100-sxm profile the winner is 8-way data
-# parallelism over both axes).
+# against activation traffic when planned for the simulated devices (`--cluster cpu`, the
+# default); on h100-sxm the winner is plain 8-way data parallelism over both axes.
 MODEL = dict(vocab=1024, seq=128, hidden=256, layers=4, heads=8, batch_size=16)
 # make_train_step's default 1e-2 makes this GPT's loss climb; in that regime AdamW
 # amplifies float32 reduction-order noise (even plain jax data parallelism drifts ~1e-5
@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
         "--engine",
         default="auto",
         help="search engine, e.g. recursive, dp, ilp, data, fsdp (default: auto, tries several)",
+    )
+    p.add_argument(
+        "--cluster",
+        default="cpu",
+        help="cost profile to plan for (default: cpu, the simulated devices this runs on; "
+        "on a GPU profile this small model is planned as plain data parallelism)",
     )
     p.add_argument(
         "--steps",
@@ -175,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     # The sharded step donates (consumes) its state: keep a host copy for the reference.
     ref_state = jax.tree.map(np.array, state)
 
-    step = autopar.parallelize(ts.step, mesh=mesh, engine=args.engine, donate_argnums=(0,))
+    step = autopar.parallelize(
+        ts.step, mesh=mesh, engine=args.engine, cluster=args.cluster, donate_argnums=(0,)
+    )
     ref_step = jax.jit(ts.step)
 
     _rule("plan")
