@@ -1,8 +1,8 @@
 """Search time with the layers under `scan`: GPT-3 175B shapes (hidden 12288, 96 heads,
 seq 2048, batch 1536, bf16, AdamW), layers run by `nn.scan` (`GPTConfig.scan_layers`),
-planned on the abstract 1024-device mesh {"data": 128, "model": 8} (a100-80g profile, no
-memory budget: this measures search time, and 175B does not fit 80 GB without
-pipelining; see the README). The scan bodies (forward and backward layer) are searched
+planned on the abstract 1024-device mesh {"data": 128, "model": 8} (h100-sxm profile, as
+`benchmarks.scale`; no memory budget: this measures search time, and 175B does not fit
+80 GB without pipelining, see the README). The scan bodies (forward and backward layer) are searched
 once whatever the depth, so 96 layers should cost about what 12 do.
 
 Run: `python -m benchmarks.scan_scale` (writes benchmarks/results/scan_scale.json).
@@ -35,7 +35,7 @@ def measure(layers: int, engine: str) -> dict:
     jaxpr = jax.make_jaxpr(ts.step)(*args)
     trace_s = time.perf_counter() - t
     step = autopar.parallelize(
-        ts.step, mesh=MESH, cluster="a100-80g", engine=engine, memory_budget=1e15
+        ts.step, mesh=MESH, cluster="h100-sxm", engine=engine, memory_budget=1e15
     )
     t = time.perf_counter()
     plan = step.plan(*args)

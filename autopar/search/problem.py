@@ -9,7 +9,8 @@ argument, so both keep one sharding. Every engine works on this one object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -173,16 +174,29 @@ def _scan_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategie
     from autopar.search.evaluate import output_specs
 
     body = build_problem(node.body, mesh, cost)
+    budget = cost.profile.hbm_bytes
     try:
-        result = search(body, "auto", cost.profile.hbm_bytes)
+        result = search(body, "auto", budget)
     except MemoryBudgetError:
-        result = search(body, "auto", float("inf"))
+        result = search(body, "auto", budget := float("inf"))
+    candidates = [result.pick(name) for name, _, _ in result.ranked]
+    # Plus the layout a loop over layers usually wants: every activation (an input
+    # with the carry's leading, batch dim) split along that dim, the rest searched.
     n_fixed = node.params["num_consts"] + node.params["num_carry"]
     n_carry = node.params["num_carry"]
+    carry = [node.body.values[v] for v in node.body.inputs[n_fixed - n_carry : n_fixed]]
+    if carry and carry[0].rank:
+        pins = {
+            i: _batch_first(body, i)
+            for i, v in enumerate(node.body.inputs)
+            if node.body.values[v].shape[:1] == carry[0].shape[:1]
+        }
+        with contextlib.suppress(MemoryBudgetError):
+            candidates.append(replace(search(body, "dp", budget, pins), engine="dp+batch"))
     lift = lambda sp: Spec(((), *sp.dims))
     strategies, results, seen = [], [], set()
-    for name, _, _ in result.ranked:
-        r = result.pick(name)
+    for r in candidates:
+        name = r.engine
         ins = [body.strategies[i][r.choice[i]].out_specs[0] for i in range(body.num_inputs)]
         outs = output_specs(body, r.choice)
         in_specs = tuple(sp if k < n_fixed else lift(sp) for k, sp in enumerate(ins))
@@ -194,6 +208,21 @@ def _scan_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategie
         results.append(r)
     warnings = tuple(f"{w} (in the scan body at {node.key})" for w in body.warnings)
     return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (body, results)
+
+
+def _batch_first(problem: Problem, i: int) -> int:
+    """Input i's strategy with its leading (batch) dim split over as many axes as divide
+    it, and the axes left over on its other dims (the most devices, fewest dims)."""
+    from autopar.search.engines import _batch_spec
+
+    lead = problem.strategies[i][_batch_spec(problem, i)].out_specs[0].dims[0]
+    same = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0].dims[0] == lead]
+    key = lambda k: (
+        problem.strategies[i][k].parallel,
+        -sum(bool(d) for d in problem.strategies[i][k].out_specs[0].dims),
+        -k,
+    )
+    return max(same, key=key)
 
 
 def _node_key(node, graph):
