@@ -37,7 +37,7 @@ INLINE_CALLS: dict[str, str] = {
 }
 
 
-def path_str(path: Sequence[Any]) -> str:
+def path_str(path: Sequence[Any], sep: str = "/") -> str:
     """`(DictKey('params'), SequenceKey(0))` -> `params/0`."""
     parts = []
     for k in path:
@@ -47,7 +47,7 @@ def path_str(path: Sequence[Any]) -> str:
                 break
         else:
             parts.append(str(k))
-    return "/".join(parts)
+    return sep.join(parts)
 
 
 def _arg_names(fn: Callable, n: int) -> list[str]:

@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
+from autopar.capture import path_str
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
@@ -143,15 +144,7 @@ def _shardings(target: Any, argnum: int) -> Any:
 
 def _name(path) -> str:
     """Orbax's name for a leaf: its key path joined by dots (`opt_state.0.mu.wte`)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
+    return path_str(path, ".")
 
 
 def _saved_arrays(metadata: Any) -> dict[str, Any]:

@@ -28,21 +28,10 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar.capture import path_str
+
 P = PartitionSpec
 Rule = Callable[[str, tuple[int, ...]], PartitionSpec]
-
-
-def path_str(path) -> str:
-    """``(DictKey('params'), DictKey('h_0'), ...)`` -> ``"params/h_0/..."``."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 def param_path(path: str) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
+import jax.numpy as jnp
 
 from autopar.ir import Graph, Node
 from autopar.sharding import MeshInfo, Spec
@@ -57,7 +57,9 @@ def _linear_groups(node: Node, graph: Graph) -> tuple[tuple[int, ...], ...]:
     out = graph.values[node.outputs[0]]
     if node.op == "convert_element_type":
         src = graph.values[node.inputs[0]]
-        if not (_is_float(src.dtype) and _is_float(out.dtype)):
+        if not (
+            jnp.issubdtype(src.dtype, jnp.floating) and jnp.issubdtype(out.dtype, jnp.floating)
+        ):
             return ()
     if node.op in _UNARY:
         return groups
@@ -68,10 +70,6 @@ def _linear_groups(node: Node, graph: Graph) -> tuple[tuple[int, ...], ...]:
     if any(s not in (out.shape, ()) for s in shapes):
         return ()
     return tuple(grp for grp in groups if all(shapes[j] == out.shape for j in grp))
-
-
-def _is_float(dtype) -> bool:
-    return np.issubdtype(np.dtype(dtype), np.floating) or str(dtype) == "bfloat16"
 
 
 def partial_variants(node: Node, graph: Graph, mesh: MeshInfo, strategies: list) -> list:
