@@ -23,6 +23,16 @@ from autopar.errors import AutoparError, MemoryBudgetError, MeshError, PlanError
 from autopar.ir import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.meshes import MeshLike, resolve
+from autopar.pipeline import (
+    Pipeline,
+    PipelinedScans,
+    batch_size,
+    check_pipeline,
+    layer_ranges,
+    micro_args,
+    pipelined_scans,
+    scan_labels,
+)
 from autopar.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search import search
 from autopar.search.evaluate import output_specs
@@ -61,6 +71,8 @@ class Parallelized:
         plan,
         in_specs=None,
         allow_partial=False,
+        pipeline_stages=None,
+        microbatches=None,
     ):
         self.fn = fn
         self.profile = cost_models.load(cluster)
@@ -73,6 +85,15 @@ class Parallelized:
         self.donate_argnums = tuple(donate_argnums)
         self.in_specs = in_specs
         self.allow_partial = allow_partial
+        if pipeline_stages is not None and (
+            not isinstance(pipeline_stages, int) or pipeline_stages < 1
+        ):
+            raise MeshError(
+                f"pipeline_stages must be a positive int (the size of the mesh's 'stage' axis), "
+                f"got {pipeline_stages!r}"
+            )
+        self.pipeline_stages = pipeline_stages
+        self.microbatches = microbatches
         self.given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
         self._cache: dict[Any, _Compiled] = {}
         functools.update_wrapper(self, fn)
@@ -174,16 +195,26 @@ class Parallelized:
             mesh = self._mesh_for_plan(self.given_plan)
             try:
                 plan = bind_plan(self.given_plan, graph, mesh_info(mesh, self.profile), mesh)
-                return _Compiled(graph, plan, None, jit_from_plan(graph, plan, mesh, donate), mesh)
+                pipelined = None
+                if plan.pipeline:
+                    pipe = Pipeline.from_json(plan.pipeline)
+                    pipelined = self._pipelined(graph, args, static, pipe, mesh)
+                jitted = jit_from_plan(graph, plan, mesh, donate, pipelined)
+                return _Compiled(graph, plan, None, jitted, mesh)
             except PlanError:
                 if not self.allow_partial:
                     raise
                 reused = reusable_specs(self.given_plan, graph, mesh_info(mesh, self.profile))
         options, failures = [], []
-        for k, mesh in enumerate(self.meshes):
+        tries = [
+            (k, mesh, pipelined)
+            for k, mesh in enumerate(self.meshes)
+            for pipelined in self._pipelines(graph, args, static, mesh)
+        ]
+        for k, mesh, pipelined in tries:
             info = mesh_info(mesh, self.profile)
             log.info("mesh %s: pricing the strategies of %d ops", info.shape, len(graph.nodes))
-            problem = build_problem(graph, info, CostModel(self.profile, info))
+            problem = build_problem(graph, info, CostModel(self.profile, info), pipelined)
             try:
                 pins = (
                     user_pins(problem, self._dyn(args), self.in_specs)
@@ -193,12 +224,13 @@ class Parallelized:
                 pins.update(_spec_pins(problem, reused))
                 result = search(problem, self.engine, self.memory_budget, pins)
             except (MemoryBudgetError, MeshError) as e:
-                if single:
+                if len(tries) == 1:
                     raise
                 failures.append(f"{info.shape}: {str(e).splitlines()[0]}")
                 continue
             options += [
-                (cost.step_s, k, name, mesh, problem, result) for name, _, cost in result.ranked
+                (cost.step_s, k, name, mesh, problem, result, pipelined)
+                for name, _, cost in result.ranked
             ]
         if not options:
             raise MemoryBudgetError(
@@ -206,9 +238,9 @@ class Parallelized:
             )
         options.sort(key=lambda o: o[:3])
         rejected = []
-        for _, _, name, mesh, problem, result in options:
-            plan = make_plan(problem, result.pick(name), self.profile, mesh)
-            jitted = jit_from_plan(graph, plan, mesh, donate)
+        for _, _, name, mesh, problem, result, pipelined in options:
+            plan = make_plan(problem, result.pick(name), self.profile, mesh, pipelined)
+            jitted = jit_from_plan(graph, plan, mesh, donate, pipelined)
             if (
                 isinstance(mesh, Mesh)
                 and plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * self.memory_budget
@@ -239,6 +271,77 @@ class Parallelized:
             f"every plan the cost model fit into {format_bytes(self.memory_budget)} needs more once compiled by XLA:\n  "
             + "\n  ".join(rejected)
             + "\nRaise memory_budget, use more devices, or shrink the batch."
+        )
+
+    def _pipelines(self, graph: Graph, args, static, mesh) -> list[PipelinedScans | None]:
+        """The pipelines to try on `mesh`: none, or `pipeline_stages` with each candidate
+        micro-batch count (`microbatches`, else S, 2S and 4S where they cut the batch)."""
+        if self.pipeline_stages is None:
+            return [None]
+        S = self.pipeline_stages
+        check_pipeline(Pipeline(S, 1), mesh_info(mesh, self.profile))
+        scans = pipelined_scans(graph, Pipeline(S, 1))
+        if not scans:
+            loops = [n.params["length"] for n in graph.nodes if n.body is not None]
+            raise MeshError(
+                f"{fn_name(self.fn)}: pipeline_stages={S} pipelines a loop over layers, but "
+                + (
+                    f"no scan's length ({loops}) is a multiple of {S}"
+                    if loops
+                    else "the function has none; put the layers under a scan (flax.linen.scan, "
+                    "jax.lax.scan; e.g. GPTConfig(scan_layers=True))"
+                )
+            )
+        batch = batch_size(graph, scans)
+        counts = (
+            [self.microbatches]
+            if self.microbatches is not None
+            else [m for m in (S, 2 * S, 4 * S) if batch % m == 0] or [1]
+        )
+        out, skipped = [], []
+        for m in counts:
+            try:
+                out.append(self._pipelined(graph, args, static, Pipeline(S, m), mesh))
+            except MeshError as e:  # e.g. a batch of 1 traces to different ops
+                if self.microbatches is not None:
+                    raise
+                skipped.append(f"{m} micro-batches: {e}")
+        if not out:
+            raise MeshError("no micro-batch count works:\n  " + "\n  ".join(skipped))
+        return out
+
+    def _pipelined(self, graph: Graph, args, static, pipe: Pipeline, mesh) -> PipelinedScans:
+        """Capture the function again at the micro-batch size and pair its scans with
+        `graph`'s pipelined ones."""
+        check_pipeline(pipe, mesh_info(mesh, self.profile))
+        scans = pipelined_scans(graph, pipe)
+        name = fn_name(self.fn)
+        dyn, tree = jax.tree_util.tree_flatten(self._dyn(args))
+        micro_dyn = iter(
+            jax.tree_util.tree_unflatten(
+                tree, micro_args(dyn, batch_size(graph, scans), pipe.microbatches, name)
+            )
+        )
+        margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
+        log.info("tracing %s at the micro-batch size", name)
+        micro = capture(self.fn, margs, static, mesh)
+        mscans = pipelined_scans(micro, pipe)
+        if len(mscans) != len(scans):
+            raise MeshError(
+                f"{name}: at the micro-batch size the function has {len(mscans)} pipelinable "
+                f"loops instead of {len(scans)}; pipelining needs the same loops at any batch size"
+            )
+        return PipelinedScans(
+            pipe,
+            {
+                i: (
+                    micro.nodes[j].body,
+                    scan_labels(
+                        graph.nodes[i], micro.nodes[j], pipe.microbatches, graph.nodes[i].key
+                    ),
+                )
+                for i, j in zip(scans, mscans)
+            },
         )
 
     def _mesh_for_plan(self, plan: Plan) -> Mesh | AbstractMesh:
@@ -285,6 +388,8 @@ def parallelize(
     plan: str | os.PathLike | Plan | None = None,
     in_specs: Any = None,
     allow_partial: bool = False,
+    pipeline_stages: int | None = None,
+    microbatches: int | None = None,
 ) -> Parallelized | Callable[[Callable], Parallelized]:
     """Automatically shard `fn` over `mesh`.
 
@@ -300,6 +405,11 @@ def parallelize(
     whole subtree) and None to let the search decide; every engine honours it, as it
     honours the function's own `with_sharding_constraint` calls. Usable as
     `@parallelize(mesh=...)`.
+
+    `pipeline_stages=S` runs every loop over layers (a `scan` whose length S divides,
+    e.g. `flax.linen.scan`) as a GPipe pipeline over the mesh's `"stage"` axis (of
+    size S) with `microbatches` micro-batches per step (default: the best of S, 2S
+    and 4S under the cost model); each stage's layers are searched on the other axes.
     """
     as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
     kw = dict(
@@ -312,6 +422,8 @@ def parallelize(
         plan=plan,
         in_specs=in_specs,
         allow_partial=allow_partial,
+        pipeline_stages=pipeline_stages,
+        microbatches=microbatches,
     )
     if fn is None:
         return lambda f: Parallelized(f, **kw)
@@ -383,9 +495,24 @@ def _spec_pins(problem: Problem, specs: dict[int, Spec]) -> dict[int, int]:
     return pins
 
 
-def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:
+def make_plan(
+    problem: Problem, result, profile, jax_mesh, pipelined: PipelinedScans | None = None
+) -> Plan:
     g = problem.graph
     inputs, outputs, ops = _records(problem, result.choice)
+    pipeline = None
+    if pipelined is not None:
+        keys = op_keys(g)
+        pipeline = {
+            **pipelined.pipe.to_json(),
+            "scans": [
+                {
+                    "op": keys[i],
+                    "stages": [list(r) for r in layer_ranges(g.nodes[i], pipelined.pipe)],
+                }
+                for i in pipelined.scans
+            ],
+        }
     return Plan(
         fingerprint=fingerprint(g),
         mesh=problem.mesh,
@@ -403,6 +530,7 @@ def make_plan(problem: Problem, result, profile, jax_mesh) -> Plan:
         in_tree=g.in_tree,
         out_tree=g.out_tree,
         jax_mesh=jax_mesh,
+        pipeline=pipeline,
     )
 
 

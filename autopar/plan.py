@@ -166,6 +166,9 @@ class Plan:
     function: str = ""
     compiled_memory_bytes: int | None = None  # XLA's figure, when the plan was compiled to check it
     search_info: dict = field(default_factory=dict)  # per engine: optimal, gap (dp / ilp)
+    # pipelined scans: stages, microbatches, schedule, axis, and per scan op its key and
+    # the layer range of every stage (`autopar.pipeline`); None when not pipelined
+    pipeline: dict | None = None
     in_tree: Any = field(default=None, repr=False, compare=False)
     out_tree: Any = field(default=None, repr=False, compare=False)
     jax_mesh: Any = field(default=None, repr=False, compare=False)
@@ -225,6 +228,7 @@ class Plan:
             "warnings": list(self.warnings),
             "compiled_memory_bytes": self.compiled_memory_bytes,
             "search_info": self.search_info,
+            "pipeline": self.pipeline,
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -260,6 +264,7 @@ class Plan:
                 function=d.get("function", ""),
                 compiled_memory_bytes=d.get("compiled_memory_bytes"),
                 search_info=dict(d.get("search_info", {})),
+                pipeline=d.get("pipeline"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
@@ -298,6 +303,16 @@ class Plan:
                 + ", ".join(
                     f"{k} {v.step_s * 1e3:.3f} ms/{format_bytes(v.peak_memory_bytes)}"
                     for k, v in self.candidates.items()
+                )
+            )
+        if self.pipeline:
+            p = self.pipeline
+            lines.append(
+                f"  pipeline: {p['stages']} stages over '{p['axis']}', {p['microbatches']} micro-batches, "
+                f"{p['schedule']}; "
+                + "; ".join(
+                    f"{s['op']}: layers " + " | ".join(f"{a}-{b - 1}" for a, b in s["stages"])
+                    for s in p["scans"]
                 )
             )
         for name, info in self.search_info.items():

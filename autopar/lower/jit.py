@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir import Graph, Node
+from autopar.lower.pipeline import run_pipelined_scan
+from autopar.pipeline import PipelinedScans
 from autopar.plan import BodyRecord, Plan
 from autopar.search.evaluate import settle_partials
 from autopar.sharding import Spec
@@ -33,10 +35,17 @@ from autopar.strategies.linear import LOCAL_OPS
 EXACT_OPS = frozenset({"dot_general", "conv_general_dilated"})
 
 
-def interpret(graph: Graph, plan: Plan | BodyRecord, mesh, pin_inputs: bool = False) -> Callable:
+def interpret(
+    graph: Graph,
+    plan: Plan | BodyRecord,
+    mesh,
+    pin_inputs: bool = False,
+    pipelined: PipelinedScans | None = None,
+) -> Callable:
     """A function of the flat args that computes `graph` under `plan`'s shardings.
     `pin_inputs` constrains the args to their specs on entry (a scan body's, whose
-    carry and slices come in however the loop left them)."""
+    carry and slices come in however the loop left them). The scans in `pipelined`
+    run as pipelines over its stage axis."""
     in_specs = {v: r.spec for v, r in zip(graph.inputs, plan.inputs)}
     settled = settle_partials(
         graph,
@@ -48,9 +57,17 @@ def interpret(graph: Graph, plan: Plan | BodyRecord, mesh, pin_inputs: bool = Fa
     def constrain(x, spec: Spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec.to_pspec()))
 
+    # inside a pipeline's shard_map the stage axis is already manual
+    manual = set(getattr(mesh, "manual_axes", ()))
+
     def smap(f, in_specs, out_specs):
         return jax.shard_map(
-            f, mesh=mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=False
+            f,
+            mesh=mesh,
+            in_specs=tuple(in_specs),
+            out_specs=tuple(out_specs),
+            axis_names={a for a in mesh.axis_names if a not in manual},
+            check_vma=False,
         )
 
     def split(x, want: Spec):
@@ -101,7 +118,18 @@ def interpret(graph: Graph, plan: Plan | BodyRecord, mesh, pin_inputs: bool = Fa
                     or any(w.partial for w in wants)
                 )
             )
-            if node.body is not None:
+            if pipelined is not None and node.id in pipelined.scans:
+                invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
+                micro, labels = pipelined.scans[node.id]
+                # traced inside the pipeline's shard_map, on its partly manual mesh
+                run_body = lambda *xs, micro=micro, body=rec.body: interpret(
+                    micro, body, jax.sharding.get_abstract_mesh(), pin_inputs=True
+                )(*xs)
+                outs = run_pipelined_scan(
+                    node, micro, labels, run_body, pipelined.pipe, mesh, invals
+                )
+                haves = rec.out_specs
+            elif node.body is not None:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
                 outs, haves = _run_scan(node, rec, mesh, invals), rec.out_specs
             elif local:
@@ -109,7 +137,7 @@ def interpret(graph: Graph, plan: Plan | BodyRecord, mesh, pin_inputs: bool = Fa
                 outs, haves = _run_local(node, rec, graph, mesh, smap, invals), rec.out_specs
             else:
                 invals = [read(v, s.without_partial()) for v, s in zip(node.inputs, rec.in_specs)]
-                outs, haves = bind(node, invals), [None] * len(node.outputs)
+                outs, haves = bind(node, invals, manual=bool(manual)), [None] * len(node.outputs)
                 outs = outs if node.primitive.multiple_results else [outs]
             for v, val, have, want in zip(node.outputs, outs, haves, wants):
                 env[v], produced[v] = val, have
@@ -160,17 +188,20 @@ def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals) -> list:
     return list(smap(body, ins, outs)(*invals))
 
 
-def bind(node, invals, local_shape: tuple[int, ...] | None = None):
+def bind(node, invals, local_shape: tuple[int, ...] | None = None, manual: bool = False):
     """Apply a captured node's primitive, as `jax.core.eval_jaxpr` does; inside
-    `shard_map`, shape parameters are the per-device `local_shape`."""
+    `shard_map`, shape parameters are the per-device `local_shape` (or, in a `manual`
+    region whose values keep their global shape, only the traced shardings go)."""
     params = dict(node.params)
-    if local_shape is not None:
+    if local_shape is not None or manual:
         # Shardings traced under the user's mesh name global layouts; per device there
         # are none.
         for k in ("sharding", "out_sharding"):
             if k in params:
                 params[k] = None
-        if node.op == "broadcast_in_dim":
+        if local_shape is None:
+            pass
+        elif node.op == "broadcast_in_dim":
             params["shape"] = local_shape
         elif node.op == "reshape":
             params["new_sizes"] = local_shape
@@ -178,11 +209,17 @@ def bind(node, invals, local_shape: tuple[int, ...] | None = None):
     return node.primitive.bind(*invals, **params)
 
 
-def jit_from_plan(graph: Graph, plan: Plan, mesh, donate: Sequence[int] = ()):
+def jit_from_plan(
+    graph: Graph,
+    plan: Plan,
+    mesh,
+    donate: Sequence[int] = (),
+    pipelined: PipelinedScans | None = None,
+):
     """`jax.jit` of the interpreted graph with the plan's in/out shardings."""
     shard = lambda recs: tuple(NamedSharding(mesh, r.spec.to_pspec()) for r in recs)
     return jax.jit(
-        interpret(graph, plan, mesh),
+        interpret(graph, plan, mesh, pipelined=pipelined),
         in_shardings=shard(plan.inputs),
         out_shardings=shard(plan.outputs),
         donate_argnums=tuple(donate),

@@ -18,6 +18,7 @@ import numpy as np
 from autopar.cost import FUSED_OPS, CostModel, node_flops
 from autopar.errors import MemoryBudgetError
 from autopar.ir import Graph, TensorType
+from autopar.pipeline import Pipeline, PipelinedScans, p2p_bytes, stage_layers, sub_mesh
 from autopar.search.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
 from autopar.strategies import (
@@ -93,7 +94,13 @@ def find_aliases(graph: Graph) -> dict[int, int]:
     return aliases
 
 
-def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
+def build_problem(
+    graph: Graph, mesh: MeshInfo, cost: CostModel, pipelined: PipelinedScans | None = None
+) -> Problem:
+    """The cost graph of `graph` on `mesh`. The scans in `pipelined` have their body
+    searched at the micro-batch size on one stage's sub-mesh and are priced as a GPipe
+    pipeline over the stage axis."""
+    piped = pipelined.scans if pipelined is not None else {}
     n_in = len(graph.inputs)
     strategies: list[tuple[Strategy, ...]] = []
     warnings: list[str] = []
@@ -111,7 +118,13 @@ def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
     for node in graph.nodes:
         key = _node_key(node, graph) if node.body is None else None
         ns = cache.get(key) if key is not None else None
-        if node.body is not None:
+        if node.id in piped:
+            sub = sub_mesh(mesh, pipelined.pipe.axis)
+            micro = replace(node, body=piped[node.id][0])
+            ns, bodies[node.id] = _scan_strategy(
+                micro, sub, CostModel(cost.profile, sub), pipelined.pipe.axis
+            )
+        elif node.body is not None:
             ns, bodies[node.id] = _scan_strategy(node, mesh, cost)
         elif ns is None:
             ns = strategies_for(node, graph, mesh)
@@ -127,8 +140,16 @@ def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
     node_time, node_mem = _node_costs(graph, mesh, cost, strategies, flops)
     node_time = list(node_time)
     for i, (_, results) in bodies.items():
-        steps = graph.nodes[i].params["length"]
-        node_time[n_in + i] = np.array([steps * r.cost.step_s for r in results])
+        node = graph.nodes[i]
+        if i in piped:
+            node_time[n_in + i] = np.array(
+                [
+                    _pipeline_seconds(replace(node, body=piped[i][0]), pipelined.pipe, cost, r)
+                    for r in results
+                ]
+            )
+        else:
+            node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
     node_time = tuple(node_time)
     edges = _edges(graph, cost, strategies, source)
     aliases = find_aliases(graph)
@@ -163,13 +184,25 @@ def build_problem(graph: Graph, mesh: MeshInfo, cost: CostModel) -> Problem:
     )
 
 
-def _scan_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategies, tuple]:
+def _pipeline_seconds(micro_node, pipe: Pipeline, cost: CostModel, body) -> float:
+    """GPipe time of a pipelined scan: `M + S - 1` ticks, each one micro-batch through
+    one stage's layers (`body`: one layer's plan at the micro-batch size) and one
+    collective-permute of the micro-batch's carry to the next stage."""
+    hop = cost.collective("collective-permute", (pipe.axis,), p2p_bytes(micro_node))
+    layers = stage_layers(micro_node, pipe)
+    return (pipe.microbatches + pipe.stages - 1) * (layers * body.cost.step_s + hop.seconds)
+
+
+def _scan_strategy(
+    node, mesh: MeshInfo, cost: CostModel, stage_axis: str | None = None
+) -> tuple[NodeStrategies, tuple]:
     """A scan's strategies: its body searched once (every engine), each distinct plan
     found one strategy of the scan, priced at `length` steps; the outer search picks
     the one that fits its neighbours. The body must fit the device's memory (its
     arguments are the loop's slices, which a free search would leave replicated);
     the carry keeps one spec from step to step through the body's alias edges.
-    Each xs/ys value is one body slice with the loop dim in front, unsplit."""
+    Each xs/ys value is one body slice with the loop dim in front, unsplit, or split
+    over `stage_axis` when the loop is pipelined (`mesh` is then one stage's)."""
     from autopar.search import search
     from autopar.search.evaluate import output_specs
 
@@ -193,7 +226,8 @@ def _scan_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategie
         }
         with contextlib.suppress(MemoryBudgetError):
             candidates.append(replace(search(body, "dp", budget, pins), engine="dp+batch"))
-    lift = lambda sp: Spec(((), *sp.dims))
+    lead = (stage_axis,) if stage_axis else ()
+    lift = lambda sp: Spec((lead, *sp.dims))
     strategies, results, seen = [], [], set()
     for r in candidates:
         name = r.engine
