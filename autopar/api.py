@@ -34,6 +34,8 @@ from autopar.pipeline import (
     scan_labels,
 )
 from autopar.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
+from autopar.precision import compute_dtype_of, mixed_precision
+from autopar.precision import describe as describe_precision
 from autopar.search import search
 from autopar.search.evaluate import output_specs
 from autopar.search.problem import Problem, build_problem
@@ -73,6 +75,7 @@ class Parallelized:
         allow_partial=False,
         pipeline_stages=None,
         microbatches=None,
+        precision=None,
     ):
         self.fn = fn
         self.profile = cost_models.load(cluster)
@@ -95,6 +98,9 @@ class Parallelized:
         self.pipeline_stages = pipeline_stages
         self.microbatches = microbatches
         self.given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
+        if precision is None and self.given_plan is not None:
+            precision = self.given_plan.precision
+        self.precision = _precision(precision)
         self._cache: dict[Any, _Compiled] = {}
         functools.update_wrapper(self, fn)
 
@@ -189,6 +195,10 @@ class Parallelized:
         static = _norm(self.static_argnums, len(args))
         log.info("tracing %s", fn_name(self.fn))
         graph = capture(self.fn, args, static, self.meshes[0] if single else None)
+        notes: tuple[str, ...] = ()
+        if self.precision is not None:
+            notes = describe_precision(graph, self.precision).notes()
+            graph = mixed_precision(graph, self.precision)
         donate = _flat_donate(args, static, _norm(self.donate_argnums, len(args)))
         reused: dict[int, Spec] = {}
         if self.given_plan is not None:
@@ -240,6 +250,8 @@ class Parallelized:
         rejected = []
         for _, _, name, mesh, problem, result, pipelined in options:
             plan = make_plan(problem, result.pick(name), self.profile, mesh, pipelined)
+            if self.precision is not None:
+                plan = replace(plan, precision=self.precision, warnings=(*notes, *plan.warnings))
             jitted = jit_from_plan(graph, plan, mesh, donate, pipelined)
             if (
                 isinstance(mesh, Mesh)
@@ -325,6 +337,8 @@ class Parallelized:
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
         log.info("tracing %s at the micro-batch size", name)
         micro = capture(self.fn, margs, static, mesh)
+        if self.precision is not None:
+            micro = mixed_precision(micro, self.precision)
         mscans = pipelined_scans(micro, pipe)
         if len(mscans) != len(scans):
             raise MeshError(
@@ -352,6 +366,16 @@ class Parallelized:
             ):
                 return mesh
         return self.meshes[0]  # bind_plan reports the mismatch
+
+
+def _precision(name: str | None) -> str | None:
+    """The compute dtype's name for `precision=`: None (as traced) or "bfloat16"."""
+    if name is None:
+        return None
+    aliases = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+    if name not in aliases:
+        raise AutoparError(f"precision={name!r}: choose None (as traced) or 'bf16'")
+    return compute_dtype_of(aliases[name]).name
 
 
 def compiled_memory(compiled) -> int:
@@ -390,6 +414,7 @@ def parallelize(
     allow_partial: bool = False,
     pipeline_stages: int | None = None,
     microbatches: int | None = None,
+    precision: str | None = None,
 ) -> Parallelized | Callable[[Callable], Parallelized]:
     """Automatically shard `fn` over `mesh`.
 
@@ -410,6 +435,11 @@ def parallelize(
     e.g. `flax.linen.scan`) as a GPipe pipeline over the mesh's `"stage"` axis (of
     size S) with `microbatches` micro-batches per step (default: the best of S, 2S
     and 4S under the cost model); each stage's layers are searched on the other axes.
+
+    `precision="bf16"` computes every float32 matmul and convolution on bfloat16
+    operands with float32 accumulation, keeping float32 master weights, optimizer
+    state and activations (`autopar.precision`); float16 is refused (it needs loss
+    scaling, which autopar cannot add to a differentiated step).
     """
     as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
     kw = dict(
@@ -424,6 +454,7 @@ def parallelize(
         allow_partial=allow_partial,
         pipeline_stages=pipeline_stages,
         microbatches=microbatches,
+        precision=precision,
     )
     if fn is None:
         return lambda f: Parallelized(f, **kw)

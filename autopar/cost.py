@@ -16,6 +16,9 @@ import functools
 import math
 from dataclasses import dataclass
 
+import jax.numpy as jnp
+import numpy as np
+
 from autopar.ir import Graph, Node, TensorType
 from autopar.sharding import Axes, MeshInfo, Spec
 from autopar.strategies.elementwise import ELEMENTWISE
@@ -143,6 +146,15 @@ FUSED_OPS = frozenset(ELEMENTWISE) | {
     "pad",
     "rev",
 }
+
+
+def compute_dtype(node: Node, graph: Graph) -> np.dtype:
+    """The dtype a node computes in, which picks its FLOP rate (`flops_for`): for a
+    contraction its operands' (bfloat16 operands accumulating into float32 run at the
+    bfloat16 rate), else its first result's."""
+    if node.op in ("dot_general", "conv_general_dilated"):
+        return np.dtype(jnp.promote_types(*(graph.values[v].dtype for v in node.inputs)))
+    return graph.values[node.outputs[0]].dtype if node.outputs else np.dtype(np.float32)
 
 
 def node_flops(node: Node, graph: Graph) -> float:

@@ -169,6 +169,8 @@ class Plan:
     # pipelined scans: stages, microbatches, schedule, axis, and per scan op its key and
     # the layer range of every stage (`autopar.pipeline`); None when not pipelined
     pipeline: dict | None = None
+    # "bfloat16": contractions compute in it over float32 master weights (`autopar.precision`)
+    precision: str | None = None
     in_tree: Any = field(default=None, repr=False, compare=False)
     out_tree: Any = field(default=None, repr=False, compare=False)
     jax_mesh: Any = field(default=None, repr=False, compare=False)
@@ -229,6 +231,7 @@ class Plan:
             "compiled_memory_bytes": self.compiled_memory_bytes,
             "search_info": self.search_info,
             "pipeline": self.pipeline,
+            "precision": self.precision,
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -265,6 +268,7 @@ class Plan:
                 compiled_memory_bytes=d.get("compiled_memory_bytes"),
                 search_info=dict(d.get("search_info", {})),
                 pipeline=d.get("pipeline"),
+                precision=d.get("precision"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None

@@ -25,6 +25,7 @@ from autopar.ir import Graph, Node
 from autopar.lower.pipeline import run_pipelined_scan
 from autopar.pipeline import PipelinedScans
 from autopar.plan import BodyRecord, Plan
+from autopar.precision import upcast_operands
 from autopar.search.evaluate import settle_partials
 from autopar.sharding import Spec
 from autopar.strategies.linear import LOCAL_OPS
@@ -205,6 +206,8 @@ def bind(node, invals, local_shape: tuple[int, ...] | None = None, manual: bool 
             params["shape"] = local_shape
         elif node.op == "reshape":
             params["new_sizes"] = local_shape
+    if jax.default_backend() == "cpu":  # no bf16 x bf16 = f32 dot kernel there
+        invals = upcast_operands(node, invals)
     params = node.primitive.get_bind_params(params)
     return node.primitive.bind(*invals, **params)
 

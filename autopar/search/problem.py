@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.cost import FUSED_OPS, CostModel, node_flops
+from autopar.cost import FUSED_OPS, CostModel, compute_dtype, node_flops
 from autopar.errors import MemoryBudgetError
 from autopar.ir import Graph, TensorType
 from autopar.pipeline import Pipeline, PipelinedScans, p2p_bytes, stage_layers, sub_mesh
@@ -282,6 +282,9 @@ def _node_costs(graph, mesh, cost, strategies, flops):
     in_types = [[] for _ in graph.inputs] + [
         [graph.values[v] for v in n.inputs] for n in graph.nodes
     ]
+    dtypes = [graph.values[v].dtype for v in graph.inputs] + [
+        compute_dtype(n, graph) for n in graph.nodes
+    ]
     pending = _output_partials(graph, strategies, n_in)
     traffic = _hbm_traffic(graph)
     memo: dict = {}  # repeated layers: identical ops cost the same
@@ -295,6 +298,7 @@ def _node_costs(graph, mesh, cost, strategies, flops):
             tuple(pending.get(c, ())),
             c < n_in,
             moved,
+            dtypes[c],
         )
         if key not in memo:
             memo[key] = _strategy_costs(
@@ -306,6 +310,7 @@ def _node_costs(graph, mesh, cost, strategies, flops):
                 pending.get(c, ()),
                 c < n_in,
                 moved,
+                dtypes[c],
             )
         times.append(memo[key][0])
         mems.append(memo[key][1])
@@ -334,7 +339,9 @@ def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]]
     return out
 
 
-def _strategy_costs(cost, strats, in_types, out_types, flops, pending, is_input, moved=None):
+def _strategy_costs(
+    cost, strats, in_types, out_types, flops, pending, is_input, moved=None, dtype=np.float32
+):
     t_arr = np.zeros(len(strats))
     m_arr = np.zeros(len(strats))
     reads, writes = moved or ((True,) * len(in_types), (True,) * len(out_types))
@@ -347,7 +354,6 @@ def _strategy_costs(cost, strats, in_types, out_types, flops, pending, is_input,
         nbytes = sum(b for b, w in zip(out_bytes, writes) if w) + sum(
             cost.local_bytes(t, sp) for t, sp, r in zip(in_types, s.in_specs, reads) if r
         )
-        dtype = out_types[0].dtype if out_types else np.float32
         t_arr[s_i] = cost.compute_seconds(flops / s.parallel, nbytes, dtype)
         # A partial value returned by the function must be summed before it leaves.
         for k in pending:

@@ -1,0 +1,299 @@
+"""Mixed precision as a graph pass: bfloat16 compute with float32 master weights.
+
+`mixed_precision(graph)` returns a new `Graph` in which every contraction
+(`dot_general`, `conv_general_dilated`) whose operands and result are float32
+reads its operands cast to the compute dtype (fresh `convert_element_type`
+nodes placed just before it) and accumulates and returns float32
+(`preferred_element_type=float32`). Every other value keeps its type:
+parameters, optimizer state, gradients, activations and the loss stay float32,
+so the optimizer updates float32 master weights; only the matmuls and
+convolutions run at the bfloat16 rate on bfloat16 operands. Run it on the
+captured train step, after differentiation: the backward contractions
+(gradients of activations and of weights) are converted like the forward ones.
+
+Scan bodies (`Node.body`) are converted recursively. A body's inputs and
+outputs keep their types, so the scan node's interface is unchanged; its
+`jaxpr` param is retraced from the converted body so that binding the node
+computes what `Node.body` says.
+
+float16 is refused (`NotImplementedError`, see `FP16_UNSUPPORTED`): it needs
+loss scaling, which cannot be added soundly to an already-differentiated graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autopar.cost import node_flops
+from autopar.errors import format_bytes
+from autopar.ir import Graph, Node, TensorType, check_graph
+
+CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+MASTER_DTYPE = np.dtype(np.float32)
+SUPPORTED = (np.dtype(jnp.bfloat16),)
+
+FP16_UNSUPPORTED = (
+    "mixed precision in float16 needs loss scaling (float16's range underflows small "
+    "gradients), and autopar cannot add it soundly to a captured train step: the graph "
+    "is already differentiated, so the loss is not scaled before the backward pass, the "
+    "gradients are not marked among the flat values to unscale them, and dynamic scaling "
+    "needs a new state input/output (the scale) and a skip-the-update branch on overflow, "
+    "which change the step's signature. Use compute_dtype=bfloat16 (float32's range, no "
+    "scaling needed), or write float16 with loss scaling into the train step yourself "
+    "(e.g. jmp) and parallelize that."
+)
+
+
+def compute_dtype_of(dtype: Any) -> np.dtype:
+    """The canonical compute dtype; float16 raises NotImplementedError, others ValueError."""
+    d = np.dtype(jnp.dtype(dtype))
+    if d == np.dtype(jnp.float16):
+        raise NotImplementedError(FP16_UNSUPPORTED)
+    if d not in SUPPORTED:
+        names = ", ".join(s.name for s in SUPPORTED)
+        raise ValueError(f"mixed precision compute dtype must be one of: {names}; got {d.name}")
+    return d
+
+
+def converts(node: Node, graph: Graph) -> bool:
+    """Whether `mixed_precision` converts `node`: a contraction whose operands and
+    result are all float32 (and that does not ask for another accumulator type)."""
+    if node.op not in CONTRACTIONS:
+        return False
+    types = [graph.values[v] for v in (*node.inputs, *node.outputs)]
+    pref = node.params.get("preferred_element_type")
+    return all(t.dtype == MASTER_DTYPE for t in types) and (
+        pref is None or np.dtype(pref) == MASTER_DTYPE
+    )
+
+
+def mixed_precision(graph: Graph, compute_dtype: Any = jnp.bfloat16) -> Graph:
+    """A new graph computing `graph` with float32 contractions in `compute_dtype`
+    (operands cast, float32 accumulation and result); `graph` is not touched.
+
+    New values are appended after the old ones (old value ids keep their meaning);
+    nodes are renumbered in their new topological order, each cast sitting just
+    before its contraction with the contraction's name stack and source line. A
+    contraction gets its own casts (one per distinct operand), so the sharding
+    search may split each use of a weight its own way. Graph inputs, outputs,
+    paths, consts and trees are the same objects."""
+    return _convert(graph, compute_dtype_of(compute_dtype))
+
+
+def _convert(graph: Graph, dtype: np.dtype) -> Graph:
+    values = list(graph.values)
+    nodes: list[Node] = []
+    cast_prim, cast_params = _cast_op(dtype.name)
+    for node in graph.nodes:
+        if node.body is not None:
+            body = _convert(node.body, dtype)
+            if body is not node.body:
+                node = replace(node, body=body, params=_with_body_jaxpr(node.params, body))
+        if not converts(node, graph):
+            nodes.append(replace(node, id=len(nodes)) if node.id != len(nodes) else node)
+            continue
+        cast: dict[int, int] = {}
+        for v in dict.fromkeys(node.inputs):
+            values.append(TensorType(graph.values[v].shape, dtype))
+            cast[v] = len(values) - 1
+            nodes.append(
+                Node(
+                    id=len(nodes),
+                    op="convert_element_type",
+                    inputs=(v,),
+                    outputs=(cast[v],),
+                    primitive=cast_prim,
+                    params=dict(cast_params),
+                    name_stack=node.name_stack,
+                    source=node.source,
+                )
+            )
+        nodes.append(
+            replace(
+                node,
+                id=len(nodes),
+                inputs=tuple(cast[v] for v in node.inputs),
+                params={**node.params, "preferred_element_type": MASTER_DTYPE},
+            )
+        )
+    if len(values) == len(graph.values) and all(
+        a is b for a, b in zip(nodes, graph.nodes, strict=True)
+    ):
+        return graph  # nothing to convert: the same (immutable) graph
+    out = replace(graph, values=tuple(values), nodes=tuple(nodes))
+    check_graph(out)
+    return out
+
+
+@functools.cache
+def _cast_op(dtype_name: str) -> tuple[Any, dict[str, Any]]:
+    """`convert_element_type`'s primitive and params, as tracing `astype` makes them."""
+    jaxpr = jax.make_jaxpr(lambda x: x.astype(dtype_name))(jnp.zeros((), MASTER_DTYPE))
+    (eqn,) = jaxpr.eqns
+    return eqn.primitive, dict(eqn.params)
+
+
+def _with_body_jaxpr(params: dict, body: Graph, upcast: bool = False) -> dict:
+    """A scan's params with `jaxpr` retraced from `body` (same avals in and out)."""
+    old = params["jaxpr"]
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in old.in_avals]
+    new = jax.make_jaxpr(graph_fn(body, upcast_contractions=upcast))(*args)
+    if [(a.shape, a.dtype) for a in new.out_avals] != [(a.shape, a.dtype) for a in old.out_avals]:
+        raise AssertionError("mixed_precision changed a scan body's result types")
+    return {**params, "jaxpr": new}
+
+
+def graph_fn(graph: Graph, *, upcast_contractions: bool = False) -> Callable[..., tuple]:
+    """A function of the flat inputs that evaluates `graph` op by op (as
+    `jax.core.eval_jaxpr` does; a scan binds its `jaxpr` param), unsharded.
+
+    `upcast_contractions` runs converted contractions on float32 copies of their
+    operands (`upcast_operands`): the same products, for XLA:CPU, whose unfused dot
+    kernel rejects bfloat16 x bfloat16 -> float32."""
+
+    def run(*flat_args):
+        env: dict[int, Any] = dict(zip(graph.inputs, flat_args, strict=True))
+        read = lambda v: graph.consts[v] if v in graph.consts else env[v]
+        for node in graph.nodes:
+            params = dict(node.params)
+            if node.body is not None and upcast_contractions:
+                params = _with_body_jaxpr(params, node.body, upcast=True)
+            invals = [read(v) for v in node.inputs]
+            if upcast_contractions:
+                invals = upcast_operands(node, invals)
+            params = node.primitive.get_bind_params(params)
+            outs = node.primitive.bind(*invals, **params)
+            outs = outs if node.primitive.multiple_results else [outs]
+            env.update(zip(node.outputs, outs, strict=True))
+        return tuple(read(v) for v in graph.outputs)
+
+    return run
+
+
+def upcast_operands(node: Node, invals: list) -> list:
+    """`invals` for binding `node`, with a reduced-precision contraction accumulating
+    into float32 (what `mixed_precision` makes) given float32 copies of its operands.
+    The same numbers up to float32 summation order: bfloat16 values are float32 values
+    and their products are exact in float32. For backends that lack the mixed
+    kernel (XLA:CPU's unfused dot: `Unsupported element type for DotThunk::Execute:
+    BF16 x BF16 = F32`); on GPUs bind the node as it is, to run at the bfloat16 rate."""
+    if node.op not in CONTRACTIONS or node.params.get("preferred_element_type") is None:
+        return invals
+    if np.dtype(node.params["preferred_element_type"]) != MASTER_DTYPE:
+        return invals
+    if not all(np.dtype(x.dtype) in SUPPORTED for x in invals):
+        return invals
+    return [jnp.asarray(x).astype(MASTER_DTYPE) for x in invals]
+
+
+# --- what the pass does, for a plan's notes ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One converted contraction. Per-call figures multiply by `executions` (the
+    product of the enclosing scans' lengths)."""
+
+    op: str
+    key: str  # source line and name stack of the contraction
+    scope: str  # "" at top level, else the enclosing scan bodies' keys, outermost first
+    executions: int
+    flops: float  # per execution
+    operand_bytes: int  # float32 operand bytes per execution; the cast halves them
+
+    @property
+    def saved_bytes(self) -> int:
+        """Operand bytes the contraction no longer reads, per execution."""
+        return self.operand_bytes // 2
+
+
+@dataclass(frozen=True)
+class PrecisionReport:
+    compute_dtype: str
+    conversions: tuple[Conversion, ...]
+    skipped: tuple[str, ...]  # contractions left alone: `key: reason`
+
+    @property
+    def converted(self) -> int:
+        """Contraction nodes converted (a scan body's counted once)."""
+        return len(self.conversions)
+
+    @property
+    def converted_per_call(self) -> int:
+        return sum(c.executions for c in self.conversions)
+
+    @property
+    def flops(self) -> float:
+        """FLOPs per call that now run at the compute dtype's rate."""
+        return sum(c.flops * c.executions for c in self.conversions)
+
+    @property
+    def operand_bytes(self) -> int:
+        """Bytes per call the converted contractions read as float32 operands before."""
+        return sum(c.operand_bytes * c.executions for c in self.conversions)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Contraction operand bytes per call no longer read (half of `operand_bytes`)."""
+        return sum(c.saved_bytes * c.executions for c in self.conversions)
+
+    def notes(self) -> tuple[str, ...]:
+        """Lines for a plan's warnings/notes."""
+        if not self.conversions:
+            lines = [f"mixed precision ({self.compute_dtype}): no float32 contraction to convert"]
+        else:
+            lines = [
+                f"mixed precision: {self.converted} contractions ({self.converted_per_call} "
+                f"a call, {self.flops:.3g} FLOPs) compute in {self.compute_dtype} with float32 "
+                f"accumulation; their operands read {format_bytes(self.saved_bytes)} less a call "
+                f"({format_bytes(self.operand_bytes)} as float32)",
+                "mixed precision: parameters, optimizer state, gradients, activations and the "
+                f"loss stay float32 (master weights); the {self.compute_dtype} operand copies "
+                "are extra, short-lived buffers",
+            ]
+        if self.skipped:
+            shown = "; ".join(self.skipped[:3]) + (" ..." if len(self.skipped) > 3 else "")
+            lines.append(
+                f"mixed precision: {len(self.skipped)} contractions kept as they are: {shown}"
+            )
+        return tuple(lines)
+
+    def __str__(self) -> str:
+        return "\n".join(self.notes())
+
+
+def describe(graph: Graph, compute_dtype: Any = jnp.bfloat16) -> PrecisionReport:
+    """What `mixed_precision(graph, compute_dtype)` converts; `graph` is the graph
+    *before* the pass (the converted one has nothing left to convert)."""
+    dtype = compute_dtype_of(compute_dtype)
+    conversions: list[Conversion] = []
+    skipped: list[str] = []
+
+    def walk(g: Graph, scope: tuple[str, ...], executions: int) -> None:
+        for node in g.nodes:
+            if node.body is not None:
+                walk(node.body, (*scope, node.key), executions * int(node.params["length"]))
+            elif converts(node, g):
+                conversions.append(
+                    Conversion(
+                        node.op,
+                        node.key,
+                        " > ".join(scope),
+                        executions,
+                        node_flops(node, g),
+                        sum(g.values[v].nbytes for v in dict.fromkeys(node.inputs)),
+                    )
+                )
+            elif node.op in CONTRACTIONS:
+                types = ", ".join(str(g.values[v]) for v in (*node.inputs, *node.outputs))
+                skipped.append(f"{node.key}: not all float32 ({types})")
+
+    walk(graph, (), 1)
+    return PrecisionReport(dtype.name, tuple(conversions), tuple(skipped))
