@@ -32,6 +32,7 @@ from autopar.pipeline import (
     micro_args,
     pipelined_scans,
     scan_labels,
+    with_full_consts,
 )
 from autopar.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.precision import compute_dtype_of, mixed_precision
@@ -349,7 +350,7 @@ class Parallelized:
             pipe,
             {
                 i: (
-                    micro.nodes[j].body,
+                    with_full_consts(micro.nodes[j].body, graph.nodes[i].body),
                     scan_labels(
                         graph.nodes[i], micro.nodes[j], pipe.microbatches, graph.nodes[i].key
                     ),

@@ -28,13 +28,13 @@ takes a max over the batch would break that assumption and is not detected.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 
 from autopar.errors import MeshError
 from autopar.ir import Graph, Node
-from autopar.sharding import MeshInfo
+from autopar.sharding import MeshInfo, Spec
 
 SUM = "sum"
 SAME = "same"
@@ -147,7 +147,7 @@ def micro_args(flat_args: Sequence, batch: int, microbatches: int, fn_name: str)
 def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanLabels:
     """Label the loop's inputs and outputs by comparing the two captures' bodies."""
     fb, mb = full.body, micro.body
-    if [n.op for n in fb.nodes] != [n.op for n in mb.nodes] or len(fb.inputs) != len(mb.inputs):
+    if [n.op for n in fb.nodes] != [n.op for n in mb.nodes] or len(fb.values) != len(mb.values):
         raise MeshError(
             f"the scan at {where} is a different computation at the micro-batch size "
             f"({len(fb.nodes)} vs {len(mb.nodes)} ops); pipelining needs a loop body whose "
@@ -185,7 +185,80 @@ def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanL
             f"(labels in {carry_in}, out {carry_out}); only a loop whose carry is the batched "
             "activation can be pipelined"
         )
+    _check_separable(fb, ins, outs, microbatches, where)
     return ScanLabels(ins, outs)
+
+
+def _check_separable(body: Graph, ins, outs, microbatches: int, where: str) -> None:
+    """Refuse a body that mixes micro-batches (e.g. a batch mean fed back into the
+    activations), which would silently compute something else per micro-batch.
+
+    The test is a sharding one: on a virtual mesh axis "mb" of `microbatches`
+    devices, with the batched inputs split along their batch dim, every op must have a
+    strategy that needs no communication (a whole value may be sliced, for free), and
+    the outputs must come out as labelled: batched ones split the same way, sums as
+    Partial sums, batch-free ones whole."""
+    from autopar.strategies import enumerate_factor_rule, strategies_for
+    from autopar.strategies.elementwise import ELEMENTWISE, elementwise_rule
+
+    mesh = MeshInfo.build(("mb",), (microbatches,), None, 1)
+    axis = ("mb",)
+
+    def spec(v: int, lab: Label) -> Spec:
+        rank = body.values[v].rank
+        if lab == SUM:
+            return Spec(((),) * rank, axis)
+        if lab == SAME:
+            return Spec.replicated(rank)
+        return Spec(tuple(axis if d == lab else () for d in range(rank)))
+
+    have = {v: spec(v, lab) for v, lab in zip(body.inputs, ins)}
+
+    def fits(want: Spec, got: Spec) -> bool:
+        return want == got or (not got.partial and not got.used_axes and not want.partial)
+
+    for node in body.nodes:
+        got = [have.get(v, Spec.replicated(body.values[v].rank)) for v in node.inputs]
+        candidates = (
+            enumerate_factor_rule(elementwise_rule(node, body, split_broadcast=True), mesh)
+            if node.op in ELEMENTWISE
+            else strategies_for(node, body, mesh).strategies
+        )
+        options = [s for s in candidates if all(fits(w, g) for w, g in zip(s.in_specs, got))]
+        if not options:
+            shown = ", ".join(f"{body.values[v]} {g}" for v, g in zip(node.inputs, got))
+            raise MeshError(
+                f"the scan at {where} cannot run micro-batch by micro-batch: its body's "
+                f"{node.op} at {node.key} mixes the batch ({shown}); pipelining needs a loop "
+                "whose steps treat every example separately (no batch statistics inside)"
+            )
+        # the fewest free slices, then the most work split
+        best = min(
+            options,
+            key=lambda s: (sum(w != g for w, g in zip(s.in_specs, got)), -s.parallel),
+        )
+        have.update(zip(node.outputs, best.out_specs))
+    for v, lab in zip(body.outputs, outs):
+        want = spec(v, lab)
+        got = have.get(v, Spec.replicated(body.values[v].rank))
+        if got != want and not (lab != SUM and fits(want, got)):
+            raise MeshError(
+                f"the scan at {where}: a loop output {body.values[v]} comes out {got} per "
+                f"micro-batch where {want} was expected; this loop cannot be pipelined"
+            )
+
+
+def with_full_consts(micro_body: Graph, full_body: Graph) -> Graph:
+    """The micro-batch body with the full body's constants wherever their shapes agree.
+    A sharded program keeps the global program's constants on every shard; so must a
+    micro-batch (a batch mean's `1/B` inside the loop must not become `M/B`)."""
+    consts = {
+        v: full_body.consts[v]
+        if v in full_body.consts and full_body.values[v] == micro_body.values[v]
+        else c
+        for v, c in micro_body.consts.items()
+    }
+    return replace(micro_body, consts=consts)
 
 
 def p2p_bytes(micro_node: Node) -> int:

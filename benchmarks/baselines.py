@@ -29,19 +29,10 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.capture import path_str
+from autopar.search.stages import param_path
 
 P = PartitionSpec
 Rule = Callable[[str, tuple[int, ...]], PartitionSpec]
-
-
-def param_path(path: str) -> str:
-    """The parameter path below ``params/`` for params and their optimizer moments."""
-    parts = path.split("/")
-    if parts[0] == "params":
-        return "/".join(parts[1:])
-    if parts[0] == "opt_state" and len(parts) > 3 and parts[2] in ("mu", "nu"):
-        return "/".join(parts[3:])
-    return ""
 
 
 def _fits(shape, dim: int, axes: tuple[str, ...], mesh_shape: dict[str, int]) -> bool:

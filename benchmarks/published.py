@@ -86,7 +86,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
@@ -102,6 +101,12 @@ import autopar  # noqa: E402
 import cost_models  # noqa: E402
 from autopar.cost import CostModel  # noqa: E402
 from autopar.models import gpt  # noqa: E402
+from autopar.search.stages import (  # noqa: E402
+    in_attention_core,
+    model_flops,
+    p2p_seconds,
+    piece_plans,
+)
 from autopar.sharding import MeshInfo  # noqa: E402
 from benchmarks import baselines  # noqa: E402
 
@@ -180,12 +185,6 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -
     return 96.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
 
 
-def model_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Korthikanti'22: model FLOPs per step (no recompute), the numerator of MFU."""
-    b, s, n, h, v = batch, seq, layers, hidden, vocab
-    return 72.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
-
-
 def published_step_s(a: Anchor) -> float:
     """The published step time: as given, or from TFLOP/s per GPU via eq. (3)."""
     if a.step_s is not None:
@@ -202,19 +201,9 @@ def params_count(a: Anchor) -> float:
 # ---- pricing single-layer pieces with autopar -----------------------------------------
 
 
-@functools.cache
-def _attention_core_lines() -> tuple[str, int, int]:
-    """(file name, first line, last line) of SelfAttention's core: QK^T .. AV."""
-    lines, start = inspect.getsourcelines(gpt.SelfAttention.__call__)
-    first = next(i for i, t in enumerate(lines) if '"bqhd,bkhd->bhqk"' in t)
-    last = next(i for i, t in enumerate(lines) if '"bhqk,bkhd->bqhd"' in t)
-    return Path(inspect.getsourcefile(gpt.SelfAttention)).name, start + first, start + last
-
-
-def _in_core(source: str) -> bool:
-    fname, lo, hi = _attention_core_lines()
-    name, _, line = source.rpartition(":")
-    return Path(name).name == fname and line.isdigit() and lo <= int(line) <= hi
+# The Megatron layout of ``benchmarks.baselines`` (the same as
+# ``autopar.search.stages.megatron_specs``), pinned on the pieces' state and batch.
+_MEGATRON_SPECS = functools.partial(baselines.specs, baselines.BASELINES["megatron"])
 
 
 def _plans(a: Anchor, layers: int, profile) -> dict[str, autopar.Plan]:
@@ -228,29 +217,7 @@ def _plans(a: Anchor, layers: int, profile) -> dict[str, autopar.Plan]:
         dtype=jnp.bfloat16,
         batch_size=a.micro,
     )
-    ts = gpt.make_train_step(cfg)
-    state, batch = gpt.abstract_args(cfg)
-    mesh = {"data": 1, "model": a.tp}
-    state_specs, batch_specs = baselines.specs(
-        baselines.BASELINES["megatron"], (state, batch), mesh
-    )
-
-    def loss(params, batch):
-        return ts.loss({"params": params}, batch)
-
-    def grad(params, batch):
-        return jax.value_and_grad(loss)(params, batch)
-
-    def plan(fn, args, specs):
-        par = autopar.parallelize(fn, mesh=mesh, cluster=profile, engine="dp", in_specs=specs)
-        return par.plan(*args)
-
-    pargs, pspecs = (state["params"], batch), (state_specs["params"], batch_specs)
-    return {
-        "grad": plan(grad, pargs, pspecs),
-        "fwd": plan(loss, pargs, pspecs),
-        "step": plan(ts.step, (state, batch), (state_specs, batch_specs)),
-    }
+    return piece_plans(cfg, a.tp, profile, _MEGATRON_SPECS)
 
 
 def price(a: Anchor, profile) -> dict:
@@ -263,7 +230,7 @@ def price(a: Anchor, profile) -> dict:
     if a.recompute == "full":
         recompute = s["fwd"][0] - s["fwd"][1]
     else:  # selective: the attention core of the forward plan
-        recompute = sum(o.compute_s for o in p1["fwd"].ops if _in_core(o.source))
+        recompute = sum(o.compute_s for o in p1["fwd"].ops if in_attention_core(o.source))
     opt_layer = (s["step"][0] - s["grad"][0]) - (s["step"][1] - s["grad"][1])
     opt_head = s["step"][1] - s["grad"][1]
 
@@ -273,12 +240,7 @@ def price(a: Anchor, profile) -> dict:
     )
     cm = CostModel(profile, info)
     act = a.micro * a.seq * a.hidden * ACT_BYTES
-    p2p = 0.0
-    if p > 1:
-        p2p = 2 * (
-            cm.collective("collective-permute", ("pipe",), act / a.tp).seconds
-            + cm.collective("all-gather", ("model",), act).seconds
-        )
+    p2p = p2p_seconds(cm, act, a.tp)
     t_mb = lps * (layer_fb + recompute) + head_fb + p2p
     pipeline = (m + p - 1) * t_mb
     stage_params = lps * (12 * a.hidden**2 + 13 * a.hidden) + a.vocab * a.hidden

@@ -91,7 +91,10 @@ ELEMENTWISE = [
 ]
 
 
-def elementwise_rule(node: Node, graph: Graph) -> FactorRule:
+def elementwise_rule(node: Node, graph: Graph, split_broadcast: bool = False) -> FactorRule:
+    """One factor per output dim. An operand broadcast implicitly (size-1 dims) stays
+    replicated, unless `split_broadcast`: then its full-size dims share the output's
+    factors (the search keeps the smaller space: the ILP proves optimality in time)."""
     out = graph.values[node.outputs[0]]
     factors = tuple(Factor(s, name=f"d{i}") for i, s in enumerate(out.shape))
     full = tuple(range(out.rank))
@@ -100,7 +103,9 @@ def elementwise_rule(node: Node, graph: Graph) -> FactorRule:
         t = graph.values[v]
         if t.shape == out.shape:
             return full
-        return (None,) * t.rank  # scalars and anything broadcast implicitly
+        if split_broadcast and t.rank == out.rank:  # broadcast along its size-1 dims
+            return tuple(i if n == out.shape[i] else None for i, n in enumerate(t.shape))
+        return (None,) * t.rank  # scalars
 
     return FactorRule(
         factors,
