@@ -34,6 +34,7 @@ import jax
 
 from autopar.errors import MeshError
 from autopar.ir import Graph, Node
+from autopar.microbatch import fits, separate, split_spec, sum_spec
 from autopar.sharding import MeshInfo, Spec
 
 SUM = "sum"
@@ -191,53 +192,25 @@ def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanL
 
 def _check_separable(body: Graph, ins, outs, microbatches: int, where: str) -> None:
     """Refuse a body that mixes micro-batches (e.g. a batch mean fed back into the
-    activations), which would silently compute something else per micro-batch.
-
-    The test is a sharding one: on a virtual mesh axis "mb" of `microbatches`
-    devices, with the batched inputs split along their batch dim, every op must have a
-    strategy that needs no communication (a whole value may be sliced, for free), and
-    the outputs must come out as labelled: batched ones split the same way, sums as
-    Partial sums, batch-free ones whole."""
-    from autopar.strategies import enumerate_factor_rule, strategies_for
-    from autopar.strategies.elementwise import ELEMENTWISE, elementwise_rule
-
-    mesh = MeshInfo.build(("mb",), (microbatches,), None, 1)
-    axis = ("mb",)
+    activations), which would silently compute something else per micro-batch: every
+    op must run per micro-batch (`autopar.microbatch.separate`), and the outputs must
+    come out as labelled: batched ones split the same way, sums as Partial sums,
+    batch-free ones whole."""
 
     def spec(v: int, lab: Label) -> Spec:
         rank = body.values[v].rank
         if lab == SUM:
-            return Spec(((),) * rank, axis)
-        if lab == SAME:
-            return Spec.replicated(rank)
-        return Spec(tuple(axis if d == lab else () for d in range(rank)))
+            return sum_spec(rank)
+        return Spec.replicated(rank) if lab == SAME else split_spec(rank, lab)
 
-    have = {v: spec(v, lab) for v, lab in zip(body.inputs, ins)}
-
-    def fits(want: Spec, got: Spec) -> bool:
-        return want == got or (not got.partial and not got.used_axes and not want.partial)
-
-    for node in body.nodes:
-        got = [have.get(v, Spec.replicated(body.values[v].rank)) for v in node.inputs]
-        candidates = (
-            enumerate_factor_rule(elementwise_rule(node, body, split_broadcast=True), mesh)
-            if node.op in ELEMENTWISE
-            else strategies_for(node, body, mesh).strategies
+    have, bad = separate(body, [spec(v, lab) for v, lab in zip(body.inputs, ins)], microbatches)
+    if bad is not None:
+        shown = ", ".join(f"{body.values[v]} {have.get(v, '?')}" for v in bad.inputs)
+        raise MeshError(
+            f"the scan at {where} cannot run micro-batch by micro-batch: its body's "
+            f"{bad.op} at {bad.key} mixes the batch ({shown}); pipelining needs a loop "
+            "whose steps treat every example separately (no batch statistics inside)"
         )
-        options = [s for s in candidates if all(fits(w, g) for w, g in zip(s.in_specs, got))]
-        if not options:
-            shown = ", ".join(f"{body.values[v]} {g}" for v, g in zip(node.inputs, got))
-            raise MeshError(
-                f"the scan at {where} cannot run micro-batch by micro-batch: its body's "
-                f"{node.op} at {node.key} mixes the batch ({shown}); pipelining needs a loop "
-                "whose steps treat every example separately (no batch statistics inside)"
-            )
-        # the fewest free slices, then the most work split
-        best = min(
-            options,
-            key=lambda s: (sum(w != g for w, g in zip(s.in_specs, got)), -s.parallel),
-        )
-        have.update(zip(node.outputs, best.out_specs))
     for v, lab in zip(body.outputs, outs):
         want = spec(v, lab)
         got = have.get(v, Spec.replicated(body.values[v].rank))

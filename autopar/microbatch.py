@@ -1,0 +1,82 @@
+"""Which values of a graph can be computed micro-batch by micro-batch.
+
+Cutting the batch into micro-batches is sharding it over a virtual mesh axis "mb":
+a value split along its batch dim holds one micro-batch per "device", a Partial sum
+over "mb" is a sum over micro-batches (a weight gradient), a replicated value is the
+same for every micro-batch. An op can run per micro-batch exactly when the strategy
+registry has a strategy for it that needs no communication on that axis (a whole
+value may be sliced for free); `separate` propagates such strategies through the
+graph. Only sums count as Partial here: a reduction whose pending value is a max
+(`reduce_max` over the batch) mixes micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopar.ir import Graph, Node
+from autopar.sharding import MeshInfo, Spec
+
+AXIS = "mb"
+# ops whose Partial output over a reduced dim is a pending *sum*
+_SUMS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
+
+
+def virtual_mesh(microbatches: int) -> MeshInfo:
+    return MeshInfo.build((AXIS,), (microbatches,), None, 1)
+
+
+def split_spec(rank: int, dim: int) -> Spec:
+    return Spec(tuple((AXIS,) if d == dim else () for d in range(rank)))
+
+
+def sum_spec(rank: int) -> Spec:
+    return Spec(((),) * rank, (AXIS,))
+
+
+def fits(want: Spec, got: Spec) -> bool:
+    """`got` can feed a strategy that wants `want` without communicating."""
+    return want == got or (not got.partial and not got.used_axes and not want.partial)
+
+
+def separate(
+    graph: Graph, in_specs: Sequence[Spec], microbatches: int
+) -> tuple[dict[int, Spec], Node | None]:
+    """Per value that can be computed per micro-batch, its spec over "mb", given the
+    inputs' specs; and the first node that cannot (None when every node can). Values
+    downstream of such a node are left out."""
+    from autopar.strategies import enumerate_factor_rule, strategies_for
+    from autopar.strategies.elementwise import ELEMENTWISE, elementwise_rule
+    from autopar.strategies.linear import PARTIAL
+
+    mesh = virtual_mesh(microbatches)
+    have = dict(zip(graph.inputs, in_specs))
+    first_bad = None
+    for node in graph.nodes:
+        if any(v not in have and v not in graph.consts for v in node.inputs):
+            continue
+        got = [have.get(v, Spec.replicated(graph.values[v].rank)) for v in node.inputs]
+        candidates = (
+            enumerate_factor_rule(elementwise_rule(node, graph, split_broadcast=True), mesh)
+            if node.op in ELEMENTWISE
+            else strategies_for(node, graph, mesh).strategies
+        )
+        options = [
+            s
+            for s in candidates
+            if all(fits(w, g) for w, g in zip(s.in_specs, got))
+            and (
+                not any(o.partial for o in s.out_specs)
+                or node.op in _SUMS
+                or PARTIAL in s.assignment
+            )
+        ]
+        if not options:
+            first_bad = first_bad or node
+            continue
+        # the fewest free slices, then the most work split
+        best = min(
+            options, key=lambda s: (sum(w != g for w, g in zip(s.in_specs, got)), -s.parallel)
+        )
+        have.update(zip(node.outputs, best.out_specs))
+    return have, first_bad
