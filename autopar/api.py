@@ -17,6 +17,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 import cost_models
 from autopar._compat import broadcast_prefix
+from autopar.accumulate import accumulate
 from autopar.capture import abstractify_tree, capture, fn_name
 from autopar.cost import CostModel
 from autopar.errors import AutoparError, MemoryBudgetError, MeshError, PlanError, format_bytes
@@ -77,6 +78,7 @@ class Parallelized:
         pipeline_stages=None,
         microbatches=None,
         precision=None,
+        grad_accumulation=None,
     ):
         self.fn = fn
         self.profile = cost_models.load(cluster)
@@ -102,6 +104,21 @@ class Parallelized:
         if precision is None and self.given_plan is not None:
             precision = self.given_plan.precision
         self.precision = _precision(precision)
+        if grad_accumulation is None and self.given_plan is not None:
+            grad_accumulation = self.given_plan.grad_accumulation
+        if grad_accumulation is not None and (
+            not isinstance(grad_accumulation, int) or grad_accumulation < 1
+        ):
+            raise AutoparError(
+                f"grad_accumulation must be a positive int (micro-batches per step), got "
+                f"{grad_accumulation!r}"
+            )
+        if grad_accumulation and pipeline_stages:
+            raise AutoparError(
+                "grad_accumulation and pipeline_stages do not combine: a pipeline already "
+                "runs its layers micro-batch by micro-batch (set microbatches= instead)"
+            )
+        self.grad_accumulation = grad_accumulation
         self._cache: dict[Any, _Compiled] = {}
         functools.update_wrapper(self, fn)
 
@@ -200,6 +217,8 @@ class Parallelized:
         if self.precision is not None:
             notes = describe_precision(graph, self.precision).notes()
             graph = mixed_precision(graph, self.precision)
+        if self.grad_accumulation and self.grad_accumulation > 1:
+            graph = self._accumulated(graph, args, static, self.meshes[0] if single else None)
         donate = _flat_donate(args, static, _norm(self.donate_argnums, len(args)))
         reused: dict[int, Spec] = {}
         if self.given_plan is not None:
@@ -253,6 +272,8 @@ class Parallelized:
             plan = make_plan(problem, result.pick(name), self.profile, mesh, pipelined)
             if self.precision is not None:
                 plan = replace(plan, precision=self.precision, warnings=(*notes, *plan.warnings))
+            if self.grad_accumulation:
+                plan = replace(plan, grad_accumulation=self.grad_accumulation)
             jitted = jit_from_plan(graph, plan, mesh, donate, pipelined)
             if (
                 isinstance(mesh, Mesh)
@@ -285,6 +306,34 @@ class Parallelized:
             + "\n  ".join(rejected)
             + "\nRaise memory_budget, use more devices, or shrink the batch."
         )
+
+    def _accumulated(self, graph: Graph, args, static, mesh) -> Graph:
+        """`graph` with its per-micro-batch part in a loop (`autopar.accumulate`); the
+        batch is the last non-static argument, cut along its leaves' leading dim."""
+        M, name = self.grad_accumulation, fn_name(self.fn)
+        dyn = [i for i in range(len(args)) if i not in static]
+        if not dyn:
+            raise AutoparError(f"{name}: grad_accumulation needs a batch argument")
+        leaves = [jax.tree_util.tree_leaves(args[i]) for i in dyn]
+        first = sum(len(x) for x in leaves[:-1])
+        batch = leaves[-1]
+        sizes = {getattr(x, "shape", (None,))[:1] for x in batch}
+        if len(sizes) != 1 or not next(iter(sizes)) or next(iter(sizes))[0] % M:
+            shapes = ", ".join(str(tuple(getattr(x, "shape", ()))) for x in batch)
+            raise AutoparError(
+                f"{name}: grad_accumulation={M} cuts the last argument (the batch) along its "
+                f"leading dim, but its leaves have shapes {shapes}; they need one leading size "
+                f"divisible by {M}"
+            )
+        (b,) = next(iter(sizes))
+        margs = list(args)
+        cut = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype)
+        margs[dyn[-1]] = jax.tree_util.tree_map(cut, abstractify_tree(args[dyn[-1]]))
+        log.info("tracing %s at the micro-batch size", name)
+        micro = capture(self.fn, tuple(margs), static, mesh)
+        if self.precision is not None:
+            micro = mixed_precision(micro, self.precision)
+        return accumulate(graph, micro, range(first, first + len(batch)), M, mesh)
 
     def _pipelines(self, graph: Graph, args, static, mesh) -> list[PipelinedScans | None]:
         """The pipelines to try on `mesh`: none, or `pipeline_stages` with each candidate
@@ -416,6 +465,7 @@ def parallelize(
     pipeline_stages: int | None = None,
     microbatches: int | None = None,
     precision: str | None = None,
+    grad_accumulation: int | None = None,
 ) -> Parallelized | Callable[[Callable], Parallelized]:
     """Automatically shard `fn` over `mesh`.
 
@@ -441,6 +491,11 @@ def parallelize(
     operands with float32 accumulation, keeping float32 master weights, optimizer
     state and activations (`autopar.precision`); float16 is refused (it needs loss
     scaling, which autopar cannot add to a differentiated step).
+
+    `grad_accumulation=M` cuts the batch (the last non-static argument, along its
+    leaves' leading dim) into M micro-batches and runs everything that can go micro-batch
+    by micro-batch (forward, backward, up to the gradient sums) in a loop over them,
+    then the rest (the optimizer) once (`autopar.accumulate`).
     """
     as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
     kw = dict(
@@ -456,6 +511,7 @@ def parallelize(
         pipeline_stages=pipeline_stages,
         microbatches=microbatches,
         precision=precision,
+        grad_accumulation=grad_accumulation,
     )
     if fn is None:
         return lambda f: Parallelized(f, **kw)

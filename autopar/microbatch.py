@@ -39,15 +39,26 @@ def fits(want: Spec, got: Spec) -> bool:
     return want == got or (not got.partial and not got.used_axes and not want.partial)
 
 
+def matches_trace(spec: Spec, full: tuple[int, ...], micro: tuple[int, ...], m: int) -> bool:
+    """The value traced at the micro-batch size (`micro`) is one micro-batch of `full`
+    laid out as `spec`: cut by `m` along the split dim, whole otherwise."""
+    dims = [d for d, axes in enumerate(spec.dims) if axes]
+    if not dims:
+        return full == micro
+    (d,) = dims
+    return full[:d] + full[d + 1 :] == micro[:d] + micro[d + 1 :] and full[d] == micro[d] * m
+
+
 def separate(
-    graph: Graph, in_specs: Sequence[Spec], microbatches: int
+    graph: Graph, in_specs: Sequence[Spec], microbatches: int, micro: Graph | None = None
 ) -> tuple[dict[int, Spec], Node | None]:
     """Per value that can be computed per micro-batch, its spec over "mb", given the
     inputs' specs; and the first node that cannot (None when every node can). Values
-    downstream of such a node are left out."""
+    downstream of such a node are left out. With `micro` (the same graph traced at the
+    micro-batch size), a strategy must also lay its outputs out as that trace cut them."""
     from autopar.strategies import enumerate_factor_rule, strategies_for
     from autopar.strategies.elementwise import ELEMENTWISE, elementwise_rule
-    from autopar.strategies.linear import PARTIAL
+    from autopar.strategies.linear import PARTIAL, partial_variants
 
     mesh = virtual_mesh(microbatches)
     have = dict(zip(graph.inputs, in_specs))
@@ -56,11 +67,12 @@ def separate(
         if any(v not in have and v not in graph.consts for v in node.inputs):
             continue
         got = [have.get(v, Spec.replicated(graph.values[v].rank)) for v in node.inputs]
-        candidates = (
-            enumerate_factor_rule(elementwise_rule(node, graph, split_broadcast=True), mesh)
-            if node.op in ELEMENTWISE
-            else strategies_for(node, graph, mesh).strategies
-        )
+        if node.op in ELEMENTWISE:
+            rule = elementwise_rule(node, graph, split_broadcast=True)
+            candidates = enumerate_factor_rule(rule, mesh)
+            candidates += partial_variants(node, graph, mesh, candidates)
+        else:
+            candidates = strategies_for(node, graph, mesh).strategies
         options = [
             s
             for s in candidates
@@ -69,6 +81,13 @@ def separate(
                 not any(o.partial for o in s.out_specs)
                 or node.op in _SUMS
                 or PARTIAL in s.assignment
+            )
+            and (
+                micro is None
+                or all(
+                    matches_trace(o, graph.values[v].shape, micro.values[v].shape, microbatches)
+                    for o, v in zip(s.out_specs, node.outputs)
+                )
             )
         ]
         if not options:

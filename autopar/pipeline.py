@@ -186,11 +186,13 @@ def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanL
             f"(labels in {carry_in}, out {carry_out}); only a loop whose carry is the batched "
             "activation can be pipelined"
         )
-    _check_separable(fb, ins, outs, microbatches, where)
+    _check_separable(fb, mb, ins, outs, microbatches, where)
     return ScanLabels(ins, outs)
 
 
-def _check_separable(body: Graph, ins, outs, microbatches: int, where: str) -> None:
+def _check_separable(
+    body: Graph, micro_body: Graph, ins, outs, microbatches: int, where: str
+) -> None:
     """Refuse a body that mixes micro-batches (e.g. a batch mean fed back into the
     activations), which would silently compute something else per micro-batch: every
     op must run per micro-batch (`autopar.microbatch.separate`), and the outputs must
@@ -203,7 +205,9 @@ def _check_separable(body: Graph, ins, outs, microbatches: int, where: str) -> N
             return sum_spec(rank)
         return Spec.replicated(rank) if lab == SAME else split_spec(rank, lab)
 
-    have, bad = separate(body, [spec(v, lab) for v, lab in zip(body.inputs, ins)], microbatches)
+    have, bad = separate(
+        body, [spec(v, lab) for v, lab in zip(body.inputs, ins)], microbatches, micro_body
+    )
     if bad is not None:
         shown = ", ".join(f"{body.values[v]} {have.get(v, '?')}" for v in bad.inputs)
         raise MeshError(

@@ -31,12 +31,12 @@ class TensorRecord:
             "path": self.path,
             "shape": list(self.shape),
             "dtype": self.dtype,
-            "spec": self.spec.to_json(),
+            "spec": _spec_json(self.spec),
         }
 
     @staticmethod
     def from_json(d: dict) -> TensorRecord:
-        return TensorRecord(d["path"], tuple(d["shape"]), d["dtype"], Spec.from_json(d["spec"]))
+        return TensorRecord(d["path"], tuple(d["shape"]), d["dtype"], _spec_from(d["spec"]))
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,8 @@ class Plan:
     pipeline: dict | None = None
     # "bfloat16": contractions compute in it over float32 master weights (`autopar.precision`)
     precision: str | None = None
+    # micro-batches of the gradient accumulation loop (`autopar.accumulate`), or None
+    grad_accumulation: int | None = None
     in_tree: Any = field(default=None, repr=False, compare=False)
     out_tree: Any = field(default=None, repr=False, compare=False)
     jax_mesh: Any = field(default=None, repr=False, compare=False)
@@ -232,6 +234,7 @@ class Plan:
             "search_info": self.search_info,
             "pipeline": self.pipeline,
             "precision": self.precision,
+            "grad_accumulation": self.grad_accumulation,
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -269,6 +272,7 @@ class Plan:
                 search_info=dict(d.get("search_info", {})),
                 pipeline=d.get("pipeline"),
                 precision=d.get("precision"),
+                grad_accumulation=d.get("grad_accumulation"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None

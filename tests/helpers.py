@@ -161,3 +161,20 @@ def bad_input(r, *needles: str) -> str:
     for n in needles:
         assert n in lines[0], lines[0]
     return lines[0]
+
+
+def replay_from_file(step, fn: Callable, args: tuple, tmp_path: Path, **parallelize_kw):
+    """Save `step`'s plan for `args`, check the file against the schema, and run `fn`
+    from that file: it must give bit-identical results. Returns the replayed plan."""
+    import json
+
+    from test_cli import SCHEMA, check_schema
+
+    import autopar
+
+    path = tmp_path / "plan.json"
+    step.plan(*args).save(path)
+    assert check_schema(json.loads(path.read_text()), SCHEMA) == []
+    replay = autopar.parallelize(fn, plan=path, **parallelize_kw)
+    assert_trees_close(replay(*args), step(*args), rtol=0, atol=0)
+    return replay.plan(*args)

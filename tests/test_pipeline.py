@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 
 import jax
 import pytest
-from helpers import assert_trees_close, run_steps
-from test_cli import SCHEMA, check_schema
+from helpers import assert_trees_close, replay_from_file, run_steps
 
 import autopar
 from autopar.errors import MeshError
@@ -76,14 +74,9 @@ def test_compiled_pipeline_moves_activations_with_collective_permute():
 
 def test_plan_file_round_trips_and_replays(tmp_path):
     ts, step = _pipelined()
-    state, batch = jax.jit(ts.init)(0), ts.batch(0)
-    plan = step.plan(state, batch)
-    path = tmp_path / "plan.json"
-    plan.save(path)
-    assert check_schema(json.loads(path.read_text()), SCHEMA) == []
-    replay = autopar.parallelize(ts.step, mesh=MESH, cluster=CLUSTER, plan=path)
-    assert replay.plan(state, batch).pipeline == plan.pipeline
-    assert_trees_close(replay(state, batch), step(state, batch), rtol=0, atol=0)
+    args = (jax.jit(ts.init)(0), ts.batch(0))
+    replayed = replay_from_file(step, ts.step, args, tmp_path, mesh=MESH, cluster=CLUSTER)
+    assert replayed.pipeline == step.plan(*args).pipeline
 
 
 def test_microbatch_count_is_chosen_by_the_cost_model():

@@ -83,7 +83,11 @@ def interpret(
     def run(*flat_args):
         if pin_inputs:
             flat_args = [
-                constrain(x, in_specs[v]) if in_specs[v].dims else x
+                jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _stacked(in_specs[v])))
+                if in_specs[v].partial
+                else constrain(x, in_specs[v])
+                if in_specs[v].dims
+                else x
                 for v, x in zip(graph.inputs, flat_args)
             ]
         env: dict[int, object] = dict(zip(graph.inputs, flat_args))

@@ -10,11 +10,14 @@ argument, so both keep one sharding. Every engine works on this one object.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
+from autopar.accumulate import is_accumulation
 from autopar.cost import FUSED_OPS, CostModel, compute_dtype, node_flops
 from autopar.errors import MemoryBudgetError
 from autopar.ir import Graph, TensorType
@@ -67,10 +70,19 @@ class Problem:
         return nb
 
 
-def input_strategies(t: TensorType, mesh: MeshInfo) -> tuple[Strategy, ...]:
-    """An argument may be sharded along any dims the mesh axes divide."""
+def input_strategies(t: TensorType, mesh: MeshInfo, partial: bool = False) -> tuple[Strategy, ...]:
+    """An argument may be sharded along any dims the mesh axes divide; with `partial`,
+    also be a Partial sum over any set of the axes a sharding leaves unused."""
     rule = FactorRule(tuple(Factor(s) for s in t.shape), (), (tuple(range(t.rank)),))
-    return tuple(enumerate_factor_rule(rule, mesh))
+    out = enumerate_factor_rule(rule, mesh)
+    if partial and jnp.issubdtype(t.dtype, jnp.floating):
+        for s in list(out):
+            free = [a for a in mesh.axis_names if a not in s.out_specs[0].used_axes]
+            for k in range(1, len(free) + 1):
+                for axes in itertools.combinations(free, k):
+                    spec = Spec(s.out_specs[0].dims, axes)
+                    out.append(replace(s, name=str(spec), out_specs=(spec,)))
+    return tuple(out)
 
 
 def find_aliases(graph: Graph) -> dict[int, int]:
@@ -95,12 +107,19 @@ def find_aliases(graph: Graph) -> dict[int, int]:
 
 
 def build_problem(
-    graph: Graph, mesh: MeshInfo, cost: CostModel, pipelined: PipelinedScans | None = None
+    graph: Graph,
+    mesh: MeshInfo,
+    cost: CostModel,
+    pipelined: PipelinedScans | None = None,
+    partial_carry: bool = False,
 ) -> Problem:
     """The cost graph of `graph` on `mesh`. The scans in `pipelined` have their body
     searched at the micro-batch size on one stage's sub-mesh and are priced as a GPipe
-    pipeline over the stage axis."""
+    pipeline over the stage axis. With `partial_carry` (the body of a gradient
+    accumulation loop), a state input that comes back as an output may also be a
+    Partial sum, kept unsummed from step to step."""
     piped = pipelined.scans if pipelined is not None else {}
+    carried = set(find_aliases(graph).values()) if partial_carry else set()
     n_in = len(graph.inputs)
     strategies: list[tuple[Strategy, ...]] = []
     warnings: list[str] = []
@@ -109,9 +128,9 @@ def build_problem(
     cache: dict = {}
     for i, v in enumerate(graph.inputs):
         t = graph.values[v]
-        key = ("input", t)
+        key = ("input", t, i in carried)
         if key not in cache:
-            cache[key] = input_strategies(t, mesh)
+            cache[key] = input_strategies(t, mesh, partial=i in carried)
         strategies.append(cache[key])
         source[v] = (i, 0)
     bodies: dict[int, tuple[Problem, Any]] = {}
@@ -137,7 +156,7 @@ def build_problem(
             source[v] = (n_in + node.id, k)
         flops[n_in + node.id] = node_flops(node, graph)
 
-    node_time, node_mem = _node_costs(graph, mesh, cost, strategies, flops)
+    node_time, node_mem = _node_costs(graph, mesh, cost, strategies, flops, carried)
     node_time = list(node_time)
     for i, (_, results) in bodies.items():
         node = graph.nodes[i]
@@ -206,7 +225,7 @@ def _scan_strategy(
     from autopar.search import search
     from autopar.search.evaluate import output_specs
 
-    body = build_problem(node.body, mesh, cost)
+    body = build_problem(node.body, mesh, cost, partial_carry=is_accumulation(node))
     budget = cost.profile.hbm_bytes
     try:
         result = search(body, "auto", budget)
@@ -273,7 +292,7 @@ def _node_key(node, graph):
         return None
 
 
-def _node_costs(graph, mesh, cost, strategies, flops):
+def _node_costs(graph, mesh, cost, strategies, flops, carried=frozenset()):
     n_in = len(graph.inputs)
     times, mems = [], []
     out_types = [[graph.values[v]] for v in graph.inputs] + [
@@ -285,7 +304,7 @@ def _node_costs(graph, mesh, cost, strategies, flops):
     dtypes = [graph.values[v].dtype for v in graph.inputs] + [
         compute_dtype(n, graph) for n in graph.nodes
     ]
-    pending = _output_partials(graph, strategies, n_in)
+    pending = _output_partials(graph, strategies, n_in, carried)
     traffic = _hbm_traffic(graph)
     memo: dict = {}  # repeated layers: identical ops cost the same
     for c, strats in enumerate(strategies):
@@ -364,10 +383,15 @@ def _strategy_costs(
     return t_arr, m_arr
 
 
-def _output_partials(graph, strategies, n_in) -> dict[int, list[int]]:
+def _output_partials(graph, strategies, n_in, carried=frozenset()) -> dict[int, list[int]]:
+    """Per producer, its outputs the function returns (a Partial one is summed before it
+    leaves), except state carried as a Partial sum (`carried` input positions)."""
     producer = graph.producer
     out: dict[int, list[int]] = {}
+    kept = {graph.outputs[o] for o, i in find_aliases(graph).items() if i in carried}
     for v in dict.fromkeys(graph.outputs):
+        if v in kept:
+            continue
         if v in producer:
             node = graph.nodes[producer[v]]
             out.setdefault(n_in + node.id, []).append(node.outputs.index(v))

@@ -1,0 +1,164 @@
+"""Gradient accumulation: the batch-dependent part of a step as a loop over micro-batches.
+
+`accumulate(graph, micro, batch_inputs, M)` rewrites a captured step so that
+everything that can run micro-batch by micro-batch (`autopar.microbatch.separate`:
+the forward and backward passes up to the weight gradients) runs in a `scan` over
+`M` micro-batches, and the rest (the optimizer update, anything that needs the
+whole batch) runs once after it on the accumulated values:
+
+* a value Partial over the micro-batches (a gradient: a sum over the batch) is
+  accumulated in the loop's carry;
+* a batched value that the rest needs (say per-example losses returned by the step)
+  comes out of the loop as `ys` and is put back together;
+* batch-free values (weights, their casts) are computed once before the loop.
+
+Only one micro-batch's activations are alive at a time, which is the point. The loop
+body is the function traced at the micro-batch size (`micro`), with the full trace's
+constants wherever their shapes agree (a sharded program keeps the global program's
+constants: a mean over the batch divides by the whole batch in every micro-batch).
+Micro-batch `m` is the strided slice `m::M` of the batch dim, so a batch dim sharded
+over `data` stays sharded the same way.
+
+The rewritten function is captured again, so the loop is an ordinary `scan` node
+(named ``grad_accumulation``) that every later pass understands: the search prices it
+at `M` steps of its body, searched at the micro-batch size. Its carry may stay a
+Partial sum across steps (see `search.problem`), so the data-parallel gradient
+all-reduce happens once per step, after the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+
+from autopar.capture import capture
+from autopar.errors import MeshError
+from autopar.ir import Graph, Node
+from autopar.microbatch import separate, split_spec
+from autopar.sharding import Spec
+
+SCOPE = "grad_accumulation"  # name scope of the loop, how the search recognizes it
+
+
+def is_accumulation(node: Node) -> bool:
+    return node.body is not None and node.name_stack.split("/")[-1] == SCOPE
+
+
+def accumulate(
+    graph: Graph, micro: Graph, batch_inputs: Sequence[int], microbatches: int, mesh=None
+) -> Graph:
+    """`graph` with its per-micro-batch part in a loop over `microbatches` micro-batches.
+    `micro` is the same function traced with the inputs at positions `batch_inputs`
+    cut to `1/microbatches` along their leading (batch) dim."""
+    if [n.op for n in graph.nodes] != [n.op for n in micro.nodes] or len(graph.values) != len(
+        micro.values
+    ):
+        raise MeshError(
+            f"{graph.name} is a different computation at the micro-batch size "
+            f"({len(graph.nodes)} vs {len(micro.nodes)} ops); gradient accumulation needs a "
+            "step whose ops do not depend on the batch size (try fewer micro-batches)"
+        )
+    M = microbatches
+    in_specs = []
+    for i, v in enumerate(graph.inputs):
+        t = graph.values[v]
+        if i in batch_inputs:
+            in_specs.append(split_spec(t.rank, 0))
+        else:
+            in_specs.append(Spec.replicated(t.rank))
+    have, _ = separate(graph, in_specs, M, micro)
+
+    # where every value is computed: before the loop, in it, or after it
+    where = {v: ("loop" if i in batch_inputs else "pre") for i, v in enumerate(graph.inputs)}
+    where.update({v: "pre" for v in graph.consts})
+    for node in graph.nodes:
+        ins = {where[v] for v in node.inputs}
+        if "post" in ins:
+            place = "post"
+        elif "loop" in ins or any(graph.values[v] != micro.values[v] for v in node.outputs):
+            # (a batch-shaped value made from nothing, e.g. zeros, is made per micro-batch)
+            place = "loop" if all(v in have for v in node.outputs) else "post"
+        else:
+            place = "pre"
+        where.update({v: place for v in node.outputs})
+
+    needed_after = [
+        v
+        for n in graph.nodes
+        if where[n.outputs[0]] == "post"
+        for v in n.inputs
+        if where[v] == "loop"
+    ] + [v for v in graph.outputs if where[v] == "loop"]
+    needed_after = list(dict.fromkeys(needed_after))
+    sums = [v for v in needed_after if have[v].partial]
+    pieces = [v for v in needed_after if not have[v].partial and have[v].used_axes]
+    lost = [v for v in needed_after if v not in sums and v not in pieces]
+    if lost:
+        raise MeshError(
+            f"{graph.name}: gradient accumulation cannot hand {graph.values[lost[0]]} from the "
+            "micro-batch loop to the rest of the step"
+        )
+    if not any(where[n.outputs[0]] == "loop" for n in graph.nodes if n.outputs):
+        raise MeshError(f"{graph.name}: nothing in the step depends on the batch arguments")
+
+    fn = _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have)
+    args = [
+        jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype) for v in graph.inputs
+    ]
+    new = capture(fn, args, (), mesh)
+    return replace(
+        new,
+        input_paths=graph.input_paths,
+        output_paths=graph.output_paths,
+        in_tree=graph.in_tree,
+        out_tree=graph.out_tree,
+        name=graph.name,
+    )
+
+
+def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Callable:
+    from autopar.lower.pipeline import cut, uncut
+
+    loop_nodes = [n for n in graph.nodes if n.outputs and where[n.outputs[0]] == "loop"]
+    consts = {
+        v: graph.consts[v] if graph.values[v] == micro.values[v] else c
+        for v, c in micro.consts.items()
+    }
+    batched = [graph.inputs[i] for i in sorted(batch_inputs)]
+    piece_dim = {v: next(d for d, a in enumerate(have[v].dims) if a) for v in pieces}
+
+    def run(node: Node, read) -> None:
+        params = node.primitive.get_bind_params(dict(node.params))
+        out = node.primitive.bind(*[read(v) for v in node.inputs], **params)
+        return out if node.primitive.multiple_results else [out]
+
+    def fn(*flat):
+        env: dict[int, object] = dict(zip(graph.inputs, flat))
+        read = lambda v: env[v] if v in env else jnp.asarray(graph.consts[v])
+        for node in graph.nodes:
+            if where.get(node.outputs[0] if node.outputs else -1) == "pre":
+                env.update(zip(node.outputs, run(node, read)))
+
+        def step(carry, xs):
+            local = dict(zip(batched, xs))
+            lread = lambda v: (
+                local[v] if v in local else env[v] if v in env else jnp.asarray(consts[v])
+            )
+            for node in loop_nodes:
+                local.update(zip(node.outputs, run(micro.nodes[node.id], lread)))
+            return [c + local[v] for c, v in zip(carry, sums)], [local[v] for v in pieces]
+
+        init = [jnp.zeros(graph.values[v].shape, graph.values[v].dtype) for v in sums]
+        with jax.named_scope(SCOPE):
+            total, ys = jax.lax.scan(step, init, [cut(env[v], 0, M) for v in batched])
+        env.update(zip(sums, total))
+        env.update((v, uncut(y, piece_dim[v])) for v, y in zip(pieces, ys))
+        for node in graph.nodes:
+            if node.outputs and where[node.outputs[0]] == "post":
+                env.update(zip(node.outputs, run(node, read)))
+        return [read(v) for v in graph.outputs]
+
+    return fn
