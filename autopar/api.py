@@ -38,6 +38,8 @@ from autopar.pipeline import (
 from autopar.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.precision import compute_dtype_of, mixed_precision
 from autopar.precision import describe as describe_precision
+from autopar.remat import POLICIES as REMAT_POLICIES
+from autopar.remat import remat, remat_report
 from autopar.search import search
 from autopar.search.evaluate import output_specs
 from autopar.search.problem import Problem, build_problem
@@ -79,6 +81,7 @@ class Parallelized:
         microbatches=None,
         precision=None,
         grad_accumulation=None,
+        remat=None,
     ):
         self.fn = fn
         self.profile = cost_models.load(cluster)
@@ -119,6 +122,11 @@ class Parallelized:
                 "runs its layers micro-batch by micro-batch (set microbatches= instead)"
             )
         self.grad_accumulation = grad_accumulation
+        if remat is None and self.given_plan is not None:
+            remat = self.given_plan.remat
+        if remat not in (None, "auto", *REMAT_POLICIES):
+            raise AutoparError(f"remat={remat!r}: choose None, 'auto' or one of {REMAT_POLICIES}")
+        self.remat = remat
         self._cache: dict[Any, _Compiled] = {}
         functools.update_wrapper(self, fn)
 
@@ -209,16 +217,41 @@ class Parallelized:
         return self._cache[key]
 
     def _compile(self, args) -> _Compiled:
+        if self.remat != "auto":
+            return self._compile_with(args, self.remat)
+        tried = []
+        for policy in REMAT_POLICIES:  # most memory, least recompute first
+            try:
+                return self._compile_with(args, policy)
+            except MemoryBudgetError as e:
+                tried.append(f"remat={policy}: {str(e).splitlines()[0]}")
+        raise MemoryBudgetError(
+            f"{fn_name(self.fn)}: no rematerialization policy fits the budget:\n  "
+            + "\n  ".join(tried)
+        )
+
+    def _prepare(self, graph: Graph, remat_policy: str | None) -> tuple[Graph, tuple[str, ...]]:
+        """The passes every trace goes through before search: mixed precision, remat.
+        Returns the graph and the notes for the plan."""
+        notes: tuple[str, ...] = ()
+        if self.precision is not None:
+            notes += describe_precision(graph, self.precision).notes()
+            graph = mixed_precision(graph, self.precision)
+        if remat_policy not in (None, "none"):
+            before, graph = graph, remat(graph, remat_policy)
+            notes += remat_report(before, graph, remat_policy).notes()
+        return graph, notes
+
+    def _compile_with(self, args, remat_policy: str | None) -> _Compiled:
         single = len(self.meshes) == 1
         static = _norm(self.static_argnums, len(args))
         log.info("tracing %s", fn_name(self.fn))
         graph = capture(self.fn, args, static, self.meshes[0] if single else None)
-        notes: tuple[str, ...] = ()
-        if self.precision is not None:
-            notes = describe_precision(graph, self.precision).notes()
-            graph = mixed_precision(graph, self.precision)
+        graph, notes = self._prepare(graph, remat_policy)
         if self.grad_accumulation and self.grad_accumulation > 1:
-            graph = self._accumulated(graph, args, static, self.meshes[0] if single else None)
+            graph = self._accumulated(
+                graph, args, static, self.meshes[0] if single else None, remat_policy
+            )
         donate = _flat_donate(args, static, _norm(self.donate_argnums, len(args)))
         reused: dict[int, Spec] = {}
         if self.given_plan is not None:
@@ -228,7 +261,7 @@ class Parallelized:
                 pipelined = None
                 if plan.pipeline:
                     pipe = Pipeline.from_json(plan.pipeline)
-                    pipelined = self._pipelined(graph, args, static, pipe, mesh)
+                    pipelined = self._pipelined(graph, args, static, pipe, mesh, remat_policy)
                 jitted = jit_from_plan(graph, plan, mesh, donate, pipelined)
                 return _Compiled(graph, plan, None, jitted, mesh)
             except PlanError:
@@ -239,7 +272,7 @@ class Parallelized:
         tries = [
             (k, mesh, pipelined)
             for k, mesh in enumerate(self.meshes)
-            for pipelined in self._pipelines(graph, args, static, mesh)
+            for pipelined in self._pipelines(graph, args, static, mesh, remat_policy)
         ]
         for k, mesh, pipelined in tries:
             info = mesh_info(mesh, self.profile)
@@ -270,10 +303,13 @@ class Parallelized:
         rejected = []
         for _, _, name, mesh, problem, result, pipelined in options:
             plan = make_plan(problem, result.pick(name), self.profile, mesh, pipelined)
-            if self.precision is not None:
-                plan = replace(plan, precision=self.precision, warnings=(*notes, *plan.warnings))
-            if self.grad_accumulation:
-                plan = replace(plan, grad_accumulation=self.grad_accumulation)
+            plan = replace(
+                plan,
+                precision=self.precision,
+                grad_accumulation=self.grad_accumulation,
+                remat=remat_policy if remat_policy != "none" else None,
+                warnings=(*notes, *plan.warnings),
+            )
             jitted = jit_from_plan(graph, plan, mesh, donate, pipelined)
             if (
                 isinstance(mesh, Mesh)
@@ -307,7 +343,7 @@ class Parallelized:
             + "\nRaise memory_budget, use more devices, or shrink the batch."
         )
 
-    def _accumulated(self, graph: Graph, args, static, mesh) -> Graph:
+    def _accumulated(self, graph: Graph, args, static, mesh, remat_policy) -> Graph:
         """`graph` with its per-micro-batch part in a loop (`autopar.accumulate`); the
         batch is the last non-static argument, cut along its leaves' leading dim."""
         M, name = self.grad_accumulation, fn_name(self.fn)
@@ -330,12 +366,12 @@ class Parallelized:
         cut = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype)
         margs[dyn[-1]] = jax.tree_util.tree_map(cut, abstractify_tree(args[dyn[-1]]))
         log.info("tracing %s at the micro-batch size", name)
-        micro = capture(self.fn, tuple(margs), static, mesh)
-        if self.precision is not None:
-            micro = mixed_precision(micro, self.precision)
+        micro, _ = self._prepare(capture(self.fn, tuple(margs), static, mesh), remat_policy)
         return accumulate(graph, micro, range(first, first + len(batch)), M, mesh)
 
-    def _pipelines(self, graph: Graph, args, static, mesh) -> list[PipelinedScans | None]:
+    def _pipelines(
+        self, graph: Graph, args, static, mesh, remat_policy
+    ) -> list[PipelinedScans | None]:
         """The pipelines to try on `mesh`: none, or `pipeline_stages` with each candidate
         micro-batch count (`microbatches`, else S, 2S and 4S where they cut the batch)."""
         if self.pipeline_stages is None:
@@ -363,7 +399,7 @@ class Parallelized:
         out, skipped = [], []
         for m in counts:
             try:
-                out.append(self._pipelined(graph, args, static, Pipeline(S, m), mesh))
+                out.append(self._pipelined(graph, args, static, Pipeline(S, m), mesh, remat_policy))
             except MeshError as e:  # e.g. a batch of 1 traces to different ops
                 if self.microbatches is not None:
                     raise
@@ -372,7 +408,9 @@ class Parallelized:
             raise MeshError("no micro-batch count works:\n  " + "\n  ".join(skipped))
         return out
 
-    def _pipelined(self, graph: Graph, args, static, pipe: Pipeline, mesh) -> PipelinedScans:
+    def _pipelined(
+        self, graph: Graph, args, static, pipe: Pipeline, mesh, remat_policy
+    ) -> PipelinedScans:
         """Capture the function again at the micro-batch size and pair its scans with
         `graph`'s pipelined ones."""
         check_pipeline(pipe, mesh_info(mesh, self.profile))
@@ -386,9 +424,7 @@ class Parallelized:
         )
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
         log.info("tracing %s at the micro-batch size", name)
-        micro = capture(self.fn, margs, static, mesh)
-        if self.precision is not None:
-            micro = mixed_precision(micro, self.precision)
+        micro, _ = self._prepare(capture(self.fn, margs, static, mesh), remat_policy)
         mscans = pipelined_scans(micro, pipe)
         if len(mscans) != len(scans):
             raise MeshError(
@@ -466,6 +502,7 @@ def parallelize(
     microbatches: int | None = None,
     precision: str | None = None,
     grad_accumulation: int | None = None,
+    remat: str | None = None,
 ) -> Parallelized | Callable[[Callable], Parallelized]:
     """Automatically shard `fn` over `mesh`.
 
@@ -496,6 +533,11 @@ def parallelize(
     leaves' leading dim) into M micro-batches and runs everything that can go micro-batch
     by micro-batch (forward, backward, up to the gradient sums) in a loop over them,
     then the rest (the optimizer) once (`autopar.accumulate`).
+
+    `remat` rematerializes a layer loop's residuals (`autopar.remat`, layers under a
+    `scan`): "dots" keeps only matmul outputs and the layer input, "full" only the
+    layer input, and the backward loop recomputes the rest; "auto" takes the first of
+    "none", "dots", "full" whose plan fits `memory_budget`.
     """
     as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
     kw = dict(
@@ -512,6 +554,7 @@ def parallelize(
         microbatches=microbatches,
         precision=precision,
         grad_accumulation=grad_accumulation,
+        remat=remat,
     )
     if fn is None:
         return lambda f: Parallelized(f, **kw)

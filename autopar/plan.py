@@ -173,6 +173,8 @@ class Plan:
     precision: str | None = None
     # micro-batches of the gradient accumulation loop (`autopar.accumulate`), or None
     grad_accumulation: int | None = None
+    # the rematerialization policy applied before search ("dots", "full"), or None
+    remat: str | None = None
     in_tree: Any = field(default=None, repr=False, compare=False)
     out_tree: Any = field(default=None, repr=False, compare=False)
     jax_mesh: Any = field(default=None, repr=False, compare=False)
@@ -235,6 +237,7 @@ class Plan:
             "pipeline": self.pipeline,
             "precision": self.precision,
             "grad_accumulation": self.grad_accumulation,
+            "remat": self.remat,
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -273,6 +276,7 @@ class Plan:
                 pipeline=d.get("pipeline"),
                 precision=d.get("precision"),
                 grad_accumulation=d.get("grad_accumulation"),
+                remat=d.get("remat"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None

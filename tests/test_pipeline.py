@@ -119,3 +119,20 @@ def test_a_loop_that_mixes_the_batch_is_refused():
     par = autopar.parallelize(step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=2)
     with pytest.raises(MeshError, match="mixes the batch"):
         par.plan(w, x)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "options"),
+    [
+        (MESH, {"pipeline_stages": 2, "microbatches": 4, "remat": "full"}),
+        ({"data": 2, "model": 4}, {"grad_accumulation": 2, "remat": "dots"}),
+    ],
+)
+def test_options_combine(mesh, options):
+    """Remat before pipelining or accumulation: the loss is still jax.jit's."""
+    ts = gpt.make_train_step(_cfg())
+    state, batch = jax.jit(ts.init)(0), ts.batch(0)
+    step = autopar.parallelize(ts.step, mesh=mesh, cluster=CLUSTER, **options)
+    _, metrics = step(state, batch)
+    _, ref = jax.jit(ts.step)(state, batch)
+    assert_trees_close(metrics["loss"], ref["loss"], what=str(options))
