@@ -238,19 +238,6 @@ def with_full_consts(micro_body: Graph, full_body: Graph) -> Graph:
     return replace(micro_body, consts=consts)
 
 
-def p2p_bytes(micro_node: Node) -> int:
-    """Bytes one micro-batch's carry sends from one stage to the next (`micro_node`: the
-    scan with its micro-batch body)."""
-    n_c, n_k = micro_node.params["num_consts"], micro_node.params["num_carry"]
-    body = micro_node.body
-    return sum(body.values[v].nbytes for v in body.inputs[n_c : n_c + n_k])
-
-
-def bubble_factor(pipe: Pipeline) -> float:
-    """GPipe's time over perfectly divided work: (M + S - 1) / M."""
-    return (pipe.microbatches + pipe.stages - 1) / pipe.microbatches
-
-
 def stage_layers(node: Node, pipe: Pipeline) -> int:
     return node.params["length"] // pipe.stages
 

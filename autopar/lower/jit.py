@@ -131,7 +131,14 @@ def interpret(
                     micro, body, jax.sharding.get_abstract_mesh(), pin_inputs=True
                 )(*xs)
                 outs = run_pipelined_scan(
-                    node, micro, labels, run_body, pipelined.pipe, mesh, invals
+                    node,
+                    micro,
+                    labels,
+                    run_body,
+                    pipelined.pipe,
+                    mesh,
+                    invals,
+                    [r.spec for r in rec.body.outputs],
                 )
                 haves = rec.out_specs
             elif node.body is not None:

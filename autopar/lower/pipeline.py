@@ -15,6 +15,7 @@ batch dim sharded over `data` stays sharded the same way in every micro-batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -23,6 +24,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.ir import Graph, Node
 from autopar.pipeline import SAME, SUM, Label, Pipeline, ScanLabels
+from autopar.sharding import Spec
 
 
 def cut(x, dim: int, m: int, lead: int = 0):
@@ -47,8 +49,12 @@ def run_pipelined_scan(
     pipe: Pipeline,
     mesh,
     invals: Sequence,
+    out_specs: Sequence[Spec],
 ) -> list:
-    """The scan's outputs, computed by a GPipe pipeline over `pipe.axis`."""
+    """The scan's outputs, computed by a GPipe pipeline over `pipe.axis`. `out_specs`
+    are the body's output specs: a per-layer sum the body returns Partial (stacked, one
+    summand per device) is accumulated over micro-batches as it is and comes out
+    stacked, [devices, layers, ...], to be summed across devices once."""
     p = node.params
     n_c, n_k, length, reverse = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
     S, M, axis = pipe.stages, pipe.microbatches, pipe.axis
@@ -61,6 +67,11 @@ def run_pipelined_scan(
         for x, lab, xs in zip(invals, labels.ins, map(int, is_x))
     ]
     outs_body = micro_body.outputs
+    # a Partial output is stacked: one summand per device of its partial axes
+    stacks = [
+        (math.prod(mesh.shape[a] for a in sp.partial),) if sp.partial else ()
+        for sp in out_specs[n_k:]
+    ]
     y_labels = labels.outs[n_k:]
     y_types = [micro_body.values[v] for v in outs_body[n_k:]]
     carry_types = [micro_body.values[v] for v in outs_body[:n_k]]
@@ -104,8 +115,8 @@ def run_pipelined_scan(
         carry0 = [jnp.zeros(t.shape, t.dtype) for t in carry_types]
         out0 = [jnp.zeros((M, *t.shape), t.dtype) for t in carry_types]
         ys0 = [
-            jnp.zeros((k, M, *t.shape) if lab not in (SUM, SAME) else (k, *t.shape), t.dtype)
-            for t, lab in zip(y_types, y_labels)
+            jnp.zeros((k, *stack, *t.shape) if lab in (SUM, SAME) else (k, M, *t.shape), t.dtype)
+            for t, lab, stack in zip(y_types, y_labels, stacks)
         ]
         (_, out, ys), _ = jax.lax.scan(tick, (carry0, out0, ys0), jnp.arange(M + S - 1))
         out = [jax.lax.psum(o, axis) for o in out]
@@ -124,8 +135,8 @@ def run_pipelined_scan(
     results = f(*staged_in)
     carry = [uncut(c, lab) for c, lab in zip(results[:n_k], labels.outs[:n_k])]
     ys = [
-        y if lab in (SUM, SAME) else uncut(y, lab + 1, lead=1)
-        for y, lab in zip(results[n_k:], y_labels)
+        (jnp.moveaxis(y, 1, 0) if stack else y) if lab in (SUM, SAME) else uncut(y, lab + 1, lead=1)
+        for y, lab, stack in zip(results[n_k:], y_labels, stacks)
     ]
     return [*carry, *ys]
 

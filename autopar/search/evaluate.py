@@ -87,7 +87,8 @@ def edge_collectives(problem: Problem, choice: Sequence[int]) -> list[tuple[int,
 
 def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
     """The spec each function output is returned in: an updated argument keeps the
-    argument's spec; anything else its producer's, summed if partial."""
+    argument's spec; anything else its producer's, summed if partial (unless the
+    problem lets that output stay partial)."""
     g, out = problem.graph, []
     for o, v in enumerate(g.outputs):
         if o in problem.aliases:
@@ -95,7 +96,8 @@ def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
             out.append(problem.strategies[i][choice[i]].out_specs[0])
         elif v in problem.source:
             u, k = problem.source[v]
-            out.append(problem.strategies[u][choice[u]].out_specs[k].without_partial())
+            spec = problem.strategies[u][choice[u]].out_specs[k]
+            out.append(spec if o in problem.partial_outputs else spec.without_partial())
         else:
             out.append(Spec.replicated(g.values[v].rank))
     return out

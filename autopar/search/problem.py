@@ -21,7 +21,7 @@ from autopar.accumulate import is_accumulation
 from autopar.cost import FUSED_OPS, CostModel, compute_dtype, node_flops
 from autopar.errors import MemoryBudgetError
 from autopar.ir import Graph, TensorType
-from autopar.pipeline import Pipeline, PipelinedScans, p2p_bytes, stage_layers, sub_mesh
+from autopar.pipeline import SUM, Pipeline, PipelinedScans, stage_layers, sub_mesh
 from autopar.search.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
 from autopar.strategies import (
@@ -51,6 +51,9 @@ class Problem:
     edges: dict[tuple[int, int], np.ndarray] = field(repr=False)
     # scan node id -> (its body's problem, one body SearchResult per scan strategy)
     bodies: dict[int, tuple[Problem, Any]] = field(default_factory=dict, repr=False)
+    # output positions returned as the Partial sums they are (a pipelined loop body's
+    # weight gradients, summed over micro-batches before anyone sums across devices)
+    partial_outputs: frozenset[int] = frozenset()
 
     @property
     def num_inputs(self) -> int:
@@ -112,12 +115,14 @@ def build_problem(
     cost: CostModel,
     pipelined: PipelinedScans | None = None,
     partial_carry: bool = False,
+    partial_outputs: frozenset[int] = frozenset(),
 ) -> Problem:
     """The cost graph of `graph` on `mesh`. The scans in `pipelined` have their body
     searched at the micro-batch size on one stage's sub-mesh and are priced as a GPipe
     pipeline over the stage axis. With `partial_carry` (the body of a gradient
     accumulation loop), a state input that comes back as an output may also be a
-    Partial sum, kept unsummed from step to step."""
+    Partial sum, kept unsummed from step to step. The outputs at `partial_outputs` may
+    be returned unsummed."""
     piped = pipelined.scans if pipelined is not None else {}
     carried = set(find_aliases(graph).values()) if partial_carry else set()
     n_in = len(graph.inputs)
@@ -139,9 +144,15 @@ def build_problem(
         ns = cache.get(key) if key is not None else None
         if node.id in piped:
             sub = sub_mesh(mesh, pipelined.pipe.axis)
-            micro = replace(node, body=piped[node.id][0])
+            micro, labels = piped[node.id]
+            n_k = node.params["num_carry"]
+            sums = frozenset(n_k + j for j, lab in enumerate(labels.outs[n_k:]) if lab == SUM)
             ns, bodies[node.id] = _scan_strategy(
-                micro, sub, CostModel(cost.profile, sub), pipelined.pipe.axis
+                replace(node, body=micro),
+                sub,
+                CostModel(cost.profile, sub),
+                pipelined.pipe.axis,
+                sums,
             )
         elif node.body is not None:
             ns, bodies[node.id] = _scan_strategy(node, mesh, cost)
@@ -156,16 +167,15 @@ def build_problem(
             source[v] = (n_in + node.id, k)
         flops[n_in + node.id] = node_flops(node, graph)
 
-    node_time, node_mem = _node_costs(graph, mesh, cost, strategies, flops, carried)
+    node_time, node_mem = _node_costs(
+        graph, mesh, cost, strategies, flops, carried, partial_outputs
+    )
     node_time = list(node_time)
     for i, (_, results) in bodies.items():
         node = graph.nodes[i]
         if i in piped:
             node_time[n_in + i] = np.array(
-                [
-                    _pipeline_seconds(replace(node, body=piped[i][0]), pipelined.pipe, cost, r)
-                    for r in results
-                ]
+                [_pipeline_seconds(node, bodies[i][0], pipelined.pipe, cost, r) for r in results]
             )
         else:
             node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
@@ -200,20 +210,34 @@ def build_problem(
         node_mem,
         edges,
         bodies,
+        frozenset(partial_outputs),
     )
 
 
-def _pipeline_seconds(micro_node, pipe: Pipeline, cost: CostModel, body) -> float:
+def _pipeline_seconds(node, body: Problem, pipe: Pipeline, cost: CostModel, result) -> float:
     """GPipe time of a pipelined scan: `M + S - 1` ticks, each one micro-batch through
-    one stage's layers (`body`: one layer's plan at the micro-batch size) and one
-    collective-permute of the micro-batch's carry to the next stage."""
-    hop = cost.collective("collective-permute", (pipe.axis,), p2p_bytes(micro_node))
-    layers = stage_layers(micro_node, pipe)
-    return (pipe.microbatches + pipe.stages - 1) * (layers * body.cost.step_s + hop.seconds)
+    one stage's layers (`result`: one layer's plan at the micro-batch size, on the
+    `body` problem) and one collective-permute of each device's shard of the
+    micro-batch's carry to the next stage."""
+    n_c, n_k = node.params["num_consts"], node.params["num_carry"]
+    sent = sum(
+        body.cost.local_bytes(
+            body.graph.values[body.graph.inputs[i]],
+            body.strategies[i][result.choice[i]].out_specs[0],
+        )
+        for i in range(n_c, n_c + n_k)
+    )
+    hop = cost.collective("collective-permute", (pipe.axis,), sent)
+    layers = stage_layers(node, pipe)
+    return (pipe.microbatches + pipe.stages - 1) * (layers * result.cost.step_s + hop.seconds)
 
 
 def _scan_strategy(
-    node, mesh: MeshInfo, cost: CostModel, stage_axis: str | None = None
+    node,
+    mesh: MeshInfo,
+    cost: CostModel,
+    stage_axis: str | None = None,
+    sums: frozenset[int] = frozenset(),
 ) -> tuple[NodeStrategies, tuple]:
     """A scan's strategies: its body searched once (every engine), each distinct plan
     found one strategy of the scan, priced at `length` steps; the outer search picks
@@ -221,11 +245,15 @@ def _scan_strategy(
     arguments are the loop's slices, which a free search would leave replicated);
     the carry keeps one spec from step to step through the body's alias edges.
     Each xs/ys value is one body slice with the loop dim in front, unsplit, or split
-    over `stage_axis` when the loop is pipelined (`mesh` is then one stage's)."""
+    over `stage_axis` when the loop is pipelined (`mesh` is then one stage's); a
+    pipelined loop's per-layer sums over the batch (body outputs `sums`) may come out
+    Partial, summed across devices once after every micro-batch went through."""
     from autopar.search import search
     from autopar.search.evaluate import output_specs
 
-    body = build_problem(node.body, mesh, cost, partial_carry=is_accumulation(node))
+    body = build_problem(
+        node.body, mesh, cost, partial_carry=is_accumulation(node), partial_outputs=sums
+    )
     budget = cost.profile.hbm_bytes
     try:
         result = search(body, "auto", budget)
@@ -246,7 +274,7 @@ def _scan_strategy(
         with contextlib.suppress(MemoryBudgetError):
             candidates.append(replace(search(body, "dp", budget, pins), engine="dp+batch"))
     lead = (stage_axis,) if stage_axis else ()
-    lift = lambda sp: Spec((lead, *sp.dims))
+    lift = lambda sp: Spec((lead, *sp.dims), sp.partial)
     strategies, results, seen = [], [], set()
     for r in candidates:
         name = r.engine
@@ -292,7 +320,7 @@ def _node_key(node, graph):
         return None
 
 
-def _node_costs(graph, mesh, cost, strategies, flops, carried=frozenset()):
+def _node_costs(graph, mesh, cost, strategies, flops, carried=frozenset(), unsummed=frozenset()):
     n_in = len(graph.inputs)
     times, mems = [], []
     out_types = [[graph.values[v]] for v in graph.inputs] + [
@@ -304,7 +332,7 @@ def _node_costs(graph, mesh, cost, strategies, flops, carried=frozenset()):
     dtypes = [graph.values[v].dtype for v in graph.inputs] + [
         compute_dtype(n, graph) for n in graph.nodes
     ]
-    pending = _output_partials(graph, strategies, n_in, carried)
+    pending = _output_partials(graph, strategies, n_in, carried, unsummed)
     traffic = _hbm_traffic(graph)
     memo: dict = {}  # repeated layers: identical ops cost the same
     for c, strats in enumerate(strategies):
@@ -383,12 +411,16 @@ def _strategy_costs(
     return t_arr, m_arr
 
 
-def _output_partials(graph, strategies, n_in, carried=frozenset()) -> dict[int, list[int]]:
+def _output_partials(
+    graph, strategies, n_in, carried=frozenset(), unsummed=frozenset()
+) -> dict[int, list[int]]:
     """Per producer, its outputs the function returns (a Partial one is summed before it
-    leaves), except state carried as a Partial sum (`carried` input positions)."""
+    leaves), except state carried as a Partial sum (`carried` input positions) and the
+    outputs returned unsummed (`unsummed` output positions)."""
     producer = graph.producer
     out: dict[int, list[int]] = {}
     kept = {graph.outputs[o] for o, i in find_aliases(graph).items() if i in carried}
+    kept |= {graph.outputs[o] for o in unsummed}
     for v in dict.fromkeys(graph.outputs):
         if v in kept:
             continue
