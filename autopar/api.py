@@ -23,7 +23,7 @@ from autopar.cost import CostModel
 from autopar.errors import AutoparError, MemoryBudgetError, MeshError, PlanError, format_bytes
 from autopar.ir import Graph
 from autopar.lower.jit import jit_from_plan
-from autopar.meshes import MeshLike, resolve
+from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve
 from autopar.pipeline import (
     Pipeline,
     PipelinedScans,
@@ -85,7 +85,10 @@ class Parallelized:
     ):
         self.fn = fn
         self.profile = cost_models.load(cluster)
-        self.meshes = resolve(mesh, self.profile.devices_per_node)
+        if pipeline_stages == "auto":
+            self.meshes = _pipeline_meshes(mesh, self.profile.devices_per_node)
+        else:
+            self.meshes = resolve(mesh, self.profile.devices_per_node)
         self.engine = engine
         self.memory_budget = (
             float(memory_budget) if memory_budget is not None else self.profile.hbm_bytes
@@ -94,12 +97,12 @@ class Parallelized:
         self.donate_argnums = tuple(donate_argnums)
         self.in_specs = in_specs
         self.allow_partial = allow_partial
-        if pipeline_stages is not None and (
+        if pipeline_stages not in (None, "auto") and (
             not isinstance(pipeline_stages, int) or pipeline_stages < 1
         ):
             raise MeshError(
-                f"pipeline_stages must be a positive int (the size of the mesh's 'stage' axis), "
-                f"got {pipeline_stages!r}"
+                f"pipeline_stages must be a positive int (the size of the mesh's 'stage' axis) "
+                f"or 'auto', got {pipeline_stages!r}"
             )
         self.pipeline_stages = pipeline_stages
         self.microbatches = microbatches
@@ -268,12 +271,16 @@ class Parallelized:
                 if not self.allow_partial:
                     raise
                 reused = reusable_specs(self.given_plan, graph, mesh_info(mesh, self.profile))
-        options, failures = [], []
-        tries = [
-            (k, mesh, pipelined)
-            for k, mesh in enumerate(self.meshes)
-            for pipelined in self._pipelines(graph, args, static, mesh, remat_policy)
-        ]
+        options, failures, tries = [], [], []
+        for k, mesh in enumerate(self.meshes):
+            try:
+                pipes = self._pipelines(graph, args, static, mesh, remat_policy)
+            except MeshError as e:
+                if single:
+                    raise
+                failures.append(f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}: {e}")
+                continue
+            tries += [(k, mesh, p) for p in pipes]
         for k, mesh, pipelined in tries:
             info = mesh_info(mesh, self.profile)
             log.info("mesh %s: pricing the strategies of %d ops", info.shape, len(graph.nodes))
@@ -300,6 +307,8 @@ class Parallelized:
                 "no mesh shape gives a plan that fits:\n  " + "\n  ".join(failures)
             )
         options.sort(key=lambda o: o[:3])
+        if self.pipeline_stages == "auto":
+            notes += (_pipeline_tries(options, failures),)
         rejected = []
         for _, _, name, mesh, problem, result, pipelined in options:
             plan = make_plan(problem, result.pick(name), self.profile, mesh, pipelined)
@@ -377,6 +386,12 @@ class Parallelized:
         if self.pipeline_stages is None:
             return [None]
         S = self.pipeline_stages
+        if S == "auto":  # one candidate mesh of `pipeline_meshes`: its stage axis
+            if "stage" not in mesh.axis_names:
+                return [None]
+            S = dict(zip(mesh.axis_names, mesh.axis_sizes))["stage"]
+            if not pipelined_scans(graph, Pipeline(S, 1)):
+                return []
         check_pipeline(Pipeline(S, 1), mesh_info(mesh, self.profile))
         scans = pipelined_scans(graph, Pipeline(S, 1))
         if not scans:
@@ -394,7 +409,7 @@ class Parallelized:
         counts = (
             [self.microbatches]
             if self.microbatches is not None
-            else [m for m in (S, 2 * S, 4 * S) if batch % m == 0] or [1]
+            else [m for m in (S, 2 * S, 4 * S, 8 * S, 12 * S) if batch % m == 0] or [1]
         )
         out, skipped = [], []
         for m in counts:
@@ -454,6 +469,32 @@ class Parallelized:
         return self.meshes[0]  # bind_plan reports the mismatch
 
 
+def _pipeline_tries(options, failures) -> str:
+    """The plan note of `pipeline_stages="auto"`: the best plan of every (mesh,
+    micro-batch count) tried, and the meshes that had none."""
+    best: dict[str, float] = {}
+    for step_s, _, _, mesh, _, _, pipelined in options:
+        shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        key = f"{shape}" + (f" M={pipelined.pipe.microbatches}" if pipelined else "")
+        best.setdefault(key, step_s)
+    tried = [f"{k} {v * 1e3:.4g} ms" for k, v in best.items()]
+    return "pipeline_stages='auto' tried (fastest first): " + "; ".join(
+        tried + list(dict.fromkeys(f.splitlines()[0] for f in failures))
+    )
+
+
+def _pipeline_meshes(mesh, devices_per_node: int) -> list:
+    """The meshes `pipeline_stages="auto"` tries (a device count, or "auto": all)."""
+    if mesh == "auto":
+        mesh = len(jax.devices())
+    if not isinstance(mesh, int) or isinstance(mesh, bool):
+        raise MeshError(
+            f"pipeline_stages='auto' searches the mesh shape: pass mesh as a device count "
+            f"(or 'auto'), not {mesh!r}; with a fixed mesh, pass pipeline_stages=<its 'stage' size>"
+        )
+    return [make_mesh(m) for m in pipeline_meshes(mesh, devices_per_node)]
+
+
 def _precision(name: str | None) -> str | None:
     """The compute dtype's name for `precision=`: None (as traced) or "bfloat16"."""
     if name is None:
@@ -498,7 +539,7 @@ def parallelize(
     plan: str | os.PathLike | Plan | None = None,
     in_specs: Any = None,
     allow_partial: bool = False,
-    pipeline_stages: int | None = None,
+    pipeline_stages: int | str | None = None,
     microbatches: int | None = None,
     precision: str | None = None,
     grad_accumulation: int | None = None,
@@ -521,8 +562,12 @@ def parallelize(
 
     `pipeline_stages=S` runs every loop over layers (a `scan` whose length S divides,
     e.g. `flax.linen.scan`) as a GPipe pipeline over the mesh's `"stage"` axis (of
-    size S) with `microbatches` micro-batches per step (default: the best of S, 2S
-    and 4S under the cost model); each stage's layers are searched on the other axes.
+    size S) with `microbatches` micro-batches per step (default: the best of S, 2S,
+    4S, 8S and 12S under the cost model); each stage's layers are searched on the other
+    axes. `pipeline_stages="auto"` with `mesh` a device count tries every stage count
+    S dividing it, on `{"stage": S, "data": ..., "model": ...}` with the model axis
+    inside a node (`meshes.pipeline_meshes`; S = 1 is no pipeline), and keeps the
+    fastest plan that fits.
 
     `precision="bf16"` computes every float32 matmul and convolution on bfloat16
     operands with float32 accumulation, keeping float32 master weights, optimizer

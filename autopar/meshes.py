@@ -86,3 +86,17 @@ def resolve(mesh: MeshLike, devices_per_node: int) -> list[Mesh | AbstractMesh]:
     if isinstance(mesh, int | np.integer) and not isinstance(mesh, bool):
         return [make_mesh(m) for m in mesh_candidates(int(mesh), devices_per_node)]
     return [make_mesh(mesh)]
+
+
+def pipeline_meshes(n: int, devices_per_node: int, axis: str = "stage") -> list[dict[str, int]]:
+    """Shapes to try for `pipeline_stages="auto"` on `n` devices: for every stage count
+    S dividing `n`, `{axis: S, "data": d, "model": t}` with the tensor-parallel axis as
+    large as fits in a node (`t` the largest divisor of n/S up to `devices_per_node`);
+    S = 1 is no pipeline. Axes of size 1 are left out."""
+    out = []
+    for stages in (s for s in range(1, n + 1) if n % s == 0):
+        rest = n // stages
+        t = max(d for d in range(1, min(rest, devices_per_node) + 1) if rest % d == 0)
+        shape = {axis: stages, "data": rest // t, "model": t}
+        out.append({k: v for k, v in shape.items() if v > 1 or (k == axis and stages > 1)})
+    return [m or {"data": 1} for m in out]

@@ -136,3 +136,20 @@ def test_options_combine(mesh, options):
     _, metrics = step(state, batch)
     _, ref = jax.jit(ts.step)(state, batch)
     assert_trees_close(metrics["loss"], ref["loss"], what=str(options))
+
+
+def test_auto_stage_count_keeps_the_fastest_plan():
+    """pipeline_stages='auto' on 8 devices tries S = 1, 2, 4 (8 does not divide the 4
+    layers) on stage x model meshes, and keeps the fastest; here no pipeline wins."""
+    ts = gpt.make_train_step(_cfg())
+    args = gpt.abstract_args(_cfg())
+    auto = autopar.parallelize(ts.step, mesh=8, cluster=CLUSTER, pipeline_stages="auto")
+    plan = auto.plan(*args)
+    (tried,) = [w for w in plan.warnings if w.startswith("pipeline_stages='auto' tried")]
+    assert "{'stage': 2, 'model': 4} M=" in tried and "{'stage': 4, 'model': 2} M=" in tried
+    two = autopar.parallelize(
+        ts.step, mesh={"stage": 2, "model": 4}, cluster=CLUSTER, pipeline_stages=2
+    ).plan(*args)
+    assert plan.cost.step_s <= two.cost.step_s
+    with pytest.raises(MeshError, match="device count"):
+        autopar.parallelize(ts.step, mesh=MESH, pipeline_stages="auto")
