@@ -99,3 +99,23 @@ def test_exact_engines_agree_and_beat_the_greedy_ones():
     assert cost["ilp"] <= cost["dp"] * (1 + 1e-6)
     for e in ["recursive", "data", "fsdp"]:
         assert cost["ilp"] <= cost[e] * (1 + 1e-6), cost
+
+
+def test_over_budget_tries_zero_stages_and_keeps_the_fastest_that_fits():
+    """Over budget, each engine retries with ZeRO-1 (optimizer state sharded) and ZeRO-3
+    (parameters too); the plan is the fastest candidate that fits."""
+    cfg = gpt.GPTConfig(hidden=256, heads=4, seq=32, vocab=512, layers=2, batch_size=8)
+    ts = gpt.make_train_step(cfg)
+    args = gpt.abstract_args(cfg)
+    base = autopar.parallelize(ts.step, mesh={"data": 8}, cluster="cpu").plan(*args)
+    budget = 0.9 * base.cost.peak_memory_bytes
+    plan = autopar.parallelize(ts.step, mesh={"data": 8}, cluster="cpu", memory_budget=budget).plan(
+        *args
+    )
+    tried = plan.candidates
+    assert {"dp+zero1", "dp+zero3"} <= set(tried), tried
+    fitting = {k: c for k, c in tried.items() if c.peak_memory_bytes <= budget}
+    assert plan.engine == min(fitting, key=lambda k: fitting[k].step_s)
+    # ZeRO-1 shards the optimizer moments and leaves the parameters whole
+    zero1 = tried["dp+zero1"]
+    assert base.cost.argument_bytes > zero1.argument_bytes > tried["dp+zero3"].argument_bytes

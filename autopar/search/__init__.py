@@ -95,7 +95,8 @@ def search(
     problem: Problem, engine: str, memory_budget: float, pinned: Mapping[int, int] = {}
 ) -> SearchResult:  # noqa: B006
     """Run `engine` ("auto" tries them all); if its plan does not fit `memory_budget`,
-    retry with parameters and optimizer state sharded over the data axes (ZeRO-3).
+    retry with the optimizer state sharded over every device (ZeRO-1; ZeRO-2 is the
+    same in one fused step) and with the parameters sharded too (ZeRO-3).
     Returns the fastest plan that fits; raises MemoryBudgetError if none does."""
     if engine != "auto" and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
@@ -108,22 +109,28 @@ def search(
         for i, s in engines.fsdp_pins(problem).items()
         if i not in pinned and i in problem.aliases.values()
     }
+    opt_state = engines.optimizer_state_inputs(problem)
+    # ZeRO-1/2: only the optimizer state sharded (a fused step reduce-scatters the
+    # gradients into it, so stage 2 is stage 1 here); ZeRO-3: the parameters too
+    zero_stages = {
+        "zero1": {i: s for i, s in zero_pins.items() if i in opt_state},
+        "zero3": zero_pins,
+    }
     for name in names:
         info[name] = {}
         log.info("mesh %s: searching with %s", problem.mesh.shape, name)
         choice = ENGINES[name](problem, pinned, info[name])
         candidates[name] = (choice, evaluate(problem, choice))
-        if (
-            candidates[name][1].peak_memory_bytes > memory_budget
-            and name not in ("data", "fsdp")
-            and zero_pins
-        ):
-            info[f"{name}+zero3"] = {}
-            log.info(
-                "mesh %s: %s over budget, retrying with ZeRO-3 state", problem.mesh.shape, name
-            )
-            choice = ENGINES[name](problem, {**zero_pins, **pinned}, info[f"{name}+zero3"])
-            candidates[f"{name}+zero3"] = (choice, evaluate(problem, choice))
+        if candidates[name][1].peak_memory_bytes <= memory_budget or name in ("data", "fsdp"):
+            continue
+        for stage, pins in zero_stages.items():
+            if not pins or (stage == "zero1" and pins == zero_pins):
+                continue
+            key = f"{name}+{stage}"
+            info[key] = {}
+            log.info("mesh %s: %s over budget, retrying with %s", problem.mesh.shape, name, stage)
+            choice = ENGINES[name](problem, {**pins, **pinned}, info[key])
+            candidates[key] = (choice, evaluate(problem, choice))
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
         best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)

@@ -278,6 +278,17 @@ def data_pins(problem: Problem) -> dict[int, int]:
     }
 
 
+def optimizer_state_inputs(problem: Problem) -> set[int]:
+    """Input positions of optimizer state: updated state under an `opt_state` key (the
+    name optax train states and flax's TrainState use)."""
+    g = problem.graph
+    return {
+        i
+        for i in problem.aliases.values()
+        if "opt_state" in g.input_paths[i].split("/") and g.values[g.inputs[i]].rank
+    }
+
+
 def fsdp_pins(problem: Problem) -> dict[int, int]:
     """ZeRO-3 / FSDP: parameters and optimizer state sharded over every device."""
     batch = batch_like_inputs(problem)
