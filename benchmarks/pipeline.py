@@ -35,7 +35,9 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
+import autopar  # noqa: E402
 import cost_models  # noqa: E402
 from autopar.search import stages as PL  # noqa: E402
 from benchmarks import published  # noqa: E402
@@ -146,6 +148,7 @@ def run(profile_name: str = "a100-80g") -> dict:
             for c in sorted((c for c in auto.candidates if c.fits), key=lambda c: c.step_s)[:10]
         ],
         "sweep": _sweep(pricer, prof),
+        "parallelize": parallelize_auto(profile_name),
         "jax": jax.__version__,
     }
     fitted, eff = _fitted_profile(prof)
@@ -158,6 +161,54 @@ def run(profile_name: str = "a100-80g") -> dict:
             "megatron": {r: _megatron(fpricer, fitted, r).summary() for r in ("full", "selective")},
         }
     return out
+
+
+def parallelize_auto(profile_name: str, remat: str = "full", engine: str = "dp") -> dict:
+    """The captured GPT-3 175B train step (layers under `nn.scan`) planned by
+    `autopar.parallelize(mesh=1024, pipeline_stages="auto", remat=...)` on abstract
+    arguments: every stage count, its micro-batch counts and the layer plan at the
+    micro-batch size searched for real (GPipe, so activations of all micro-batches
+    stay: full remat is what fits)."""
+    from autopar.models import gpt
+
+    cfg = gpt.GPTConfig(
+        vocab=GPT3.vocab,
+        seq=GPT3.seq,
+        hidden=GPT3.hidden,
+        layers=GPT3.layers,
+        heads=GPT3.heads,
+        dtype=jnp.bfloat16,
+        batch_size=GPT3.batch,
+        scan_layers=True,
+    )
+    ts = gpt.make_train_step(cfg)
+    args = gpt.abstract_args(cfg)
+    t0 = time.perf_counter()
+    step = autopar.parallelize(
+        ts.step,
+        mesh=DEVICES,
+        cluster=profile_name,
+        pipeline_stages="auto",
+        remat=remat,
+        engine=engine,
+    )
+    plan = step.plan(*args)
+    seconds = time.perf_counter() - t0
+    flops = PL.model_flops(GPT3.batch, GPT3.seq, GPT3.layers, GPT3.hidden, GPT3.vocab)
+    peak = cost_models.load(profile_name).flops_for(jnp.bfloat16)
+    return {
+        "remat": remat,
+        "engine": plan.engine,
+        "mesh": plan.mesh.shape,
+        "pipeline": {k: v for k, v in (plan.pipeline or {}).items() if k != "scans"},
+        "step_s": plan.cost.step_s,
+        "compute_s": plan.cost.compute_s,
+        "comm_s": plan.cost.comm_s,
+        "memory_gb": plan.cost.peak_memory_bytes / 1e9,
+        "mfu": flops / (plan.cost.step_s * DEVICES * peak),
+        "search_seconds": seconds,
+        "tried": [w for w in plan.warnings if w.startswith("pipeline_stages=")],
+    }
 
 
 def _gb(x: float) -> str:
@@ -204,6 +255,35 @@ def markdown(r: dict) -> str:
         _plan_row("Megatron, full recompute", r["megatron"]["full"], budget),
         _plan_row("Megatron, selective recompute", r["megatron"]["selective"], budget),
     ]
+    if "parallelize" in r:
+        a = r["parallelize"]
+        pipe = a["pipeline"]
+        out += [
+            "",
+            "## The captured step, planned and priced by `autopar.parallelize`",
+            "",
+            "Not the stage search above: the real train step (layers under `nn.scan`) planned by "
+            f'`parallelize(mesh={r["devices"]}, pipeline_stages="auto", remat="{a["remat"]}", '
+            f'engine="dp")` on abstract arguments. Every stage count S dividing the devices '
+            "(mesh `{stage: S, data, model: 8}`) and its micro-batch counts (S to 12S) is searched "
+            "op by op: one layer's plan at the micro-batch size on a stage's sub-mesh, the "
+            "pipelined loops priced as GPipe, everything else on the whole mesh. GPipe keeps "
+            "every micro-batch's activations until the backward, so only full remat fits.",
+            "",
+            f"* chosen: mesh {a['mesh']}, "
+            + (
+                f"{pipe['stages']} stages, {pipe['microbatches']} micro-batches, {pipe['schedule']}"
+                if pipe
+                else "no pipeline"
+            )
+            + f", engine {a['engine']};",
+            f"* predicted step {a['step_s']:.2f} s (compute {a['compute_s']:.2f} s + "
+            f"communication {a['comm_s']:.2f} s), {a['memory_gb']:.1f} GB per device, "
+            f"**MFU {100 * a['mfu']:.1f} %** (Megatron's 1024-GPU run as `shared/BENCHMARKS.md` gives it, about 140 TFLOP/s a GPU: "
+            f"{pub['megatron_sc21_1024gpu']['step_s']:.1f} s, {100 * pub['megatron_sc21_1024gpu']['mfu_72_formula']:.1f} %);",
+            f"* search {a['search_seconds']:.0f} s (all candidates, two traces each);",
+            f"* tried: {a['tried'][0].split(': ', 1)[-1] if a['tried'] else '-'}",
+        ]
     if "fitted" in r:
         f = r["fitted"]
         eff = ", ".join(f"`{k}` {v:.3g}" for k, v in f["efficiency"].items())
