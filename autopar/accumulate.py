@@ -130,7 +130,7 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
     batched = [graph.inputs[i] for i in sorted(batch_inputs)]
     piece_dim = {v: next(d for d, a in enumerate(have[v].dims) if a) for v in pieces}
 
-    def run(node: Node, read) -> None:
+    def run(node: Node, read) -> list:
         params = node.primitive.get_bind_params(dict(node.params))
         out = node.primitive.bind(*[read(v) for v in node.inputs], **params)
         return out if node.primitive.multiple_results else [out]
