@@ -20,9 +20,9 @@ output (`ScanLabels`):
   over the batch (a weight gradient), accumulated over micro-batches;
 * ``SAME``   a value the batch does not touch (weights, their per-layer slices).
 
-A per-layer output without the batch dim is assumed to be a sum over the batch, which
-is what reverse-mode differentiation produces for weight gradients; a body that, say,
-takes a max over the batch would break that assumption and is not detected.
+The labels are checked against the body (`_check_separable`, `autopar.microbatch`):
+every op must run per micro-batch without communication, a batch-free output may only
+come from a *sum* over the batch, and a body with batch statistics inside is refused.
 """
 
 from __future__ import annotations
