@@ -165,6 +165,23 @@ def _parser() -> argparse.ArgumentParser:
         help="bytes per device, e.g. 80GB, 80GiB, 1.5e9 (default: the cluster's HBM)",
     )
     s.add_argument(
+        "--pipeline-stages",
+        metavar="S",
+        help="pipeline the layer loops over the mesh's 'stage' axis of size S, or 'auto' "
+        "(with --mesh a device count: try every stage count)",
+    )
+    s.add_argument("--microbatches", type=int, metavar="M", help="pipeline micro-batches")
+    s.add_argument(
+        "--grad-accumulation",
+        type=int,
+        metavar="M",
+        help="accumulate gradients over M micro-batches",
+    )
+    s.add_argument(
+        "--remat", choices=("none", "dots", "full", "auto"), help="rematerialize layer loops"
+    )
+    s.add_argument("--precision", choices=("bf16",), help="bf16 compute, f32 master weights")
+    s.add_argument(
         "--out", "-o", default=DEFAULT_OUT, help=f"plan file to write (default: {DEFAULT_OUT})"
     )
     s.set_defaults(func=cmd_search)
@@ -340,6 +357,11 @@ def cmd_search(args) -> int:
     t0 = time.perf_counter()
     # A bare device count (`--mesh 64`) searches the mesh shape too.
     search_mesh = n if re.fullmatch(r"\s*\d+\s*", args.mesh) else mesh
+    stages = args.pipeline_stages
+    if stages is not None and stages != "auto":
+        if not stages.isdigit():
+            raise UsageError(f"--pipeline-stages {stages!r}: a stage count or 'auto'")
+        stages = int(stages)
     step = autopar.parallelize(
         wl.fn,
         mesh=search_mesh,
@@ -348,6 +370,11 @@ def cmd_search(args) -> int:
         memory_budget=budget,
         static_argnums=wl.static_argnums,
         donate_argnums=wl.donate_argnums,
+        pipeline_stages=stages,
+        microbatches=args.microbatches,
+        grad_accumulation=args.grad_accumulation,
+        remat=args.remat,
+        precision=args.precision,
     )
     from autopar.progress import Progress
 

@@ -68,6 +68,7 @@ def gpt(
     dtype: Any = "float32",
     ffn: int | None = None,
     name: str = "",
+    scan_layers: bool = False,
 ) -> Workload:
     """A GPT-2 style decoder's AdamW train step (`autopar.models.gpt`)."""
     from autopar.models import gpt as m
@@ -81,6 +82,7 @@ def gpt(
         ffn=ffn,
         dtype=_dtype(dtype),
         batch_size=batch,
+        scan_layers=scan_layers,
     )
     ts = m.make_train_step(cfg)
     label = (
@@ -97,6 +99,21 @@ def gpt_small() -> Workload:
     for a GPU profile it is rightly left replicated (every op is faster than one
     collective's latency); `--cluster cpu` plans it for the simulated devices."""
     return gpt(hidden=128, layers=2, heads=4, seq=64, vocab=512, batch=16, name="gpt_small")
+
+
+def gpt_scan_small() -> Workload:
+    """A 4-layer GPT with its layers under `nn.scan`: what `--pipeline-stages`, `--remat`
+    and `--grad-accumulation` work on (plan it with `--cluster cpu`)."""
+    return gpt(
+        hidden=64,
+        layers=4,
+        heads=4,
+        seq=32,
+        vocab=256,
+        batch=8,
+        name="gpt_scan_small",
+        scan_layers=True,
+    )
 
 
 def gpt_1_3b(batch: int = 1024) -> Workload:

@@ -573,3 +573,37 @@ def test_search_reports_progress_on_stderr(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
     assert lines and any("searching with" in ln for ln in lines), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_search_with_pipeline_remat_and_precision(tmp_path):
+    """The issue-7 options on the command line end up in the plan file."""
+    path = tmp_path / "p.json"
+    out = ok(
+        run(
+            "search",
+            "autopar/examples.py:gpt_scan_small",
+            "--mesh",
+            "stage=2,data=2,model=2",
+            "--cluster",
+            "cpu",
+            "--pipeline-stages",
+            "2",
+            "--microbatches",
+            "4",
+            "--remat",
+            "full",
+            "--precision",
+            "bf16",
+            "--out",
+            str(path),
+        )
+    )
+    assert "pipeline: 2 stages over 'stage', 4 micro-batches" in out
+    plan = json.loads(path.read_text())
+    assert check_schema(plan, SCHEMA) == []
+    assert plan["pipeline"]["microbatches"] == 4
+    assert (plan["remat"], plan["precision"]) == ("full", "bfloat16")
+    bad = run(
+        "search", "autopar/examples.py:gpt_scan_small", "--mesh", "8", "--pipeline-stages", "x"
+    )
+    assert bad.returncode == 2 and "a stage count or 'auto'" in bad.stderr
