@@ -317,6 +317,11 @@ class Plan:
                     for k, v in self.candidates.items()
                 )
             )
+        if self.grad_accumulation:
+            lines.append(
+                f"  gradient accumulation: {self.grad_accumulation} micro-batches a step "
+                "(the grad_accumulation/scan op)"
+            )
         if self.pipeline:
             p = self.pipeline
             lines.append(

@@ -39,6 +39,7 @@ def test_accumulated_training_matches_single_device():
 
     plan = step.plan(state, ts.batch(0))
     assert plan.grad_accumulation == 4
+    assert "gradient accumulation: 4 micro-batches" in plan.summary()
     (loop,) = [o for o in plan.ops if o.op == "scan"]
     assert loop.key.startswith("grad_accumulation/")
     # accumulated gradients stay Partial sums across micro-batches
