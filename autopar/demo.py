@@ -99,6 +99,21 @@ def _parser() -> argparse.ArgumentParser:
         "on a GPU profile this small model is planned as plain data parallelism)",
     )
     p.add_argument(
+        "--pipeline-stages",
+        type=_positive,
+        metavar="S",
+        help="run the layers under nn.scan as a GPipe pipeline over the mesh's 'stage' axis "
+        "(e.g. --mesh stage=2,data=2,model=2 --pipeline-stages 2)",
+    )
+    p.add_argument(
+        "--grad-accumulation", type=_positive, metavar="M", help="accumulate over M micro-batches"
+    )
+    p.add_argument(
+        "--remat",
+        choices=("dots", "full", "auto"),
+        help="rematerialize the layer loop (layers under nn.scan)",
+    )
+    p.add_argument(
         "--steps",
         type=_positive,
         default=DEFAULT_STEPS,
@@ -167,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     t_start = time.perf_counter()
-    cfg = gpt.GPTConfig(**MODEL)
+    scan = bool(args.pipeline_stages or args.remat)
+    cfg = gpt.GPTConfig(**MODEL, scan_layers=scan)
     ts = gpt.make_train_step(cfg, learning_rate=LEARNING_RATE)
     state = ts.init(0)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
@@ -182,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     ref_state = jax.tree.map(np.array, state)
 
     step = autopar.parallelize(
-        ts.step, mesh=mesh, engine=args.engine, cluster=args.cluster, donate_argnums=(0,)
+        ts.step,
+        mesh=mesh,
+        engine=args.engine,
+        cluster=args.cluster,
+        donate_argnums=(0,),
+        pipeline_stages=args.pipeline_stages,
+        grad_accumulation=args.grad_accumulation,
+        remat=args.remat,
     )
     ref_step = jax.jit(ts.step)
 

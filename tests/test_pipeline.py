@@ -153,3 +153,15 @@ def test_auto_stage_count_keeps_the_fastest_plan():
     assert plan.cost.step_s <= two.cost.step_s
     with pytest.raises(MeshError, match="device count"):
         autopar.parallelize(ts.step, mesh=MESH, pipeline_stages="auto")
+
+
+def test_demo_runs_pipelined(capsys):
+    """`autopar demo --pipeline-stages 2` trains the demo GPT as a pipeline, like jax.jit."""
+    from autopar import demo
+
+    assert (
+        demo.main(["--mesh", "stage=2,data=2,model=2", "--pipeline-stages", "2", "--steps", "2"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages over 'stage'" in out and "MATCH" in out
