@@ -211,12 +211,10 @@ def bind(node, invals, local_shape: tuple[int, ...] | None = None, manual: bool 
         for k in ("sharding", "out_sharding"):
             if k in params:
                 params[k] = None
-        if local_shape is None:
-            pass
-        elif node.op == "broadcast_in_dim":
-            params["shape"] = local_shape
-        elif node.op == "reshape":
-            params["new_sizes"] = local_shape
+    if local_shape is not None and node.op == "broadcast_in_dim":
+        params["shape"] = local_shape
+    elif local_shape is not None and node.op == "reshape":
+        params["new_sizes"] = local_shape
     if jax.default_backend() == "cpu":  # no bf16 x bf16 = f32 dot kernel there
         invals = upcast_operands(node, invals)
     params = node.primitive.get_bind_params(params)

@@ -218,7 +218,8 @@ def _pipeline_seconds(node, body: Problem, pipe: Pipeline, cost: CostModel, resu
     """GPipe time of a pipelined scan: `M + S - 1` ticks, each one micro-batch through
     one stage's layers (`result`: one layer's plan at the micro-batch size, on the
     `body` problem) and one collective-permute of each device's shard of the
-    micro-batch's carry to the next stage."""
+    micro-batch's carry to the next stage; then the final carry, which only the last
+    stage holds, is all-reduced over the stage axis."""
     n_c, n_k = node.params["num_consts"], node.params["num_carry"]
     sent = sum(
         body.cost.local_bytes(
@@ -228,8 +229,11 @@ def _pipeline_seconds(node, body: Problem, pipe: Pipeline, cost: CostModel, resu
         for i in range(n_c, n_c + n_k)
     )
     hop = cost.collective("collective-permute", (pipe.axis,), sent)
+    # the last stage's outputs reach every stage: an all-reduce of all micro-batches' carry
+    out = cost.collective("all-reduce", (pipe.axis,), sent * pipe.microbatches)
     layers = stage_layers(node, pipe)
-    return (pipe.microbatches + pipe.stages - 1) * (layers * result.cost.step_s + hop.seconds)
+    ticks = pipe.microbatches + pipe.stages - 1
+    return ticks * (layers * result.cost.step_s + hop.seconds) + out.seconds
 
 
 def _scan_strategy(
