@@ -186,7 +186,10 @@ def check_model(name: str, step, grad=None) -> autopar.Plan:
     ref_losses, ref_states, ref_grads, noisy = reference(name)
     plan = step.plan(initial_state(name), ts.batch(0))
     what = f"{name} [{plan.engine}]"
-    assert any(r.spec.used_axes for r in plan.inputs), f"{what}: nothing sharded\n{plan}"
+    sharded = any(r.spec.used_axes for r in plan.inputs) or any(
+        s.used_axes or s.partial for o in plan.ops for s in o.out_specs
+    )
+    assert sharded, f"{what}: nothing sharded\n{plan}"
 
     # Free-running: the sharded state is fed back, as in training.
     losses, states = run_steps(step, initial_state(name), ts.batch, STEPS, keep_states=True)

@@ -438,6 +438,10 @@ def _edges(graph, cost, strategies, source):
     n_in = len(graph.inputs)
     edges: dict[tuple[int, int], np.ndarray] = {}
     cache: dict = {}
+    uses: dict[int, int] = {}
+    for node in graph.nodes:
+        for x in node.inputs:
+            uses[x] = uses.get(x, 0) + 1
     for node in graph.nodes:
         v_cg = n_in + node.id
         for j, x in enumerate(node.inputs):
@@ -447,7 +451,7 @@ def _edges(graph, cost, strategies, source):
             t = graph.values[x]
             src = tuple(s.out_specs[k] for s in strategies[u])
             dst = tuple(s.in_specs[j] for s in strategies[v_cg])
-            _add_edge(edges, u, v_cg, _matrix(cost, t, src, dst, cache))
+            _add_edge(edges, u, v_cg, _matrix(cost, t, src, dst, cache, uses[x]))
     return edges
 
 
@@ -464,15 +468,31 @@ def _add_edge(edges, u, v, mat):
 
 
 def _matrix(
-    cost: CostModel, t: TensorType, src: tuple[Spec, ...], dst: tuple[Spec, ...], cache
+    cost: CostModel,
+    t: TensorType,
+    src: tuple[Spec, ...],
+    dst: tuple[Spec, ...],
+    cache,
+    uses: int = 1,
 ) -> np.ndarray:
-    """[len(src), len(dst)] resharding seconds."""
-    key = (t, src, dst)
+    """[len(src), len(dst)] resharding seconds. A Partial value with `uses` uses is
+    summed once, where it is produced (`evaluate.settle_partials`), not once per use:
+    each use may instead pay its share of one all-reduce and reshard from the sum."""
+
+    def price(a: Spec, b: Spec) -> float:
+        direct = cost.reshard(t, a, b).seconds
+        if uses < 2 or not a.partial or b.partial:
+            return direct
+        whole = a.without_partial()
+        shared = cost.reshard(t, a, whole).seconds / uses + cost.reshard(t, whole, b).seconds
+        return min(direct, shared)
+
+    key = (t, src, dst, uses)
     m = cache.get(key)
     if m is None:
-        m = np.array(
-            [[cost.reshard(t, a, b).seconds for b in dst] for a in src], dtype=np.float64
-        ).reshape(len(src), len(dst))
+        m = np.array([[price(a, b) for b in dst] for a in src], dtype=np.float64).reshape(
+            len(src), len(dst)
+        )
         m.setflags(write=False)
         cache[key] = m
     return m
