@@ -25,10 +25,12 @@ from autopar.ir import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve
 from autopar.pipeline import (
+    SCHEDULES,
     Pipeline,
     PipelinedScans,
     batch_size,
     check_pipeline,
+    fuse,
     layer_ranges,
     micro_args,
     pipelined_scans,
@@ -79,6 +81,7 @@ class Parallelized:
         allow_partial=False,
         pipeline_stages=None,
         microbatches=None,
+        pipeline_schedule=None,
         precision=None,
         grad_accumulation=None,
         remat=None,
@@ -106,6 +109,12 @@ class Parallelized:
             )
         self.pipeline_stages = pipeline_stages
         self.microbatches = microbatches
+        if pipeline_schedule not in (None, *SCHEDULES):
+            raise MeshError(
+                f"pipeline_schedule={pipeline_schedule!r}: choose None (1F1B where the step "
+                f"allows it, else GPipe) or one of {SCHEDULES}"
+            )
+        self.pipeline_schedule = pipeline_schedule
         self.given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
         if precision is None and self.given_plan is not None:
             precision = self.given_plan.precision
@@ -412,9 +421,11 @@ class Parallelized:
             else [m for m in (S, 2 * S, 4 * S, 8 * S, 12 * S) if batch % m == 0] or [1]
         )
         out, skipped = [], []
+        schedule = self.pipeline_schedule or "1f1b"
         for m in counts:
             try:
-                out.append(self._pipelined(graph, args, static, Pipeline(S, m), mesh, remat_policy))
+                pipe = Pipeline(S, m, schedule)
+                out.append(self._pipelined(graph, args, static, pipe, mesh, remat_policy))
             except MeshError as e:  # e.g. a batch of 1 traces to different ops
                 if self.microbatches is not None:
                     raise
@@ -446,18 +457,27 @@ class Parallelized:
                 f"{name}: at the micro-batch size the function has {len(mscans)} pipelinable "
                 f"loops instead of {len(scans)}; pipelining needs the same loops at any batch size"
             )
-        return PipelinedScans(
-            pipe,
-            {
-                i: (
-                    with_full_consts(micro.nodes[j].body, graph.nodes[i].body),
-                    scan_labels(
-                        graph.nodes[i], micro.nodes[j], pipe.microbatches, graph.nodes[i].key
-                    ),
-                )
-                for i, j in zip(scans, mscans)
-            },
-        )
+        bodies = {
+            i: (
+                with_full_consts(micro.nodes[j].body, graph.nodes[i].body),
+                scan_labels(graph.nodes[i], micro.nodes[j], pipe.microbatches, graph.nodes[i].key),
+            )
+            for i, j in zip(scans, mscans)
+        }
+        if pipe.schedule != "1f1b":
+            return PipelinedScans(pipe, bodies)
+        try:
+            if scans != mscans:
+                raise MeshError(f"{name}: the captures at the two batch sizes do not line up")
+            fused = fuse(graph, micro, bodies, pipe.microbatches)
+            if not fused:
+                raise MeshError(f"{name}: no forward loop is followed by its backward loop")
+        except MeshError as e:
+            if self.pipeline_schedule == "1f1b":
+                raise MeshError(f"pipeline_schedule='1f1b': {e}") from None
+            log.info("1F1B does not apply (%s); GPipe", e)
+            return PipelinedScans(replace(pipe, schedule="gpipe"), bodies)
+        return PipelinedScans(pipe, bodies, fused)
 
     def _mesh_for_plan(self, plan: Plan) -> Mesh | AbstractMesh:
         for mesh in self.meshes:
@@ -541,6 +561,7 @@ def parallelize(
     allow_partial: bool = False,
     pipeline_stages: int | str | None = None,
     microbatches: int | None = None,
+    pipeline_schedule: str | None = None,
     precision: str | None = None,
     grad_accumulation: int | None = None,
     remat: str | None = None,
@@ -561,10 +582,13 @@ def parallelize(
     `@parallelize(mesh=...)`.
 
     `pipeline_stages=S` runs every loop over layers (a `scan` whose length S divides,
-    e.g. `flax.linen.scan`) as a GPipe pipeline over the mesh's `"stage"` axis (of
-    size S) with `microbatches` micro-batches per step (default: the best of S, 2S,
-    4S, 8S and 12S under the cost model); each stage's layers are searched on the other
-    axes. `pipeline_stages="auto"` with `mesh` a device count tries every stage count
+    e.g. `flax.linen.scan`) as a pipeline over the mesh's `"stage"` axis (of size S)
+    with `microbatches` micro-batches per step (default: the best of S, 2S, 4S, 8S and
+    12S under the cost model); each stage's layers are searched on the other axes.
+    `pipeline_schedule` is "1f1b" (the forward and backward layer loops interleaved in
+    one pipeline, each stage holding at most 2S - 1 micro-batches' activations),
+    "gpipe" (every forward pass, then every backward one: M micro-batches' activations)
+    or None: 1F1B where the step splits that way, else GPipe. `pipeline_stages="auto"` with `mesh` a device count tries every stage count
     S dividing it, on `{"stage": S, "data": ..., "model": ...}` with the model axis
     inside a node (`meshes.pipeline_meshes`; S = 1 is no pipeline), and keeps the
     fastest plan that fits.
@@ -597,6 +621,7 @@ def parallelize(
         allow_partial=allow_partial,
         pipeline_stages=pipeline_stages,
         microbatches=microbatches,
+        pipeline_schedule=pipeline_schedule,
         precision=precision,
         grad_accumulation=grad_accumulation,
         remat=remat,
@@ -689,6 +714,15 @@ def make_plan(
                 for i in pipelined.scans
             ],
         }
+        if pipelined.fused:
+            pipeline["fused"] = [
+                {
+                    "forward": keys[f.forward],
+                    "backward": keys[f.backward],
+                    "head": [keys[h] for h in f.head],
+                }
+                for f in pipelined.fused
+            ]
     return Plan(
         fingerprint=fingerprint(g),
         mesh=problem.mesh,

@@ -172,6 +172,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--microbatches", type=int, metavar="M", help="pipeline micro-batches")
     s.add_argument(
+        "--pipeline-schedule",
+        choices=("1f1b", "gpipe"),
+        help="pipeline schedule (default: 1f1b where the step allows it, else gpipe)",
+    )
+    s.add_argument(
         "--grad-accumulation",
         type=int,
         metavar="M",
@@ -372,6 +377,7 @@ def cmd_search(args) -> int:
         donate_argnums=wl.donate_argnums,
         pipeline_stages=stages,
         microbatches=args.microbatches,
+        pipeline_schedule=args.pipeline_schedule,
         grad_accumulation=args.grad_accumulation,
         remat=args.remat,
         precision=args.precision,

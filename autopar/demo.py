@@ -102,8 +102,11 @@ def _parser() -> argparse.ArgumentParser:
         "--pipeline-stages",
         type=_positive,
         metavar="S",
-        help="run the layers under nn.scan as a GPipe pipeline over the mesh's 'stage' axis "
+        help="run the layers under nn.scan as a pipeline (1F1B) over the mesh's 'stage' axis "
         "(e.g. --mesh stage=2,data=2,model=2 --pipeline-stages 2)",
+    )
+    p.add_argument(
+        "--pipeline-schedule", choices=("1f1b", "gpipe"), help="default: 1f1b where it applies"
     )
     p.add_argument(
         "--grad-accumulation", type=_positive, metavar="M", help="accumulate over M micro-batches"
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster=args.cluster,
         donate_argnums=(0,),
         pipeline_stages=args.pipeline_stages,
+        pipeline_schedule=args.pipeline_schedule,
         grad_accumulation=args.grad_accumulation,
         remat=args.remat,
     )

@@ -29,18 +29,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import jax
 
 from autopar.errors import MeshError
-from autopar.ir import Graph, Node
+from autopar.ir import Graph, Node, TensorType
 from autopar.microbatch import fits, separate, split_spec, sum_spec
 from autopar.sharding import MeshInfo, Spec
 
 SUM = "sum"
 SAME = "same"
 Label = int | str
-SCHEDULES = ("gpipe",)
+SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,42 @@ class ScanLabels:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """A forward layer loop and the backward loop that consumes its saved activations,
+    run as one 1F1B pipeline together with the `head`: the ops between them that run
+    per micro-batch (final norm, loss, its gradient, the output layer's weight
+    gradient), on the last stage, as each micro-batch's forward pass leaves it.
+
+    `head_ins`: the values the head reads from outside the region, each with its batch
+    dim, or SAME (the forward loop's final carry is among them); `head_outs`: the head
+    values the rest of the step reads, with their batch dim or SUM (a sum over the
+    batch, accumulated over micro-batches). `micro_nodes` are the head's nodes traced at
+    the micro-batch size, `micro_consts` the constants they read."""
+
+    forward: int
+    backward: int
+    head: tuple[int, ...]
+    head_ins: tuple[tuple[int, Label], ...]
+    head_outs: tuple[tuple[int, Label], ...]
+    micro_nodes: tuple[Node, ...]
+    micro_consts: Mapping[int, Any]
+    micro_types: Mapping[int, TensorType]  # of the head_outs, per micro-batch
+
+    def members(self) -> frozenset[int]:
+        return frozenset((self.forward, self.backward, *self.head))
+
+
+@dataclass(frozen=True)
 class PipelinedScans:
     """What the lowering needs: the pipeline, and per pipelined scan node id its body at
-    the micro-batch size with its labels."""
+    the micro-batch size with its labels; with the 1F1B schedule, the fused loop pairs."""
 
     pipe: Pipeline
     scans: Mapping[int, tuple[Graph, ScanLabels]]
+    fused: tuple[Fused, ...] = ()
+
+    def head_nodes(self) -> frozenset[int]:
+        return frozenset(n for f in self.fused for n in f.head)
 
 
 def check_pipeline(pipe: Pipeline, mesh: MeshInfo) -> None:
@@ -245,3 +276,135 @@ def stage_layers(node: Node, pipe: Pipeline) -> int:
 def layer_ranges(node: Node, pipe: Pipeline) -> list[tuple[int, int]]:
     k = stage_layers(node, pipe)
     return [(s * k, (s + 1) * k) for s in range(pipe.stages)]
+
+
+def descendants(graph: Graph, start: int) -> set[int]:
+    """Ids of the nodes that depend on node `start`'s outputs (itself included)."""
+    consumers = graph.consumers
+    out, todo = {start}, [start]
+    while todo:
+        for v in graph.nodes[todo.pop()].outputs:
+            for c in consumers.get(v, ()):
+                if c not in out:
+                    out.add(c)
+                    todo.append(c)
+    return out
+
+
+def fuse(graph: Graph, micro: Graph, scans: Mapping[int, tuple[Graph, ScanLabels]], M: int):
+    """The 1F1B regions of `graph`: each forward pipelined loop with the reversed one
+    that reads its `ys` (saved activations), and the per-micro-batch ops between them.
+    Raises MeshError, naming the op, where the step does not split that way."""
+    out = []
+    for f in sorted(scans):
+        F = graph.nodes[f]
+        if F.params["reverse"]:
+            continue
+        ys = set(F.outputs[F.params["num_carry"] :])
+        backs = [
+            b
+            for b in scans
+            if graph.nodes[b].params["reverse"] and any(v in ys for v in graph.nodes[b].inputs)
+        ]
+        if backs:  # else a forward-only loop (no gradient): GPipe it
+            out.append(_region(graph, micro, F, graph.nodes[backs[0]], scans[f][1], M))
+    if len(out) > 1:
+        raise MeshError(
+            f"1F1B fuses one forward/backward loop pair; this step has {len(out)}. "
+            "Use schedule='gpipe'"
+        )
+    return tuple(out)
+
+
+def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, M: int) -> Fused:
+    producer = graph.producer
+    n_kf = F.params["num_carry"]
+    ys = set(F.outputs[n_kf:])
+    after_f, after_b = descendants(graph, F.id), descendants(graph, B.id)
+    between = [n for n in graph.nodes if n.id in after_f - after_b - {F.id}]
+    made = {v for n in between for v in n.outputs}
+    ext = dict.fromkeys(
+        v for n in between for v in n.inputs if v not in made and v not in graph.consts
+    )
+
+    def label(v: int) -> Label:
+        if v in ys:
+            raise MeshError(
+                f"1F1B: the loop at {F.key} hands its saved activations to "
+                f"{graph.nodes[producer[v]].key} as well as to the backward loop; "
+                "use schedule='gpipe'"
+            )
+        if v in F.outputs:
+            return f_labels.outs[F.outputs.index(v)]
+        a, m = graph.values[v].shape, micro.values[v].shape
+        diff = [d for d, (x, y) in enumerate(zip(a, m)) if x != y]
+        if not diff:
+            return SAME
+        if len(diff) == 1 and a[diff[0]] == m[diff[0]] * M:
+            return diff[0]
+        raise MeshError(f"1F1B: {graph.values[v]} does not cut into {M} micro-batches")
+
+    ins = [(v, label(v)) for v in ext]
+    specs = [
+        Spec.replicated(graph.values[v].rank)
+        if lab == SAME
+        else split_spec(graph.values[v].rank, lab)
+        for v, lab in ins
+    ]
+    sub = replace(graph, nodes=tuple(between), inputs=tuple(ext), outputs=())
+    have, _ = separate(sub, specs, M, micro)
+    head = [n for n in between if all(v in have for v in n.outputs)]
+    head_ids = {n.id for n in head}
+    read = {v for n in head for v in n.inputs}
+    n_cb, n_kb = B.params["num_consts"], B.params["num_carry"]
+    for i, v in enumerate(B.inputs):
+        p = producer.get(v)
+        if p is None or p not in after_f or p == F.id and v in ys:
+            continue
+        if p not in head_ids:
+            raise MeshError(
+                f"1F1B: the backward loop at {B.key} reads {graph.values[v]} from "
+                f"{graph.nodes[p].key}, which cannot run micro-batch by micro-batch; "
+                "use schedule='gpipe'"
+            )
+        if not n_cb <= i < n_cb + n_kb:
+            raise MeshError(
+                f"1F1B: the backward loop at {B.key} reads {graph.values[v]} from the ops "
+                "between the loops other than as its carry; use schedule='gpipe'"
+            )
+    region = head_ids | {F.id, B.id}
+    used_outside = {v for n in graph.nodes if n.id not in region for v in n.inputs}
+    used_outside |= set(graph.outputs)
+    outs = []
+    for n in head:
+        for v in n.outputs:
+            if v not in used_outside:
+                continue
+            sp = have[v]
+            if sp.partial:
+                outs.append((v, SUM))
+            elif sp.used_axes:
+                outs.append((v, next(d for d, a in enumerate(sp.dims) if a)))
+            else:
+                raise MeshError(
+                    f"1F1B: {graph.values[v]} from {n.key} is the same for every "
+                    "micro-batch; use schedule='gpipe'"
+                )
+    consts = {
+        v: graph.consts[v]
+        if v in graph.consts and graph.values[v] == micro.values[v]
+        else micro.consts[v]
+        for n in head
+        for v in n.inputs
+        if v in micro.consts
+    }
+    return Fused(
+        F.id,
+        B.id,
+        tuple(n.id for n in head),
+        tuple((v, lab) for v, lab in ins if v in read),
+        tuple(outs),
+        tuple(micro.nodes[n.id] for n in head),
+        consts,
+        {v: micro.values[v] for v, _ in outs},
+    )

@@ -326,7 +326,13 @@ class Plan:
             p = self.pipeline
             lines.append(
                 f"  pipeline: {p['stages']} stages over '{p['axis']}', {p['microbatches']} micro-batches, "
-                f"{p['schedule']}; "
+                f"{p['schedule']}"
+                + "".join(
+                    f" ({f['forward']} and {f['backward']} interleaved, {len(f['head'])} head "
+                    "ops on the last stage)"
+                    for f in p.get("fused", ())
+                )
+                + "; "
                 + "; ".join(
                     f"{s['op']}: layers " + " | ".join(f"{a}-{b - 1}" for a, b in s["stages"])
                     for s in p["scans"]

@@ -590,6 +590,8 @@ def test_search_with_pipeline_remat_and_precision(tmp_path):
             "2",
             "--microbatches",
             "4",
+            "--pipeline-schedule",
+            "1f1b",
             "--remat",
             "full",
             "--precision",
@@ -601,7 +603,8 @@ def test_search_with_pipeline_remat_and_precision(tmp_path):
     assert "pipeline: 2 stages over 'stage', 4 micro-batches" in out
     plan = json.loads(path.read_text())
     assert check_schema(plan, SCHEMA) == []
-    assert plan["pipeline"]["microbatches"] == 4
+    assert plan["pipeline"]["microbatches"] == 4 and plan["pipeline"]["schedule"] == "1f1b"
+    assert plan["pipeline"]["fused"][0]["head"]
     assert (plan["remat"], plan["precision"]) == ("full", "bfloat16")
     bad = run(
         "search", "autopar/examples.py:gpt_scan_small", "--mesh", "8", "--pipeline-stages", "x"

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: a scan of layers run as a GPipe pipeline over a 'stage' axis."""
+"""Pipeline parallelism: a scan of layers run as a 1F1B or GPipe pipeline over a 'stage'
+axis."""
 
 from __future__ import annotations
 
@@ -25,16 +26,24 @@ def _cfg(layers: int = 4, scan: bool = True) -> gpt.GPTConfig:
 
 
 @functools.cache
-def _pipelined(microbatches: int | None = 4):
+def _pipelined(microbatches: int | None = 4, schedule: str | None = None):
     ts = gpt.make_train_step(_cfg())
     step = autopar.parallelize(
-        ts.step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=microbatches
+        ts.step,
+        mesh=MESH,
+        cluster=CLUSTER,
+        pipeline_stages=2,
+        microbatches=microbatches,
+        pipeline_schedule=schedule,
     )
     return ts, step
 
 
-def test_pipelined_training_matches_single_device():
-    ts, step = _pipelined()
+@pytest.mark.parametrize("schedule", [None, "gpipe"])
+def test_pipelined_training_matches_single_device(schedule):
+    """Default (1F1B: the loops interleaved, the loss head per micro-batch on the last
+    stage) and GPipe both train like jax.jit."""
+    ts, step = _pipelined(schedule=schedule)
     state = jax.jit(ts.init)(0)
     losses, states = run_steps(step, state, ts.batch, 3, keep_states=True)
     ref_losses, ref_states = run_steps(jax.jit(ts.step), state, ts.batch, 3, keep_states=True)
@@ -51,13 +60,24 @@ def test_pipelined_training_matches_single_device():
 
     plan = step.plan(state, ts.batch(0))
     p = plan.pipeline
-    assert p["stages"] == 2 and p["microbatches"] == 4 and p["schedule"] == "gpipe"
+    name = schedule or "1f1b"
+    assert p["stages"] == 2 and p["microbatches"] == 4 and p["schedule"] == name
     assert len(p["scans"]) == 2  # the forward and the backward layer loop
     assert all(s["stages"] == [[0, 2], [2, 4]] for s in p["scans"])
     # the stacked layer weights live on their stage
     stacked = [r for r in plan.inputs if "/h/block/" in r.path]
     assert stacked and all(r.spec.dims[0][:1] == ("stage",) for r in stacked), stacked
-    assert "pipeline: 2 stages over 'stage', 4 micro-batches, gpipe" in str(plan)
+    assert f"pipeline: 2 stages over 'stage', 4 micro-batches, {name}" in str(plan)
+    if name == "1f1b":
+        (fused,) = p["fused"]
+        assert {fused["forward"], fused["backward"]} == {s["op"] for s in p["scans"]}
+        # the head (final norm, logits, loss and their gradients) runs on the last
+        # stage only: its ops are planned off the stage axis
+        head = [o for o in plan.ops if o.key in set(fused["head"])]
+        assert any(o.op == "dot_general" for o in head), [o.op for o in head]
+        assert all("stage" not in sp.used_axes for o in head for sp in o.out_specs)
+    else:
+        assert "fused" not in p
 
 
 def test_compiled_pipeline_moves_activations_with_collective_permute():
@@ -70,6 +90,32 @@ def test_compiled_pipeline_moves_activations_with_collective_permute():
     shapes = re.findall(r"= f32\[([\d,]+)\][^ ]* collective-permute", hlo)
     dims = [tuple(map(int, s.split(","))) for s in shapes]
     assert any(d[-1] == 64 and math.prod(d) <= 2 * 32 * 64 for d in dims), shapes
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    """With M = 16 micro-batches on 2 stages, GPipe keeps all 16 micro-batches' saved
+    activations, 1F1B at most 2S - 1 = 3: the compiled program's temporaries shrink,
+    and the plan's predicted peak with them, at about the same predicted time."""
+    cfg = gpt.GPTConfig(
+        hidden=64, heads=4, seq=64, vocab=256, layers=4, batch_size=32, scan_layers=True
+    )
+    ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    temp, plans = {}, {}
+    for schedule in ("gpipe", "1f1b"):
+        step = autopar.parallelize(
+            ts.step,
+            mesh=MESH,
+            cluster=CLUSTER,
+            pipeline_stages=2,
+            microbatches=16,
+            pipeline_schedule=schedule,
+        )
+        plans[schedule] = step.plan(*args)
+        temp[schedule] = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp["1f1b"] < 0.6 * temp["gpipe"], temp
+    gpipe, one = plans["gpipe"].cost, plans["1f1b"].cost
+    assert one.peak_memory_bytes < 0.6 * gpipe.peak_memory_bytes
+    assert one.step_s < 1.1 * gpipe.step_s
 
 
 def test_plan_file_round_trips_and_replays(tmp_path):
@@ -96,6 +142,8 @@ def test_bad_pipeline_requests_say_what_to_do():
             ts.step, mesh={"data": 2, "model": 4}, cluster=CLUSTER, pipeline_stages=2
         ).plan(*args)
     scan = gpt.make_train_step(_cfg())
+    with pytest.raises(MeshError, match="pipeline_schedule='zb'"):
+        autopar.parallelize(scan.step, mesh=MESH, pipeline_stages=2, pipeline_schedule="zb")
     with pytest.raises(MeshError, match="does not split into 3 micro-batches"):
         autopar.parallelize(
             scan.step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=3
@@ -119,6 +167,32 @@ def test_a_loop_that_mixes_the_batch_is_refused():
     par = autopar.parallelize(step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=2)
     with pytest.raises(MeshError, match="mixes the batch"):
         par.plan(w, x)
+
+
+def test_a_head_that_mixes_the_batch_falls_back_to_gpipe():
+    """A batch statistic between the forward and backward loops cannot run per
+    micro-batch: 1F1B is refused by name, and by default the step runs as GPipe (the
+    ops between the loops on the whole batch), computing what jax.jit computes."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    def step(w, x):
+        def loss(w):
+            c = jax.lax.scan(lambda c, wl: (jnp.tanh(c @ wl), None), x, w)[0]
+            return ((c - c.mean(0, keepdims=True)) ** 2).sum()
+
+        return jax.grad(loss)(w)
+
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 16, 16)) / 4, jnp.float32)
+    x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
+    strict = autopar.parallelize(
+        step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, pipeline_schedule="1f1b"
+    )
+    with pytest.raises(MeshError, match="1f1b.*cannot run micro-batch by micro-batch"):
+        strict.plan(w, x)
+    par = autopar.parallelize(step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2)
+    assert par.plan(w, x).pipeline["schedule"] == "gpipe"
+    assert_trees_close(par(w, x), jax.jit(step)(w, x))
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir import Graph, Node
-from autopar.lower.pipeline import run_pipelined_scan
-from autopar.pipeline import PipelinedScans
+from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
+from autopar.pipeline import Fused, PipelinedScans, descendants
 from autopar.plan import BodyRecord, Plan
 from autopar.precision import upcast_operands
 from autopar.search.evaluate import settle_partials
@@ -109,10 +109,71 @@ def interpret(
                 x = constrain(x, dense)
             return split(x, want) if want.partial else x
 
-        for node, rec in zip(graph.nodes, plan.ops):
-            wants = [
-                settled.get(v, s.without_partial()) for v, s in zip(node.outputs, rec.out_specs)
+        def wants(node: Node) -> list[Spec]:
+            return [
+                settled.get(v, s.without_partial())
+                for v, s in zip(node.outputs, plan.ops[node.id].out_specs)
             ]
+
+        def store(node: Node, outs, haves) -> None:
+            for v, val, have, want in zip(node.outputs, outs, haves, wants(node)):
+                if val is None:  # a 1F1B loop's saved activations never leave it
+                    continue
+                env[v], produced[v] = val, have
+                if have != want:
+                    env[v], produced[v] = read(v, want), want
+
+        def pipelined_loop(node: Node) -> PipelinedLoop:
+            micro, labels = pipelined.scans[node.id]
+            rec = plan.ops[node.id]
+            # traced inside the pipeline's shard_map, on its partly manual mesh
+            run_body = lambda *xs: interpret(
+                micro, rec.body, jax.sharding.get_abstract_mesh(), pin_inputs=True
+            )(*xs)
+            specs = [r.spec for r in rec.body.outputs]
+            return PipelinedLoop(node, micro, labels, run_body, pipelined.pipe, mesh, specs)
+
+        def run_fused(fz: Fused) -> None:
+            F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
+            rec_f, rec_b = plan.ops[F.id], plan.ops[B.id]
+            made = {v for h in fz.head for v in graph.nodes[h].outputs} | set(F.outputs)
+            f_in = [read(v, s) for v, s in zip(F.inputs, rec_f.in_specs)]
+            b_in = {
+                i: read(v, s)
+                for i, (v, s) in enumerate(zip(B.inputs, rec_b.in_specs))
+                if v not in made
+            }
+            spec_of: dict[int, Spec] = {}
+            for h in fz.head:
+                for v, sp in zip(graph.nodes[h].inputs, plan.ops[h].in_specs):
+                    spec_of.setdefault(v, sp.without_partial())
+            h_in = [read(v, spec_of[v]) for v, _ in fz.head_ins if v not in F.outputs]
+            members = fz.members()
+            keep = frozenset(
+                v for n in graph.nodes if n.id not in members for v in n.inputs if v in F.outputs
+            ) | frozenset(v for v in graph.outputs if v in F.outputs)
+            f_outs, b_outs, heads = run_1f1b(
+                fz,
+                pipelined_loop(F),
+                pipelined_loop(B),
+                lambda env: _run_head(fz, env),
+                mesh,
+                f_in,
+                b_in,
+                h_in,
+                keep,
+            )
+            store(F, f_outs, rec_f.out_specs)
+            store(B, b_outs, rec_b.out_specs)
+            for h in fz.head:
+                node = graph.nodes[h]
+                if any(v in heads for v in node.outputs):
+                    outs = [heads.get(v) for v in node.outputs]
+                    store(node, outs, [None] * len(outs))
+
+        fused = {f.forward: f for f in pipelined.fused} if pipelined is not None else {}
+        for node in _order(graph, fused.values()):
+            rec = plan.ops[node.id]
             empty = any(graph.values[v].size == 0 for v in (*node.inputs, *node.outputs))
             local = (
                 node.op in LOCAL_OPS
@@ -120,26 +181,15 @@ def interpret(
                 and (
                     node.op in EXACT_OPS
                     or any(s.partial for s in rec.in_specs)
-                    or any(w.partial for w in wants)
+                    or any(w.partial for w in wants(node))
                 )
             )
+            if node.id in fused:
+                run_fused(fused[node.id])
+                continue
             if pipelined is not None and node.id in pipelined.scans:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
-                micro, labels = pipelined.scans[node.id]
-                # traced inside the pipeline's shard_map, on its partly manual mesh
-                run_body = lambda *xs, micro=micro, body=rec.body: interpret(
-                    micro, body, jax.sharding.get_abstract_mesh(), pin_inputs=True
-                )(*xs)
-                outs = run_pipelined_scan(
-                    node,
-                    micro,
-                    labels,
-                    run_body,
-                    pipelined.pipe,
-                    mesh,
-                    invals,
-                    [r.spec for r in rec.body.outputs],
-                )
+                outs = run_gpipe(pipelined_loop(node), mesh, invals)
                 haves = rec.out_specs
             elif node.body is not None:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
@@ -151,13 +201,36 @@ def interpret(
                 invals = [read(v, s.without_partial()) for v, s in zip(node.inputs, rec.in_specs)]
                 outs, haves = bind(node, invals, manual=bool(manual)), [None] * len(node.outputs)
                 outs = outs if node.primitive.multiple_results else [outs]
-            for v, val, have, want in zip(node.outputs, outs, haves, wants):
-                env[v], produced[v] = val, have
-                if have != want:
-                    env[v], produced[v] = read(v, want), want
+            store(node, outs, haves)
         return tuple(read(v, r.spec) for v, r in zip(graph.outputs, plan.outputs))
 
     return run
+
+
+def _order(graph: Graph, fused) -> list[Node]:
+    """The nodes in the order the interpreter runs them: a 1F1B region runs as one
+    unit where its forward loop is, after everything it reads (some of which may come
+    later in the captured order); its head and backward loop are not run again."""
+    order = list(graph.nodes)
+    for fz in fused:
+        after = descendants(graph, fz.forward)
+        members = fz.members()
+        order = (
+            [n for n in order if n.id not in after]
+            + [graph.nodes[fz.forward]]
+            + [n for n in order if n.id in after and n.id not in members]
+        )
+    return order
+
+
+def _run_head(fz: Fused, env: dict) -> dict:
+    """The head's ops on one micro-batch's values."""
+    env = dict(env)
+    for n in fz.micro_nodes:
+        ins = [env[v] if v in env else jnp.asarray(fz.micro_consts[v]) for v in n.inputs]
+        outs = bind(n, ins, manual=True)
+        env.update(zip(n.outputs, outs if n.primitive.multiple_results else [outs]))
+    return env
 
 
 def _run_scan(node: Node, rec, mesh, invals) -> list:

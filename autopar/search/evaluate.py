@@ -165,6 +165,7 @@ def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
         s = problem.strategies[n_in + node.id][choice[n_in + node.id]]
         for v, spec in zip(node.outputs, s.out_specs):
             b = problem.cost.local_bytes(g.values[v], settled.get(v, spec))
+            b *= problem.resident.get(v, 1.0)
             live += b
             free_at[last_use.get(v, node.id)] += b
         peak = max(peak, live)

@@ -54,6 +54,9 @@ class Problem:
     # output positions returned as the Partial sums they are (a pipelined loop body's
     # weight gradients, summed over micro-batches before anyone sums across devices)
     partial_outputs: frozenset[int] = frozenset()
+    # value id -> the fraction of it alive at once (a 1F1B pipeline's saved activations
+    # and head values, which exist a few micro-batches at a time)
+    resident: dict[int, float] = field(default_factory=dict)
 
     @property
     def num_inputs(self) -> int:
@@ -124,6 +127,8 @@ def build_problem(
     Partial sum, kept unsummed from step to step. The outputs at `partial_outputs` may
     be returned unsummed."""
     piped = pipelined.scans if pipelined is not None else {}
+    head = pipelined.head_nodes() if pipelined is not None else frozenset()
+    resident = _fused_residency(graph, pipelined) if head else {}
     carried = set(find_aliases(graph).values()) if partial_carry else set()
     n_in = len(graph.inputs)
     strategies: list[tuple[Strategy, ...]] = []
@@ -160,6 +165,14 @@ def build_problem(
             ns = strategies_for(node, graph, mesh)
             if key is not None:
                 cache[key] = ns
+        if node.id in head:  # runs on the last stage, micro-batch by micro-batch
+            axis = pipelined.pipe.axis
+            off_stage = tuple(
+                s
+                for s in ns.strategies
+                if not any(axis in sp.used_axes for sp in (*s.in_specs, *s.out_specs))
+            )
+            ns = replace(ns, strategies=off_stage or ns.strategies)
         if ns.warning:
             warnings.append(ns.warning)
         strategies.append(ns.strategies)
@@ -168,14 +181,18 @@ def build_problem(
         flops[n_in + node.id] = node_flops(node, graph)
 
     node_time, node_mem = _node_costs(
-        graph, mesh, cost, strategies, flops, carried, partial_outputs
+        graph, mesh, cost, strategies, flops, carried, partial_outputs, resident
     )
     node_time = list(node_time)
     for i, (_, results) in bodies.items():
         node = graph.nodes[i]
         if i in piped:
+            collect = i not in _inside_1f1b(graph, pipelined)
             node_time[n_in + i] = np.array(
-                [_pipeline_seconds(node, bodies[i][0], pipelined.pipe, cost, r) for r in results]
+                [
+                    _pipeline_seconds(node, bodies[i][0], pipelined.pipe, cost, r, collect)
+                    for r in results
+                ]
             )
         else:
             node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
@@ -211,15 +228,51 @@ def build_problem(
         edges,
         bodies,
         frozenset(partial_outputs),
+        resident,
     )
 
 
-def _pipeline_seconds(node, body: Problem, pipe: Pipeline, cost: CostModel, result) -> float:
-    """GPipe time of a pipelined scan: `M + S - 1` ticks, each one micro-batch through
-    one stage's layers (`result`: one layer's plan at the micro-batch size, on the
-    `body` problem) and one collective-permute of each device's shard of the
-    micro-batch's carry to the next stage; then the final carry, which only the last
-    stage holds, is all-reduced over the stage axis."""
+def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:
+    """In a 1F1B pipeline a stage holds the saved activations of at most 2S - 1
+    micro-batches, and the head's values one micro-batch's worth, but for the values
+    the rest of the step reads from it."""
+    M, S = pipelined.pipe.microbatches, pipelined.pipe.stages
+    out = {}
+    for fz in pipelined.fused:
+        F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
+        for v in F.outputs[F.params["num_carry"] :]:
+            if v in B.inputs:
+                out[v] = min(M, 2 * S - 1) / M
+        kept = {v for v, _ in fz.head_outs}
+        for h in fz.head:
+            out.update((v, 1 / M) for v in graph.nodes[h].outputs if v not in kept)
+    return out
+
+
+def _inside_1f1b(graph: Graph, pipelined: PipelinedScans) -> set[int]:
+    """The 1F1B forward loops whose final carry only the head reads: it never leaves
+    the pipeline."""
+    out = set()
+    for fz in pipelined.fused:
+        F, members = graph.nodes[fz.forward], fz.members()
+        carry = set(F.outputs[: F.params["num_carry"]])
+        if carry & set(graph.outputs):
+            continue
+        if all(n.id in members for n in graph.nodes if carry & set(n.inputs)):
+            out.add(fz.forward)
+    return out
+
+
+def _pipeline_seconds(
+    node, body: Problem, pipe: Pipeline, cost: CostModel, result, collect: bool = True
+) -> float:
+    """Time of a pipelined scan: `M + S - 1` slots, each one micro-batch through one
+    stage's layers (`result`: one layer's plan at the micro-batch size, on the `body`
+    problem) and one collective-permute of each device's shard of the micro-batch's
+    carry to the next stage; then (`collect`) the final carry, which only the last
+    stage holds, is all-reduced over the stage axis. GPipe and 1F1B alike: 1F1B runs a
+    forward and a backward slot per tick, with ramps of forward-only and
+    backward-only slots."""
     n_c, n_k = node.params["num_consts"], node.params["num_carry"]
     sent = sum(
         body.cost.local_bytes(
@@ -233,7 +286,7 @@ def _pipeline_seconds(node, body: Problem, pipe: Pipeline, cost: CostModel, resu
     out = cost.collective("all-reduce", (pipe.axis,), sent * pipe.microbatches)
     layers = stage_layers(node, pipe)
     ticks = pipe.microbatches + pipe.stages - 1
-    return ticks * (layers * result.cost.step_s + hop.seconds) + out.seconds
+    return ticks * (layers * result.cost.step_s + hop.seconds) + out.seconds * collect
 
 
 def _scan_strategy(
@@ -324,11 +377,17 @@ def _node_key(node, graph):
         return None
 
 
-def _node_costs(graph, mesh, cost, strategies, flops, carried=frozenset(), unsummed=frozenset()):
+def _node_costs(
+    graph, mesh, cost, strategies, flops, carried=frozenset(), unsummed=frozenset(), resident=None
+):
     n_in = len(graph.inputs)
     times, mems = [], []
     out_types = [[graph.values[v]] for v in graph.inputs] + [
         [graph.values[v] for v in n.outputs] for n in graph.nodes
+    ]
+    resident = resident or {}
+    fractions = [(1.0,) for _ in graph.inputs] + [
+        tuple(resident.get(v, 1.0) for v in n.outputs) for n in graph.nodes
     ]
     in_types = [[] for _ in graph.inputs] + [
         [graph.values[v] for v in n.inputs] for n in graph.nodes
@@ -350,6 +409,7 @@ def _node_costs(graph, mesh, cost, strategies, flops, carried=frozenset(), unsum
             c < n_in,
             moved,
             dtypes[c],
+            fractions[c],
         )
         if key not in memo:
             memo[key] = _strategy_costs(
@@ -362,6 +422,7 @@ def _node_costs(graph, mesh, cost, strategies, flops, carried=frozenset(), unsum
                 c < n_in,
                 moved,
                 dtypes[c],
+                fractions[c],
             )
         times.append(memo[key][0])
         mems.append(memo[key][1])
@@ -391,14 +452,23 @@ def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]]
 
 
 def _strategy_costs(
-    cost, strats, in_types, out_types, flops, pending, is_input, moved=None, dtype=np.float32
+    cost,
+    strats,
+    in_types,
+    out_types,
+    flops,
+    pending,
+    is_input,
+    moved=None,
+    dtype=np.float32,
+    fractions=None,
 ):
     t_arr = np.zeros(len(strats))
     m_arr = np.zeros(len(strats))
     reads, writes = moved or ((True,) * len(in_types), (True,) * len(out_types))
     for s_i, s in enumerate(strats):
         out_bytes = [cost.local_bytes(t, sp) for t, sp in zip(out_types, s.out_specs)]
-        mem = sum(out_bytes)
+        mem = sum(b * f for b, f in zip(out_bytes, fractions or (1.0,) * len(out_bytes)))
         m_arr[s_i] = mem
         if is_input:
             continue
