@@ -149,6 +149,7 @@ def run(profile_name: str = "a100-80g") -> dict:
         ],
         "sweep": _sweep(pricer, prof),
         "parallelize": parallelize_auto(profile_name),
+        "parallelize_gpipe": parallelize_auto(profile_name, remat="full", schedule="gpipe"),
         "jax": jax.__version__,
     }
     fitted, eff = _fitted_profile(prof)
@@ -163,12 +164,15 @@ def run(profile_name: str = "a100-80g") -> dict:
     return out
 
 
-def parallelize_auto(profile_name: str, remat: str = "full", engine: str = "dp") -> dict:
+def parallelize_auto(
+    profile_name: str, remat: str = "dots", engine: str = "dp", schedule: str | None = None
+) -> dict:
     """The captured GPT-3 175B train step (layers under `nn.scan`) planned by
     `autopar.parallelize(mesh=1024, pipeline_stages="auto", remat=...)` on abstract
     arguments: every stage count, its micro-batch counts and the layer plan at the
-    micro-batch size searched for real (GPipe, so activations of all micro-batches
-    stay: full remat is what fits)."""
+    micro-batch size searched for real. 1F1B by default (a stage keeps at most 2S - 1
+    micro-batches' activations, so selective remat fits); GPipe keeps all M, so only
+    full remat fits there."""
     from autopar.models import gpt
 
     cfg = gpt.GPTConfig(
@@ -189,6 +193,7 @@ def parallelize_auto(profile_name: str, remat: str = "full", engine: str = "dp")
         mesh=DEVICES,
         cluster=profile_name,
         pipeline_stages="auto",
+        pipeline_schedule=schedule,
         remat=remat,
         engine=engine,
     )
@@ -256,33 +261,47 @@ def markdown(r: dict) -> str:
         _plan_row("Megatron, selective recompute", r["megatron"]["selective"], budget),
     ]
     if "parallelize" in r:
-        a = r["parallelize"]
-        pipe = a["pipeline"]
         out += [
             "",
             "## The captured step, planned and priced by `autopar.parallelize`",
             "",
             "Not the stage search above: the real train step (layers under `nn.scan`) planned by "
-            f'`parallelize(mesh={r["devices"]}, pipeline_stages="auto", remat="{a["remat"]}", '
-            f'engine="dp")` on abstract arguments. Every stage count S dividing the devices '
-            "(mesh `{stage: S, data, model: 8}`) and its micro-batch counts (S to 12S) is searched "
-            "op by op: one layer's plan at the micro-batch size on a stage's sub-mesh, the "
-            "pipelined loops priced as GPipe, everything else on the whole mesh. GPipe keeps "
-            "every micro-batch's activations until the backward, so only full remat fits.",
+            f'`parallelize(mesh={r["devices"]}, cluster="{r["profile"]}", pipeline_stages="auto", '
+            'remat=..., engine="dp")` on abstract arguments. Every stage count S dividing the '
+            "devices (mesh `{stage: S, data, model: 8}`) and its micro-batch counts (S to 12S) is "
+            "searched op by op: one layer's plan at the micro-batch size on a stage's sub-mesh, "
+            "the pipelined loops priced at M + S - 1 forward and backward slots, everything else "
+            "on the whole mesh. 1F1B (the default) keeps at most 2S - 1 micro-batches' "
+            "activations on a stage, so selective (`dots`) remat fits; GPipe keeps all M, so "
+            "only full remat fits there.",
             "",
-            f"* chosen: mesh {a['mesh']}, "
-            + (
-                f"{pipe['stages']} stages, {pipe['microbatches']} micro-batches, {pipe['schedule']}"
-                if pipe
-                else "no pipeline"
+            "| schedule | remat | mesh | M | engine | step s (compute + comm) | GB/device | MFU | "
+            "search s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for key in ("parallelize", "parallelize_gpipe"):
+            if key not in r:
+                continue
+            a = r[key]
+            pipe = a["pipeline"] or {}
+            mesh = " x ".join(f"{k} {v}" for k, v in a["mesh"].items())
+            out.append(
+                f"| {pipe.get('schedule', 'none')} | {a['remat']} | {mesh} | "
+                f"{pipe.get('microbatches', '-')} | {a['engine']} | {a['step_s']:.2f} "
+                f"({a['compute_s']:.2f} + {a['comm_s']:.2f}) | {a['memory_gb']:.1f} | "
+                f"**{100 * a['mfu']:.1f} %** | {a['search_seconds']:.0f} |"
             )
-            + f", engine {a['engine']};",
-            f"* predicted step {a['step_s']:.2f} s (compute {a['compute_s']:.2f} s + "
-            f"communication {a['comm_s']:.2f} s), {a['memory_gb']:.1f} GB per device, "
-            f"**MFU {100 * a['mfu']:.1f} %** (Megatron's 1024-GPU run as `shared/BENCHMARKS.md` gives it, about 140 TFLOP/s a GPU: "
-            f"{pub['megatron_sc21_1024gpu']['step_s']:.1f} s, {100 * pub['megatron_sc21_1024gpu']['mfu_72_formula']:.1f} %);",
-            f"* search {a['search_seconds']:.0f} s (all candidates, two traces each);",
-            f"* tried: {a['tried'][0].split(': ', 1)[-1] if a['tried'] else '-'}",
+        mega = pub["megatron_sc21_1024gpu"]
+        out += [
+            "",
+            "Megatron's 1024-GPU run as `shared/BENCHMARKS.md` gives it (about 140 TFLOP/s a "
+            f"GPU): {mega['step_s']:.1f} s, {100 * mega['mfu_72_formula']:.1f} % by the same "
+            "formula. What `parallelize` tried (1F1B row): "
+            + (
+                r["parallelize"]["tried"][0].split(": ", 1)[-1][:1500]
+                if r["parallelize"]["tried"]
+                else "-"
+            ),
         ]
     if "fitted" in r:
         f = r["fitted"]

@@ -104,11 +104,12 @@ def test_exact_engines_agree_and_beat_the_greedy_ones():
 def test_over_budget_tries_zero_stages_and_keeps_the_fastest_that_fits():
     """Over budget, each engine retries with ZeRO-1 (optimizer state sharded) and ZeRO-3
     (parameters too); the plan is the fastest candidate that fits."""
-    cfg = gpt.GPTConfig(hidden=256, heads=4, seq=32, vocab=512, layers=2, batch_size=8)
+    # parameters and optimizer state dominate, so sharding them is what makes it fit
+    cfg = gpt.GPTConfig(hidden=512, heads=4, seq=16, vocab=1024, layers=2, batch_size=8)
     ts = gpt.make_train_step(cfg)
     args = gpt.abstract_args(cfg)
     base = autopar.parallelize(ts.step, mesh={"data": 8}, cluster="cpu").plan(*args)
-    budget = 0.9 * base.cost.peak_memory_bytes
+    budget = 0.95 * base.cost.peak_memory_bytes
     plan = autopar.parallelize(ts.step, mesh={"data": 8}, cluster="cpu", memory_budget=budget).plan(
         *args
     )
