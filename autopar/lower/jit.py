@@ -149,6 +149,11 @@ def interpret(
                     spec_of.setdefault(v, sp.without_partial())
             h_in = [read(v, spec_of[v]) for v, _ in fz.head_ins if v not in F.outputs]
             members = fz.members()
+            head_specs = {
+                v: sp
+                for h in fz.head
+                for v, sp in zip(graph.nodes[h].outputs, wants(graph.nodes[h]))
+            }
             keep = frozenset(
                 v for n in graph.nodes if n.id not in members for v in n.inputs if v in F.outputs
             ) | frozenset(v for v in graph.outputs if v in F.outputs)
@@ -156,7 +161,7 @@ def interpret(
                 fz,
                 pipelined_loop(F),
                 pipelined_loop(B),
-                lambda env: _run_head(fz, env),
+                lambda env: _run_head(fz, env, head_specs),
                 mesh,
                 f_in,
                 b_in,
@@ -223,14 +228,25 @@ def _order(graph: Graph, fused) -> list[Node]:
     return order
 
 
-def _run_head(fz: Fused, env: dict) -> dict:
-    """The head's ops on one micro-batch's values."""
+def _run_head(fz: Fused, env: dict, specs: dict[int, Spec]) -> dict:
+    """The head's ops on one micro-batch's values, each result laid out as the plan
+    has it (the plan's specs are free of the stage axis) where its dims divide."""
+    mesh = jax.sharding.get_abstract_mesh()
     env = dict(env)
     for n in fz.micro_nodes:
         ins = [env[v] if v in env else jnp.asarray(fz.micro_consts[v]) for v in n.inputs]
         outs = bind(n, ins, manual=True)
-        env.update(zip(n.outputs, outs if n.primitive.multiple_results else [outs]))
+        outs = outs if n.primitive.multiple_results else [outs]
+        for v, x in zip(n.outputs, outs):
+            sp = specs.get(v)
+            if sp is not None and sp.dims and _divides(x.shape, sp, mesh):
+                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, sp.to_pspec()))
+            env[v] = x
     return env
+
+
+def _divides(shape, spec: Spec, mesh) -> bool:
+    return all(n % math.prod(mesh.shape[a] for a in axes) == 0 for n, axes in zip(shape, spec.dims))
 
 
 def _run_scan(node: Node, rec, mesh, invals) -> list:
