@@ -2,11 +2,13 @@
 
 A pipelined scan runs its `length` steps (layers) in `stages` groups, one per index of
 the mesh's stage axis, each group on its own sub-mesh of the other axes; the batch is
-cut into `microbatches` that flow through the stages (GPipe: every micro-batch's
-forward scan, then, as a separate pipelined scan, every backward one). Each scan is
-pipelined on its own, so a train step's forward and backward layer loops are two
-pipelines, and the activations the forward loop saves stay on the stage that made
-them (they are `ys` sliced per layer, split over the stage axis like the weights).
+cut into `microbatches` that flow through the stages. The activations the forward
+loop saves stay on the stage that made them (they are `ys` sliced per layer, split
+over the stage axis like the weights). Under GPipe each scan is pipelined on its own
+(every micro-batch's forward pass, then every backward one); under 1F1B a train
+step's forward loop, the ops between it and the backward loop that reads its saved
+activations (the head, `fuse`) and that backward loop run as one pipeline
+(`autopar.lower.pipeline`).
 
 To run one micro-batch, the loop body must be the same computation at the smaller
 batch. Shapes are baked into a jaxpr, so autopar captures the function a second time
@@ -311,7 +313,7 @@ def fuse(graph: Graph, micro: Graph, scans: Mapping[int, tuple[Graph, ScanLabels
     if len(out) > 1:
         raise MeshError(
             f"1F1B fuses one forward/backward loop pair; this step has {len(out)}. "
-            "Use schedule='gpipe'"
+            "Use pipeline_schedule='gpipe'"
         )
     return tuple(out)
 
@@ -332,7 +334,7 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
             raise MeshError(
                 f"1F1B: the loop at {F.key} hands its saved activations to "
                 f"{graph.nodes[producer[v]].key} as well as to the backward loop; "
-                "use schedule='gpipe'"
+                "use pipeline_schedule='gpipe'"
             )
         if v in F.outputs:
             return f_labels.outs[F.outputs.index(v)]
@@ -365,12 +367,12 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
             raise MeshError(
                 f"1F1B: the backward loop at {B.key} reads {graph.values[v]} from "
                 f"{graph.nodes[p].key}, which cannot run micro-batch by micro-batch; "
-                "use schedule='gpipe'"
+                "use pipeline_schedule='gpipe'"
             )
         if not n_cb <= i < n_cb + n_kb:
             raise MeshError(
                 f"1F1B: the backward loop at {B.key} reads {graph.values[v]} from the ops "
-                "between the loops other than as its carry; use schedule='gpipe'"
+                "between the loops other than as its carry; use pipeline_schedule='gpipe'"
             )
     region = head_ids | {F.id, B.id}
     used_outside = {v for n in graph.nodes if n.id not in region for v in n.inputs}
@@ -388,7 +390,7 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
             else:
                 raise MeshError(
                     f"1F1B: {graph.values[v]} from {n.key} is the same for every "
-                    "micro-batch; use schedule='gpipe'"
+                    "micro-batch; use pipeline_schedule='gpipe'"
                 )
     consts = {
         v: graph.consts[v]
