@@ -77,10 +77,11 @@ def test_detects_the_blocks_of_a_small_gpt():
 
 
 def test_no_repeated_layers_means_plain_dp():
+    """Nothing merged: plain dp on the whole graph, polished as long as a quotient."""
     p = gpt_problem(layers=2)
     assert LY.find_layers(p).merged == 0
     g = p.cost_graph()
-    assert LY.solve_dp_layered(p, g).choice == solve_dp(g).choice
+    assert LY.solve_dp_layered(p, g).choice == solve_dp(g, polish=LY.POLISH).choice
 
 
 def test_quotient_prices_every_lifted_plan_exactly():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -192,6 +193,10 @@ def interpret(
             if node.id in fused:
                 run_fused(fused[node.id])
                 continue
+            if not local and not empty and _summand_scatter(node, rec):
+                # per device, as planned; the operand joins as the first device's summand
+                rec = replace(rec, in_specs=(_with_partial(rec), *rec.in_specs[1:]))
+                local = True
             if pipelined is not None and node.id in pipelined.scans:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
                 outs = run_gpipe(pipelined_loop(node), mesh, invals)
@@ -210,6 +215,31 @@ def interpret(
         return tuple(read(v, r.spec) for v, r in zip(graph.outputs, plan.outputs))
 
     return run
+
+
+# Scatters that add: updates split along their scattered dims leave each device a
+# summand of the result, the Partial sum the plan prices (scatter_rule).
+ADDING_SCATTERS = frozenset({"scatter-add", "scatter_add"})
+
+
+def _summand_scatter(node: Node, rec) -> bool:
+    """Whether `node` is a scatter-add planned to leave a Partial sum that runs per
+    device: left to XLA's partitioner, it sums the result at once (an all-reduce the
+    plan does not have, e.g. a GPT's 200 MB embedding gradient summed twice, before
+    and after adding the output projection's). Not where the operand's indexed dims
+    are split: per-device indices would need offsetting."""
+    if node.op not in ADDING_SCATTERS or not rec.out_specs[0].partial:
+        return False
+    if len(node.inputs) != 3 or rec.in_specs[0].partial:
+        return False
+    dn = node.params["dimension_numbers"]
+    return not any(rec.in_specs[0].dims[d] for d in dn.scatter_dims_to_operand_dims)
+
+
+def _with_partial(rec) -> Spec:
+    """The operand's spec as a summand over the result's Partial axes: each device
+    adds its updates to its summand, so the sum over devices adds the operand once."""
+    return Spec(rec.in_specs[0].dims, rec.out_specs[0].partial)
 
 
 def _order(graph: Graph, fused) -> list[Node]:

@@ -291,7 +291,11 @@ def solve_dp_layered(
     start = time.perf_counter()
     layers = find_layers(problem, pinned, keep)
     if layers.merged == 0:
-        return solve_dp(g, memory_budget)
+        # nothing to fold (a shallow model): the graph is as small as a quotient, so
+        # its guessed kernel gets the quotient's polish (patience 3 left GPT-1.3B's
+        # data-parallel plan a layer norm split on its hidden dim, a 64 MiB all-to-all
+        # a later forest removes)
+        return solve_dp(g, memory_budget, polish=POLISH)
     q, idx = quotient(g, layers.phi)
     detect_s = time.perf_counter() - start
     sol = solve_dp(q, memory_budget, polish=POLISH)
