@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir import Graph, Node
 from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
-from autopar.pipeline import Fused, PipelinedScans, descendants
+from autopar.pipeline import Fused, PipelinedScans
 from autopar.plan import BodyRecord, Plan
 from autopar.precision import upcast_operands
 from autopar.search.evaluate import settle_partials
@@ -247,13 +247,28 @@ def _order(graph: Graph, fused) -> list[Node]:
     unit where its forward loop is, after everything it reads (some of which may come
     later in the captured order); its head and backward loop are not run again."""
     order = list(graph.nodes)
+    producer = graph.producer
     for fz in fused:
-        after = descendants(graph, fz.forward)
         members = fz.members()
+        # what the region reads from ops the capture placed after its forward loop
+        hoist: set[int] = set()
+        todo = [
+            producer[v]
+            for m in members
+            for v in graph.nodes[m].inputs
+            if producer.get(v, -1) > fz.forward and producer[v] not in members
+        ]
+        while todo:
+            n = todo.pop()
+            if n not in hoist:
+                hoist.add(n)
+                todo += [
+                    producer[v] for v in graph.nodes[n].inputs if producer.get(v, -1) > fz.forward
+                ]
         order = (
-            [n for n in order if n.id not in after]
+            [n for n in order if n.id < fz.forward and n.id not in members or n.id in hoist]
             + [graph.nodes[fz.forward]]
-            + [n for n in order if n.id in after and n.id not in members]
+            + [n for n in order if n.id > fz.forward and n.id not in members | hoist]
         )
     return order
 
