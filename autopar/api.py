@@ -589,7 +589,8 @@ def parallelize(
     one pipeline, each stage holding at most 2S - 1 micro-batches' activations),
     "gpipe" (every forward pass, then every backward one: M micro-batches' activations)
     or None: 1F1B where the step splits that way, else GPipe. `pipeline_stages="auto"`
-    with `mesh` a device count tries every stage count S dividing it, on `{"stage": S, "data": ..., "model": ...}` with the model axis
+    with `mesh` a device count tries every stage count S dividing it, on
+    `{"stage": S, "data": ..., "model": ...}` with the model axis
     inside a node (`meshes.pipeline_meshes`; S = 1 is no pipeline), and keeps the
     fastest plan that fits.
 

@@ -238,9 +238,9 @@ def run_1f1b(
         s = jax.lax.axis_index(axis)
         bargs = dict(zip(b_ext, bargs))
 
-        def forward(st, i):
-            """Forward slot i: micro-batch i - s through this stage's layers."""
-            m = i - s
+        def forward(st, slot):
+            """Forward `slot`: micro-batch slot - s through this stage's layers."""
+            m = slot - s
             on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
             fc = [jnp.where(s == 0, x, c) for x, c in zip(fw.init(fargs, mc), st["fc"])]
             fc, fy = fw.run([fw.pick(i, a, mc) for i, a in enumerate(fargs)], fc)
@@ -251,9 +251,9 @@ def run_1f1b(
             st["fc"] = fw.hop(fc)
             return fc, mc
 
-        def backward(st, j, hv):
-            """Backward slot j: micro-batch j - (S - 1 - s), from the last stage down."""
-            m = j - (S - 1 - s)
+        def backward(st, slot, hv):
+            """Backward `slot`: micro-batch slot - (S - 1 - s), from the last stage down."""
+            m = slot - (S - 1 - s)
             on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
             picked, init = [], []
             for i, (kind, x) in enumerate(src):
@@ -272,8 +272,8 @@ def run_1f1b(
             st["bout"] = _collect(st["bout"], bc, mc, on & (s == 0))
             st["bc"] = bw.hop(bc)
 
-        def warm(st, i):
-            forward(st, i)
+        def warm(st, slot):
+            forward(st, slot)
             return st, None
 
         def steady(st, k):
@@ -294,8 +294,8 @@ def run_1f1b(
             backward(st, k, hv)
             return st, None
 
-        def cool(st, j):
-            backward(st, j, None)
+        def cool(st, slot):
+            backward(st, slot, None)
             return st, None
 
         st = {
