@@ -103,7 +103,7 @@ def refine(
     return choice
 
 
-def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 2) -> list[int]:  # noqa: B006
+def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 8) -> list[int]:  # noqa: B006
     """MindSpore's double-recursive programming (D-Rec) on named mesh axes.
 
     Outer loop: one cut per mesh axis, slow (inter-node) axes first. A
@@ -115,7 +115,9 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 2)
     against whatever is already decided this round. D-Rec removes elementwise ops
     and lets them copy a neighbour; here each decision floods breadth-first through
     the light ops around it, which then sit decided between the heavy ops, so the
-    next heavy op sees its neighbours' cuts. Finally `refine` polishes the result.
+    next heavy op sees its neighbours' cuts. Finally `refine` polishes the result,
+    up to `sweeps` rounds (it stops when a round changes nothing; on ViT-B with 2 layers
+    2 rounds left 10% on the table that rounds 3 to 8 recover).
     """
     mesh = problem.mesh
     g, n_in = problem.graph, problem.num_inputs
