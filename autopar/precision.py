@@ -16,7 +16,7 @@ outputs keep their types, so the scan node's interface is unchanged; its
 `jaxpr` param is retraced from the converted body so that binding the node
 computes what `Node.body` says.
 
-float16 is refused (`NotImplementedError`, see `FP16_UNSUPPORTED`): it needs
+float16 is refused by design (`UnsupportedError`, see `FP16_UNSUPPORTED`): it needs
 loss scaling, which cannot be added soundly to an already-differentiated graph.
 """
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopar.cost import node_flops
-from autopar.errors import format_bytes
+from autopar.errors import UnsupportedError, format_bytes
 from autopar.ir import Graph, Node, TensorType, check_graph
 
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
@@ -52,10 +52,10 @@ FP16_UNSUPPORTED = (
 
 
 def compute_dtype_of(dtype: Any) -> np.dtype:
-    """The canonical compute dtype; float16 raises NotImplementedError, others ValueError."""
+    """The canonical compute dtype; float16 raises UnsupportedError, others ValueError."""
     d = np.dtype(jnp.dtype(dtype))
     if d == np.dtype(jnp.float16):
-        raise NotImplementedError(FP16_UNSUPPORTED)
+        raise UnsupportedError(FP16_UNSUPPORTED)
     if d not in SUPPORTED:
         names = ", ".join(s.name for s in SUPPORTED)
         raise ValueError(f"mixed precision compute dtype must be one of: {names}; got {d.name}")
