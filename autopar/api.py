@@ -516,12 +516,13 @@ def _pipeline_meshes(mesh, devices_per_node: int) -> list:
 
 
 def _precision(name: str | None) -> str | None:
-    """The compute dtype's name for `precision=`: None (as traced) or "bfloat16"."""
+    """The compute dtype's name for `precision=`: None (as traced), "bfloat16" or
+    "float16"."""
     if name is None:
         return None
     aliases = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
     if name not in aliases:
-        raise AutoparError(f"precision={name!r}: choose None (as traced) or 'bf16'")
+        raise AutoparError(f"precision={name!r}: choose None (as traced), 'bf16' or 'fp16'")
     return compute_dtype_of(aliases[name]).name
 
 
@@ -596,8 +597,10 @@ def parallelize(
 
     `precision="bf16"` computes every float32 matmul and convolution on bfloat16
     operands with float32 accumulation, keeping float32 master weights, optimizer
-    state and activations (`autopar.precision`); float16 is refused (it needs loss
-    scaling, which autopar cannot add to a differentiated step).
+    state and activations (`autopar.precision`). `precision="fp16"` does the same in
+    float16, each operand scaled by a power of two into float16's range from its own
+    max|x| (per-tensor dynamic scaling, in place of loss scaling: the captured step is
+    already differentiated).
 
     `grad_accumulation=M` cuts the batch (the last non-static argument, along its
     leaves' leading dim) into M micro-batches and runs everything that can go micro-batch
@@ -605,9 +608,11 @@ def parallelize(
     then the rest (the optimizer) once (`autopar.accumulate`).
 
     `remat` rematerializes a layer loop's residuals (`autopar.remat`, layers under a
-    `scan`): "dots" keeps only matmul outputs and the layer input, "full" only the
-    layer input, and the backward loop recomputes the rest; "auto" takes the first of
-    "none", "dots", "full" whose plan fits `memory_budget`.
+    `scan`): "dots" keeps only matmul outputs and the layer input, "selective" also
+    recomputes the matmul outputs cheapest to recompute per byte (a transformer's
+    attention scores), "full" keeps only the layer input, and the backward loop
+    recomputes the rest; "auto" takes the first of "none", "dots", "selective",
+    "full" whose plan fits `memory_budget`.
     """
     as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
     kw = dict(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -274,3 +275,27 @@ def _build(closed, input_paths, output_paths, in_tree, out_tree, name) -> Graph:
     )
     check_graph(g)
     return g
+
+
+def append_traced(
+    values: list[TensorType],
+    nodes: list[Node],
+    consts: dict[int, Any],
+    fn: Callable,
+    in_ids: Sequence[int],
+    name_stack: str,
+    source: str,
+) -> list[int]:
+    """Trace `fn` on the types of values `in_ids` and append its ops to a graph under
+    construction (`values`, `nodes` and `consts` are extended in place), each with
+    `name_stack` and `source`; the value ids of `fn`'s results. For graph passes
+    that insert small computations (`autopar.precision`'s float16 range scales)."""
+    args = [jax.ShapeDtypeStruct(values[v].shape, values[v].dtype) for v in in_ids]
+    closed = jax.make_jaxpr(fn)(*args)
+    b = _Builder()
+    b.values, b.nodes, b.consts = values, nodes, consts
+    start = len(nodes)
+    outs = b.inline(closed.jaxpr, closed.consts, in_ids, "")
+    for i in range(start, len(nodes)):
+        nodes[i] = replace(nodes[i], name_stack=name_stack, source=source)
+    return outs

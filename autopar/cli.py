@@ -183,9 +183,15 @@ def _parser() -> argparse.ArgumentParser:
         help="accumulate gradients over M micro-batches",
     )
     s.add_argument(
-        "--remat", choices=("none", "dots", "full", "auto"), help="rematerialize layer loops"
+        "--remat",
+        choices=("none", "dots", "selective", "full", "auto"),
+        help="rematerialize layer loops",
     )
-    s.add_argument("--precision", choices=("bf16",), help="bf16 compute, f32 master weights")
+    s.add_argument(
+        "--precision",
+        choices=("bf16", "fp16"),
+        help="bf16 or fp16 (per-tensor scaled) compute, f32 master weights",
+    )
     s.add_argument(
         "--out", "-o", default=DEFAULT_OUT, help=f"plan file to write (default: {DEFAULT_OUT})"
     )

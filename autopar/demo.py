@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--remat",
-        choices=("dots", "full", "auto"),
+        choices=("dots", "selective", "full", "auto"),
         help="rematerialize the layer loop (layers under nn.scan)",
     )
     p.add_argument(

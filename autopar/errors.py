@@ -23,11 +23,6 @@ class PlanError(AutoparError):
     """A plan file is unreadable or does not match the function."""
 
 
-class UnsupportedError(AutoparError, NotImplementedError):
-    """A request autopar refuses by design, with the reason and what to use instead
-    (e.g. float16 compute, which needs loss scaling autopar cannot add soundly)."""
-
-
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -7,7 +7,10 @@ same for every micro-batch. An op can run per micro-batch exactly when the strat
 registry has a strategy for it that needs no communication on that axis (a whole
 value may be sliced for free); `separate` propagates such strategies through the
 graph. Only sums count as Partial here: a reduction whose pending value is a max
-(`reduce_max` over the batch) mixes micro-batches.
+(`reduce_max` over the batch) mixes micro-batches, except the float16 range
+scales of `autopar.precision`: computed per micro-batch, a scale can only differ
+in which tiny elements it lets reach float16's subnormals, so they run per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autopar.ir import Graph, Node
+from autopar.precision import is_range_scale
 from autopar.sharding import MeshInfo, Spec
 
 AXIS = "mb"
@@ -67,6 +71,10 @@ def separate(
         if any(v not in have and v not in graph.consts for v in node.inputs):
             continue
         got = [have.get(v, Spec.replicated(graph.values[v].rank)) for v in node.inputs]
+        if is_range_scale(node) and node.op == "reduce_max":
+            # a float16 operand's max|x|: per micro-batch it only picks the scale
+            have.update((v, Spec.replicated(graph.values[v].rank)) for v in node.outputs)
+            continue
         if node.op in ELEMENTWISE:
             rule = elementwise_rule(node, graph, split_broadcast=True)
             candidates = enumerate_factor_rule(rule, mesh)

@@ -173,7 +173,7 @@ class Plan:
     precision: str | None = None
     # micro-batches of the gradient accumulation loop (`autopar.accumulate`), or None
     grad_accumulation: int | None = None
-    # the rematerialization policy applied before search ("dots", "full"), or None
+    # the rematerialization policy applied before search ("dots", "selective", "full"), or None
     remat: str | None = None
     in_tree: Any = field(default=None, repr=False, compare=False)
     out_tree: Any = field(default=None, repr=False, compare=False)

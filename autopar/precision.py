@@ -1,4 +1,4 @@
-"""Mixed precision as a graph pass: bfloat16 compute with float32 master weights.
+"""Mixed precision as a graph pass: bfloat16 or float16 compute, float32 master weights.
 
 `mixed_precision(graph)` returns a new `Graph` in which every contraction
 (`dot_general`, `conv_general_dilated`) whose operands and result are float32
@@ -7,17 +7,34 @@ nodes placed just before it) and accumulates and returns float32
 (`preferred_element_type=float32`). Every other value keeps its type:
 parameters, optimizer state, gradients, activations and the loss stay float32,
 so the optimizer updates float32 master weights; only the matmuls and
-convolutions run at the bfloat16 rate on bfloat16 operands. Run it on the
-captured train step, after differentiation: the backward contractions
-(gradients of activations and of weights) are converted like the forward ones.
+convolutions run at the reduced-precision rate on reduced-precision operands.
+Run it on the captured train step, after differentiation: the backward
+contractions (gradients of activations and of weights) are converted like the
+forward ones.
+
+float16 needs scaling: its range (6e-8 to 65504) underflows small gradients and
+overflows large activations. The classic remedy, loss scaling, multiplies the
+loss before the backward pass; a captured step is already differentiated, so
+the pass scales where the range matters instead, at each cast: an operand `x`
+becomes `float16(x * 2**k)`, with `k` chosen from `max|x|` (read off its float32
+exponent bits) so the largest element lands in [2**14, 2**15), and the
+contraction's float32 result is multiplied back by `2**-(k_a + k_b)`. This is
+per-tensor dynamic scaling ("current scaling", as FP8 training does): every
+cotangent gets the scale loss scaling would have had to guess, activations that
+exceed 65504 are scaled down rather than becoming inf, no scale state is carried
+between steps and no step is skipped. Scaling by a power of two does not change
+a float16 significand, so the only values that differ from an unscaled cast are
+the ones it would have flushed to zero or to inf. The cost is one `max|x|`
+reduction per operand (a scalar all-reduce where `x` is sharded), which the
+search prices like any other op. The reductions are tagged (`RANGE_SCOPE` in
+their name stack) so that micro-batch loops may compute them per micro-batch:
+a micro-batch's scale differs from the whole batch's only in which tiny
+elements reach float16's subnormal range (`autopar.microbatch`).
 
 Scan bodies (`Node.body`) are converted recursively. A body's inputs and
 outputs keep their types, so the scan node's interface is unchanged; its
 `jaxpr` param is retraced from the converted body so that binding the node
 computes what `Node.body` says.
-
-float16 is refused by design (`UnsupportedError`, see `FP16_UNSUPPORTED`): it needs
-loss scaling, which cannot be added soundly to an already-differentiated graph.
 """
 
 from __future__ import annotations
@@ -30,36 +47,51 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from autopar.capture import append_traced
 from autopar.cost import node_flops
-from autopar.errors import UnsupportedError, format_bytes
+from autopar.errors import format_bytes
 from autopar.ir import Graph, Node, TensorType, check_graph
 
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 MASTER_DTYPE = np.dtype(np.float32)
-SUPPORTED = (np.dtype(jnp.bfloat16),)
-
-FP16_UNSUPPORTED = (
-    "mixed precision in float16 needs loss scaling (float16's range underflows small "
-    "gradients), and autopar cannot add it soundly to a captured train step: the graph "
-    "is already differentiated, so the loss is not scaled before the backward pass, the "
-    "gradients are not marked among the flat values to unscale them, and dynamic scaling "
-    "needs a new state input/output (the scale) and a skip-the-update branch on overflow, "
-    "which change the step's signature. Use compute_dtype=bfloat16 (float32's range, no "
-    "scaling needed), or write float16 with loss scaling into the train step yourself "
-    "(e.g. jmp) and parallelize that."
-)
+F16 = np.dtype(jnp.float16)
+SUPPORTED = (np.dtype(jnp.bfloat16), F16)
+RANGE_SCOPE = "fp16_range_scale"  # name-stack tag of the float16 scaling ops
+_TARGET_EXP = 14  # a scaled operand's largest magnitude lands in [2**14, 2**15)
 
 
 def compute_dtype_of(dtype: Any) -> np.dtype:
-    """The canonical compute dtype; float16 raises UnsupportedError, others ValueError."""
+    """The canonical compute dtype (bfloat16 or float16); others raise ValueError."""
     d = np.dtype(jnp.dtype(dtype))
-    if d == np.dtype(jnp.float16):
-        raise UnsupportedError(FP16_UNSUPPORTED)
     if d not in SUPPORTED:
         names = ", ".join(s.name for s in SUPPORTED)
         raise ValueError(f"mixed precision compute dtype must be one of: {names}; got {d.name}")
     return d
+
+
+def is_range_scale(node: Node) -> bool:
+    """Whether `node` belongs to a float16 operand's scale computation."""
+    return node.name_stack.rsplit("/", 1)[-1] == RANGE_SCOPE
+
+
+def scaled_cast(x):
+    """float16(x * 2**k) with max|x| * 2**k in [2**14, 2**15), and 2**-k; k from the
+    float32 exponent bits of max|x| (0, inf and nan give k = 126 or -114: harmless)."""
+    amax = jnp.max(jnp.abs(x))
+    exp = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) - 127
+    k = lax.clamp(jnp.int32(-126), jnp.int32(_TARGET_EXP) - exp, jnp.int32(126))
+    scale = lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
+    inverse = lax.bitcast_convert_type((127 - k) << 23, jnp.float32)
+    return (x * scale).astype(F16), inverse
+
+
+def _unscaled(y, *inverses):
+    scale = inverses[0]
+    for inv in inverses[1:]:
+        scale = scale * inv
+    return y * scale
 
 
 def converts(node: Node, graph: Graph) -> bool:
@@ -90,6 +122,7 @@ def mixed_precision(graph: Graph, compute_dtype: Any = jnp.bfloat16) -> Graph:
 def _convert(graph: Graph, dtype: np.dtype) -> Graph:
     values = list(graph.values)
     nodes: list[Node] = []
+    consts = dict(graph.consts)
     cast_prim, cast_params = _cast_op(dtype.name)
     for node in graph.nodes:
         if node.body is not None:
@@ -98,6 +131,9 @@ def _convert(graph: Graph, dtype: np.dtype) -> Graph:
                 node = replace(node, body=body, params=_with_body_jaxpr(node.params, body))
         if not converts(node, graph):
             nodes.append(replace(node, id=len(nodes)) if node.id != len(nodes) else node)
+            continue
+        if dtype == F16:
+            _append_scaled(node, values, nodes, consts)
             continue
         cast: dict[int, int] = {}
         for v in dict.fromkeys(node.inputs):
@@ -115,21 +151,46 @@ def _convert(graph: Graph, dtype: np.dtype) -> Graph:
                     source=node.source,
                 )
             )
-        nodes.append(
-            replace(
-                node,
-                id=len(nodes),
-                inputs=tuple(cast[v] for v in node.inputs),
-                params={**node.params, "preferred_element_type": MASTER_DTYPE},
-            )
-        )
+        nodes.append(_mixed(node, len(nodes), tuple(cast[v] for v in node.inputs)))
     if len(values) == len(graph.values) and all(
         a is b for a, b in zip(nodes, graph.nodes, strict=True)
     ):
         return graph  # nothing to convert: the same (immutable) graph
-    out = replace(graph, values=tuple(values), nodes=tuple(nodes))
+    out = replace(graph, values=tuple(values), nodes=tuple(nodes), consts=consts)
     check_graph(out)
     return out
+
+
+def _mixed(node: Node, node_id: int, inputs: tuple[int, ...], outputs=None) -> Node:
+    """`node` reading `inputs` (reduced precision) and accumulating in float32."""
+    return replace(
+        node,
+        id=node_id,
+        inputs=inputs,
+        outputs=node.outputs if outputs is None else outputs,
+        params={**node.params, "preferred_element_type": MASTER_DTYPE},
+    )
+
+
+def _append_scaled(node: Node, values: list, nodes: list, consts: dict) -> None:
+    """float16: each operand scaled into float16's range and cast, the contraction,
+    then its float32 result scaled back into the original output value."""
+    stack = f"{node.name_stack}/{RANGE_SCOPE}" if node.name_stack else RANGE_SCOPE
+    cast: dict[int, tuple[int, int]] = {}
+    for v in dict.fromkeys(node.inputs):
+        q, inv = append_traced(values, nodes, consts, scaled_cast, [v], stack, node.source)
+        cast[v] = (q, inv)
+    (out,) = node.outputs
+    values.append(values[out])
+    raw = len(values) - 1
+    nodes.append(_mixed(node, len(nodes), tuple(cast[v][0] for v in node.inputs), (raw,)))
+    inverses = [cast[v][1] for v in node.inputs]
+    (res,) = append_traced(
+        values, nodes, consts, _unscaled, [raw, *inverses], node.name_stack, node.source
+    )
+    last = nodes[-1]
+    assert last.outputs == (res,)
+    nodes[-1] = replace(last, outputs=(out,))  # the result keeps the contraction's value id
 
 
 @functools.cache
@@ -258,6 +319,12 @@ class PrecisionReport:
                 f"loss stay float32 (master weights); the {self.compute_dtype} operand copies "
                 "are extra, short-lived buffers",
             ]
+            if self.compute_dtype == F16.name:
+                lines.append(
+                    "mixed precision: float16 operands are scaled into range, each by a power "
+                    "of two from its own max|x| (in place of loss scaling), and the results "
+                    "scaled back"
+                )
         if self.skipped:
             shown = "; ".join(self.skipped[:3]) + (" ..." if len(self.skipped) > 3 else "")
             lines.append(

@@ -19,6 +19,13 @@ the forward body's ops that produce them (only the ops needed):
   output that a recomputed residual needs becomes a new stored `ys`, so the
   backward never repeats a contraction); the elementwise, softmax and
   layer-norm intermediates are recomputed from them and the layer input.
+- `"selective"`: like `"dots"`, but the contraction outputs that are cheapest to
+  recompute per stored byte (`cheapest_contractions`: those whose FLOPs per output
+  byte are the body's minimum) are recomputed too. In a transformer layer these are
+  the attention scores `q @ k^T` ([B, heads, S, S]: 2 d_head FLOPs an element,
+  against 2 S or more for every other matmul output), so this is Korthikanti et
+  al.'s selective recomputation: the attention core is recomputed, the linear
+  layers' outputs are kept.
 
 Pairs: a backward scan `xs` input that is exactly a `ys` output of an earlier
 forward scan of the same length with the opposite `reverse` flag (`scan_pairs`);
@@ -57,7 +64,7 @@ from autopar.errors import format_bytes
 from autopar.ir import Graph, Node, TensorType, check_graph
 from autopar.precision import graph_fn
 
-POLICIES = ("none", "dots", "full")  # from most to least memory
+POLICIES = ("none", "dots", "selective", "full")  # from most to least memory
 SAVEABLE = frozenset({"dot_general", "conv_general_dilated"})
 
 
@@ -185,16 +192,40 @@ class _Source:
     index: int = -1  # the forward input position ("const", "x")
 
 
-def _boundary(v: int, fb: Graph, lf: Layout, policy: str) -> _Source | None:
-    """How forward body value `v` reaches the backward body without recomputing it;
-    None: recompute it from its producer's inputs."""
+def cheapest_contractions(fb: Graph) -> frozenset[int]:
+    """The body's contraction outputs with the fewest FLOPs per output byte (ties
+    within 1%): what `"selective"` recomputes besides what `"dots"` does."""
+    ratios = {
+        v: node_flops(n, fb) / max(fb.values[v].nbytes, 1)
+        for n in fb.nodes
+        if n.op in SAVEABLE
+        for v in n.outputs
+    }
+    if len(set(ratios.values())) < 2:  # nothing cheaper than the rest: as "dots"
+        return frozenset()
+    low = min(ratios.values())
+    return frozenset(v for v, r in ratios.items() if r <= 1.01 * low)
+
+
+def _saved(fb: Graph, policy: str) -> frozenset[int]:
+    """Forward body values `policy` stores besides the layer input."""
+    if policy not in ("dots", "selective"):
+        return frozenset()
+    dots = frozenset(v for n in fb.nodes if n.op in SAVEABLE for v in n.outputs)
+    return dots - cheapest_contractions(fb) if policy == "selective" else dots
+
+
+def _boundary(v: int, fb: Graph, lf: Layout, saved: frozenset[int]) -> _Source | None:
+    """How forward body value `v` reaches the backward body without recomputing it
+    (`saved`: the stored values besides the layer input); None: recompute it from its
+    producer's inputs."""
     if v in fb.consts:
         return _Source("literal")
     if v in fb.inputs:
         i = fb.inputs.index(v)
         role, _ = lf.role_in(i)
         return _Source("stored") if role == "carry" else _Source(role, i)
-    if policy == "dots" and fb.nodes[fb.producer[v]].op in SAVEABLE:
+    if v in saved:
         return _Source("stored")
     return None
 
@@ -205,20 +236,21 @@ def _rewrite_pair(graph: Graph, f_id: int, b_id: int, policy: str) -> Graph:
     lf, lb = Layout.of(f), Layout.of(b)
     reads = next(p.reads for p in scan_pairs(graph) if (p.forward, p.backward) == (f_id, b_id))
     fb_ys = fb.outputs[lf.num_carry :]
+    saved = _saved(fb, policy)
 
     def only_backward(k: int) -> bool:
         v = f.outputs[lf.num_carry + k]
         return graph.consumers.get(v) == (b_id,) and v not in graph.outputs
 
     def recomputed(k: int) -> bool:  # a stored boundary (layer input, dot) stays stored
-        s = _boundary(fb_ys[k], fb, lf, policy)
+        s = _boundary(fb_ys[k], fb, lf, saved)
         return only_backward(k) and (s is None or s.kind != "stored")
 
     dropped = {k for _, k in reads if recomputed(k)}
     if not dropped:
         return graph
     recompute = {j: fb_ys[k] for j, k in reads if k in dropped}  # backward xs -> forward value
-    needed, frontier = _closure(fb, recompute.values(), lambda v: _boundary(v, fb, lf, policy))
+    needed, frontier = _closure(fb, recompute.values(), lambda v: _boundary(v, fb, lf, saved))
 
     # forward: keep the undropped ys, store the frontier values that are not stored yet
     def unused(k: int) -> bool:  # a ys nothing reads (jax's DropVar): dropped too

@@ -198,18 +198,19 @@ def test_a_head_that_mixes_the_batch_falls_back_to_gpipe():
 @pytest.mark.parametrize(
     ("mesh", "options"),
     [
-        (MESH, {"pipeline_stages": 2, "microbatches": 4, "remat": "full"}),
-        ({"data": 2, "model": 4}, {"grad_accumulation": 2, "remat": "dots"}),
+        (MESH, {"pipeline_stages": 2, "microbatches": 4, "remat": "full", "precision": "fp16"}),
+        ({"data": 2, "model": 4}, {"grad_accumulation": 2, "remat": "dots", "precision": "fp16"}),
     ],
 )
 def test_options_combine(mesh, options):
-    """Remat before pipelining or accumulation: the loss is still jax.jit's."""
+    """Remat and fp16 (whose range scales run per micro-batch) before pipelining or
+    accumulation: the loss is still jax.jit's, to float16 accuracy."""
     ts = gpt.make_train_step(_cfg())
     state, batch = jax.jit(ts.init)(0), ts.batch(0)
     step = autopar.parallelize(ts.step, mesh=mesh, cluster=CLUSTER, **options)
     _, metrics = step(state, batch)
     _, ref = jax.jit(ts.step)(state, batch)
-    assert_trees_close(metrics["loss"], ref["loss"], what=str(options))
+    assert_trees_close(metrics["loss"], ref["loss"], rtol=1e-4, atol=0, what=str(options))
 
 
 def test_auto_stage_count_keeps_the_fastest_plan():

@@ -1,4 +1,4 @@
-"""Mixed precision (`autopar.precision`): bfloat16 contractions, float32 master weights."""
+"""Mixed precision (`autopar.precision`): bfloat16 or float16 contractions, float32 master weights."""
 
 from __future__ import annotations
 
@@ -25,14 +25,16 @@ from autopar.precision import (
     CONTRACTIONS,
     describe,
     graph_fn,
+    is_range_scale,
     mixed_precision,
+    scaled_cast,
     upcast_operands,
 )
 from autopar.search import search
 from autopar.search.problem import build_problem
 from autopar.sharding import mesh_info
 
-F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 LR = 1e-2
 CFG = mlp.MLPConfig(batch_size=16, din=32, hidden=64, dout=8, layers=1)
 MATMUL = (((1,), (0,)), ((), ()))
@@ -273,12 +275,51 @@ def test_problem_prices_converted_dots_lower():
     assert dot_time(mixed_precision(graph)) < dot_time(graph) / 5
 
 
-def test_fp16_and_other_dtypes_refused(mlp_case):
-    graph = mlp_case[4]
-    with pytest.raises(NotImplementedError, match="loss scaling"):
-        mixed_precision(graph, jnp.float16)
-    with pytest.raises(ValueError, match="bfloat16"):
-        mixed_precision(graph, jnp.int8)
+def test_other_dtypes_refused(mlp_case):
+    with pytest.raises(ValueError, match="bfloat16, float16"):
+        mixed_precision(mlp_case[4], jnp.int8)
+
+
+def testscaled_cast_is_a_power_of_two_into_float16_range():
+    for x in ([1e-9, -3e-9, 2e-8], [1e6, 3.0, -2e5], [0.5, 0.25], [0.0, 0.0]):
+        x = jnp.asarray(x, F32)
+        q, inv = scaled_cast(x)
+        assert q.dtype == F16
+        mantissa, _ = np.frexp(np.float32(inv))
+        assert mantissa == 0.5  # an exact power of two: scaling back is exact
+        amax = float(jnp.max(jnp.abs(q)))
+        assert amax == 0.0 or 2**14 <= amax < 2**15, (x, amax)
+        # the same float16 significands as an unscaled cast wherever that one is normal
+        np.testing.assert_allclose(q.astype(F32) * inv, x, rtol=2**-11, atol=0)
+
+
+def _range_step(w, x):
+    """Activations past float16's max (65504) and gradients under its smallest
+    subnormal (6e-8): an unscaled float16 cast turns them into inf and 0."""
+    return jax.value_and_grad(lambda w: jnp.tanh(x @ w).sum() * 1e-7)(w)
+
+
+def test_fp16_scales_operands_into_range():
+    w = jnp.linspace(-1e-3, 1e-3, 64 * 32, dtype=F32).reshape(64, 32)
+    x = jnp.linspace(-2e3, 3e3, 16 * 64, dtype=F32).reshape(16, 64) * 30
+    graph = capture(_range_step, (w, x))
+    mixed = mixed_precision(graph, jnp.float16)
+    for g, n in contractions(mixed):
+        assert all(g.values[v].dtype == F16 for v in n.inputs), n.key
+        assert [g.values[v].dtype for v in n.outputs] == [F32]
+    assert sum(1 for n in mixed.nodes if n.op == "reduce_max" and is_range_scale(n)) == 4
+    assert mixed.outputs == graph.outputs  # the unscaled results keep their value ids
+    want = jax.jit(_range_step)(w, x)
+    got = jax.jit(graph_fn(mixed, upcast_contractions=True))(w, x)
+    assert_trees_close(got, want, rtol=5e-3, atol=5e-3 * float(jnp.abs(want[1]).max()))
+
+    def unscaled(w, x):  # the same casts without the scales
+        h = lambda a: a.astype(F16)
+        f = lambda w: jnp.tanh(lax.dot(h(x), h(w), preferred_element_type=F32)).sum() * 1e-7
+        return jax.value_and_grad(f)(w)
+
+    naive = jax.jit(unscaled)(w, x)
+    assert not np.allclose(naive[1], want[1], rtol=0.1, atol=0.1 * float(jnp.abs(want[1]).max()))
 
 
 def test_upcast_operands_matches_the_mixed_dot():
@@ -296,29 +337,37 @@ def test_upcast_operands_matches_the_mixed_dot():
     np.testing.assert_allclose(got, mixed, rtol=1e-6, atol=1e-6)
 
 
-def test_parallelize_bf16_trains_and_records_precision(tmp_path):
-    """`parallelize(precision="bf16")`: a sharded GPT step in bf16 compute follows the
-    f32 single-device step to bf16 tolerance, and the plan file replays in bf16."""
+@pytest.mark.parametrize(
+    ("precision", "dtype", "rtol"), [("bf16", BF16, 1e-2), ("fp16", F16, 1e-4)]
+)
+def test_parallelize_trains_in_low_precision_and_records_it(tmp_path, precision, dtype, rtol):
+    """`parallelize(precision=...)`: a sharded GPT step with bf16 or fp16 contractions
+    follows the f32 single-device step to that precision, and the plan file replays."""
     import autopar
     from autopar.models import gpt
 
     cfg = gpt.GPTConfig(hidden=64, heads=4, seq=32, vocab=256, layers=2)
     ts = gpt.make_train_step(cfg)
     state, batch = jax.jit(ts.init)(0), ts.batch(0)
-    step = autopar.parallelize(
-        ts.step, mesh={"data": 2, "model": 4}, cluster="cpu", precision="bf16"
-    )
+    mesh = {"data": 2, "model": 4}
+    step = autopar.parallelize(ts.step, mesh=mesh, cluster="cpu", precision=precision)
     plan = step.plan(state, batch)
-    assert plan.precision == "bfloat16"
+    assert plan.precision == dtype.name
     assert any("mixed precision" in w for w in plan.warnings)
     new, metrics = step(state, batch)
     ref, ref_metrics = jax.jit(ts.step)(state, batch)
-    assert_trees_close(metrics["loss"], ref_metrics["loss"], rtol=1e-2, atol=1e-3, what="loss")
+    assert_trees_close(metrics["loss"], ref_metrics["loss"], rtol=rtol, atol=0, what="loss")
     assert all(x.dtype == F32 for x in jax.tree.leaves(new["params"]))  # master weights
+    hlo = step.lower(state, batch).as_text()
+    assert _mlir(dtype) in hlo  # the contractions' operands are cast in the program
     path = tmp_path / "plan.json"
     plan.save(path)
-    replay = autopar.parallelize(ts.step, mesh={"data": 2, "model": 4}, cluster="cpu", plan=path)
-    assert replay.plan(state, batch).precision == "bfloat16"
+    replay = autopar.parallelize(ts.step, mesh=mesh, cluster="cpu", plan=path)
+    assert replay.plan(state, batch).precision == dtype.name
     assert_trees_close(replay(state, batch), (new, metrics), rtol=0, atol=0)
-    with pytest.raises(NotImplementedError, match="loss scaling"):
-        autopar.parallelize(ts.step, mesh={"data": 8}, precision="fp16")
+    with pytest.raises(autopar.AutoparError, match="'bf16' or 'fp16'"):
+        autopar.parallelize(ts.step, mesh=mesh, precision="fp8")
+
+
+def _mlir(dtype) -> str:
+    return {BF16: "bf16", F16: "f16"}[np.dtype(dtype)]

@@ -19,9 +19,11 @@ from autopar.lower.jit import jit_from_plan
 from autopar.models import gpt
 from autopar.precision import graph_fn
 from autopar.remat import (
+    POLICIES,
     SAVEABLE,
     Layout,
     body_flops,
+    cheapest_contractions,
     choose_policy,
     remat,
     remat_report,
@@ -74,7 +76,7 @@ def case():
     graph = capture(ts.step, gpt.abstract_args(SMALL))
     flat = jax.tree.leaves((state, batch))
     want = jax.tree.leaves(jax.jit(ts.step)(state, batch))
-    return graph, flat, want, {p: remat(graph, p) for p in ("dots", "full")}
+    return graph, flat, want, {p: remat(graph, p) for p in ("dots", "selective", "full")}
 
 
 def test_pairs_found(case):
@@ -85,7 +87,7 @@ def test_pairs_found(case):
     assert len(p.reads) > 20  # ~30 residuals of a GPT layer
 
 
-@pytest.mark.parametrize("policy", ["dots", "full"])
+@pytest.mark.parametrize("policy", ["dots", "selective", "full"])
 def test_graph_invariants_and_purity(case, policy):
     graph, _, _, out = case
     before = str(graph)
@@ -159,12 +161,32 @@ def test_residuals_drop_and_backward_recomputes(case):
             assert {f.body.nodes[i].op for i in producers} <= SAVEABLE
             assert set(ys) - {f.body.nodes[i].outputs[0] for i in producers} == {layer_in}
             dots = [n for n in b.body.nodes if n.op in SAVEABLE]
-            assert len(dots) == sum(1 for n in b0.body.nodes if n.op in SAVEABLE)
-    assert reports["full"].bytes_after < reports["dots"].bytes_after < before
-    assert reports["dots"].recompute_flops < reports["full"].recompute_flops
+            repeated = len(dots) - sum(1 for n in b0.body.nodes if n.op in SAVEABLE)
+            # "selective" repeats the attention scores' matmul; "dots" no contraction
+            assert repeated == (policy == "selective")
+    assert reports["full"].bytes_after < reports["selective"].bytes_after
+    assert reports["selective"].bytes_after < reports["dots"].bytes_after < before
+    assert reports["dots"].recompute_flops < reports["selective"].recompute_flops
+    assert reports["selective"].recompute_flops < reports["full"].recompute_flops
     assert choose_policy(graph, float("inf")) == "none"
     assert choose_policy(graph, reports["dots"].bytes_after) == "dots"
+    assert choose_policy(graph, reports["selective"].bytes_after) == "selective"
     assert choose_policy(graph, 0) == "full"
+
+
+def test_selective_recomputes_the_attention_scores(case):
+    """The contraction output cheapest to recompute per byte in a GPT layer is q @ k^T
+    ([batch, heads, seq, seq]); "selective" stores every other matmul output."""
+    graph, _, _, out = case
+    f0, _ = pair_nodes(graph)
+    scores = cheapest_contractions(f0.body)
+    b, h, s = SMALL.batch_size, SMALL.heads, SMALL.seq
+    assert [f0.body.values[v].shape for v in scores] == [(b, h, s, s)]
+    f, _ = pair_nodes(out["selective"])
+    fd, _ = pair_nodes(out["dots"])
+    stored = {f.body.values[v].shape for v in f.body.outputs[Layout.of(f).num_carry :]}
+    stored_dots = {fd.body.values[v].shape for v in fd.body.outputs[Layout.of(fd).num_carry :]}
+    assert (b, h, s, s) in stored_dots and (b, h, s, s) not in stored
 
 
 def test_graphs_without_pairs_unchanged():
@@ -258,10 +280,10 @@ def compiled_temp_bytes(graph: Graph) -> int:
 
 def test_compiled_memory_drops():
     graph = capture(gpt.make_train_step(BIG).step, gpt.abstract_args(BIG))
-    temp = {p: compiled_temp_bytes(remat(graph, p)) for p in ("none", "dots", "full")}
-    saved = {p: residual_bytes(remat(graph, p)) for p in ("none", "dots", "full")}
+    temp = {p: compiled_temp_bytes(remat(graph, p)) for p in POLICIES}
+    saved = {p: residual_bytes(remat(graph, p)) for p in POLICIES}
     print(f"temp bytes {temp}; stored residual bytes {saved}")
-    assert temp["full"] < temp["dots"] < temp["none"]
+    assert temp["full"] < temp["selective"] < temp["dots"] < temp["none"]
     # XLA keeps the stored residual stacks alive between the loops: the drop is theirs
     assert temp["none"] - temp["full"] >= 0.5 * (saved["none"] - saved["full"])
 
@@ -295,4 +317,4 @@ def test_parallelize_remat_trains_and_auto_picks_a_policy_that_fits(tmp_path):
     auto = autopar.parallelize(
         ts.step, mesh=mesh, cluster="cpu", remat="auto", memory_budget=budget
     ).plan(*gpt.abstract_args(cfg))
-    assert auto.remat in ("dots", "full") and auto.cost.peak_memory_bytes <= budget
+    assert auto.remat in ("dots", "selective", "full") and auto.cost.peak_memory_bytes <= budget
