@@ -61,6 +61,9 @@ class _Compiled:
     problem: Problem | None
     jitted: Any
     mesh: Mesh | AbstractMesh
+    # some option (mesh shape, pipeline, engine) was turned away or reshaped by the
+    # memory budget: more rematerialization might let a faster one fit
+    memory_bound: bool = False
 
 
 class Parallelized:
@@ -231,12 +234,21 @@ class Parallelized:
     def _compile(self, args) -> _Compiled:
         if self.remat != "auto":
             return self._compile_with(args, self.remat)
-        tried = []
+        tried, best = [], None
         for policy in REMAT_POLICIES:  # most memory, least recompute first
             try:
-                return self._compile_with(args, policy)
+                got = self._compile_with(args, policy)
             except MemoryBudgetError as e:
                 tried.append(f"remat={policy}: {str(e).splitlines()[0]}")
+                continue
+            tried.append(f"remat={policy}: {got.plan.cost.step_s * 1e3:.4g} ms")
+            if best is None or got.plan.cost.step_s < best.plan.cost.step_s:
+                best = got
+            if not got.memory_bound:  # nothing held back by memory: more remat only adds work
+                break
+        if best is not None:
+            note = "remat='auto' tried " + "; ".join(tried)
+            return replace(best, plan=replace(best.plan, warnings=(*best.plan.warnings, note)))
         raise MemoryBudgetError(
             f"{fn_name(self.fn)}: no rematerialization policy fits the budget:\n  "
             + "\n  ".join(tried)
@@ -281,6 +293,7 @@ class Parallelized:
                     raise
                 reused = reusable_specs(self.given_plan, graph, mesh_info(mesh, self.profile))
         options, failures, tries = [], [], []
+        memory_bound = False
         for k, mesh in enumerate(self.meshes):
             try:
                 pipes = self._pipelines(graph, args, static, mesh, remat_policy)
@@ -306,6 +319,7 @@ class Parallelized:
                 if len(tries) == 1:
                     raise
                 failures.append(f"{info.shape}: {str(e).splitlines()[0]}")
+                memory_bound |= isinstance(e, MemoryBudgetError)
                 continue
             options += [
                 (cost.step_s, k, name, mesh, problem, result, pipelined)
@@ -354,7 +368,8 @@ class Parallelized:
                     "match; searched everything else afresh"
                 )
                 plan = replace(plan, warnings=(note, *plan.warnings))
-            return _Compiled(graph, plan, problem, jitted, mesh)
+            memory_bound |= bool(rejected) or "+zero" in plan.engine
+            return _Compiled(graph, plan, problem, jitted, mesh, memory_bound)
         raise MemoryBudgetError(
             f"every plan the cost model fit into {format_bytes(self.memory_budget)} needs more once compiled by XLA:\n  "
             + "\n  ".join(rejected)
@@ -611,8 +626,10 @@ def parallelize(
     `scan`): "dots" keeps only matmul outputs and the layer input, "selective" also
     recomputes the matmul outputs cheapest to recompute per byte (a transformer's
     attention scores), "full" keeps only the layer input, and the backward loop
-    recomputes the rest; "auto" takes the first of "none", "dots", "selective",
-    "full" whose plan fits `memory_budget`.
+    recomputes the rest. "auto" tries "none", "dots", "selective", "full" in turn and
+    keeps the fastest plan that fits `memory_budget`; it stops early once the budget
+    constrained nothing (no mesh shape or pipeline turned away, no ZeRO retry), since
+    then more recomputation can only add work.
     """
     as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
     kw = dict(

@@ -148,7 +148,7 @@ def run(profile_name: str = "a100-80g") -> dict:
             for c in sorted((c for c in auto.candidates if c.fits), key=lambda c: c.step_s)[:10]
         ],
         "sweep": _sweep(pricer, prof),
-        "parallelize": parallelize_auto(profile_name),
+        "parallelize": parallelize_auto(profile_name, remat="auto"),
         "parallelize_gpipe": parallelize_auto(profile_name, remat="full", schedule="gpipe"),
         "jax": jax.__version__,
     }
@@ -202,7 +202,9 @@ def parallelize_auto(
     flops = PL.model_flops(GPT3.batch, GPT3.seq, GPT3.layers, GPT3.hidden, GPT3.vocab)
     peak = cost_models.load(profile_name).flops_for(jnp.bfloat16)
     return {
-        "remat": remat,
+        "remat": plan.remat or "none",
+        "remat_asked": remat,
+        "remat_tried": next((w for w in plan.warnings if w.startswith("remat='auto'")), None),
         "engine": plan.engine,
         "mesh": plan.mesh.shape,
         "pipeline": {k: v for k, v in (plan.pipeline or {}).items() if k != "scans"},
@@ -272,7 +274,8 @@ def markdown(r: dict) -> str:
             "searched op by op: one layer's plan at the micro-batch size on a stage's sub-mesh, "
             "the pipelined loops priced at M + S - 1 forward and backward slots, everything else "
             "on the whole mesh. 1F1B (the default) keeps at most 2S - 1 micro-batches' "
-            "activations on a stage, so selective (`dots`) remat fits; GPipe keeps all M, so "
+            'activations on a stage; its row is `remat="auto"`, which tries none, dots, '
+            "selective and full and keeps the fastest plan that fits. GPipe keeps all M, so "
             "only full remat fits there.",
             "",
             "| schedule | remat | mesh | M | engine | step s (compute + comm) | GB/device | MFU | "
@@ -296,7 +299,13 @@ def markdown(r: dict) -> str:
             "",
             "Megatron's 1024-GPU run as `shared/BENCHMARKS.md` gives it (about 140 TFLOP/s a "
             f"GPU): {mega['step_s']:.1f} s, {100 * mega['mfu_72_formula']:.1f} % by the same "
-            "formula. What `parallelize` tried (1F1B row): "
+            "formula. "
+            + (
+                f'`remat="auto"` tried (1F1B row): {r["parallelize"]["remat_tried"][15:]}. '
+                if r["parallelize"].get("remat_tried")
+                else ""
+            )
+            + "What `parallelize` tried (1F1B row, the chosen remat): "
             + (
                 r["parallelize"]["tried"][0].split(": ", 1)[-1][:1500]
                 if r["parallelize"]["tried"]
