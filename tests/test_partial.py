@@ -74,7 +74,9 @@ def test_partial_operand_specs_survive_the_plan_file(tmp_path):
     assert [o.in_specs for o in loaded.ops] == [o.in_specs for o in plan.ops]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_random_plans_of_a_gpt_train_step_are_exact(seed):
     """Random strategies (half of the linear ops passing partial sums) for every op of a
     real train step: layer norm's and softmax's implicitly broadcast operands included."""

@@ -230,6 +230,7 @@ def test_auto_stage_count_keeps_the_fastest_plan():
         autopar.parallelize(ts.step, mesh=MESH, pipeline_stages="auto")
 
 
+@pytest.mark.slow  # the pipelined lowering is tested above; this is the demo's wiring
 def test_demo_runs_pipelined(capsys):
     """`autopar demo --pipeline-stages 2` trains the demo GPT as a pipeline, like jax.jit."""
     from autopar import demo
