@@ -295,6 +295,7 @@ def test_parallelize_remat_trains_and_auto_picks_a_policy_that_fits(tmp_path):
     from helpers import replay_from_file, run_steps
 
     import autopar
+    from autopar.api import compiled_memory
 
     cfg = gpt.GPTConfig(
         hidden=64, heads=4, seq=32, vocab=256, layers=4, batch_size=8, scan_layers=True
@@ -311,13 +312,17 @@ def test_parallelize_remat_trains_and_auto_picks_a_policy_that_fits(tmp_path):
     assert plan.remat == "full" and any(w.startswith("remat (full)") for w in plan.warnings)
     assert replay_from_file(step, ts.step, args, tmp_path, mesh=mesh, cluster="cpu").remat == "full"
 
-    plain = autopar.parallelize(ts.step, mesh=mesh, cluster="cpu").plan(*args)
-    budget = 1.02 * plan.cost.peak_memory_bytes
-    assert budget < plain.cost.peak_memory_bytes
+    # a budget under what the plan without remat needs once compiled (at this size
+    # XLA:CPU's own buffers are a large part of it, so the cost model's figure is not
+    # the bar: parallelize compiles plans near the budget to check them)
+    plain = autopar.parallelize(ts.step, mesh=mesh, cluster="cpu")
+    budget = 0.9 * compiled_memory(plain.lower(*args).compile())
     auto = autopar.parallelize(
         ts.step, mesh=mesh, cluster="cpu", remat="auto", memory_budget=budget
-    ).plan(*gpt.abstract_args(cfg))
+    ).plan(*args)
     assert auto.remat in ("dots", "selective", "full") and auto.cost.peak_memory_bytes <= budget
+    assert auto.compiled_memory_bytes is None or auto.compiled_memory_bytes <= budget
+    assert any(w.startswith("remat='auto' tried remat=none: ") for w in auto.warnings)
 
 
 def _toy_step(checkpoint: bool):

@@ -120,3 +120,73 @@ def test_over_budget_tries_zero_stages_and_keeps_the_fastest_that_fits():
     # ZeRO-1 shards the optimizer moments and leaves the parameters whole
     zero1 = tried["dp+zero1"]
     assert base.cost.argument_bytes > zero1.argument_bytes > tried["dp+zero3"].argument_bytes
+
+
+def _problem(fn, args, mesh):
+    from jax.sharding import AbstractMesh
+
+    import cost_models
+    from autopar.capture import capture
+    from autopar.cost import CostModel
+    from autopar.search.problem import build_problem
+    from autopar.sharding import mesh_info
+
+    profile = cost_models.load("cpu")
+    info = mesh_info(AbstractMesh(tuple(mesh.values()), tuple(mesh)), profile)
+    return build_problem(capture(fn, args), info, CostModel(profile, info))
+
+
+def test_peak_memory_holds_the_copy_an_op_reads():
+    """A weight stored sharded but read whole by a matmul is all-gathered into a full
+    copy that lives while the matmul runs: the predicted peak counts it."""
+    from autopar.search.evaluate import peak_memory
+    from autopar.sharding import Spec
+
+    w, x = (
+        jax.ShapeDtypeStruct((1024, 256), jnp.float32),
+        jax.ShapeDtypeStruct((8, 1024), jnp.float32),
+    )
+    problem = _problem(lambda w, x: jnp.tanh(x @ w), (w, x), {"data": 8})
+    rep2, split0 = Spec.replicated(2), Spec((("data",), ()))
+    find = lambda v, ok: next(k for k, s in enumerate(problem.strategies[v]) if ok(s))
+    choice = [0] * len(problem.strategies)
+    choice[0] = find(0, lambda s: s.out_specs[0] == split0)  # w stored split over data
+    choice[1] = find(1, lambda s: s.out_specs[0] == rep2)  # x replicated
+    dot, tanh = 2, 3
+    choice[tanh] = find(tanh, lambda s: s.in_specs[0] == rep2)
+    choice[dot] = find(dot, lambda s: s.in_specs == (rep2, rep2))  # reads w whole
+    whole, _ = peak_memory(problem, choice)
+    choice[dot] = find(dot, lambda s: s.in_specs[1] == split0)  # reads w as stored
+    as_stored, args = peak_memory(problem, choice)
+    assert whole - as_stored >= 1024 * 256 * 4 * (1 - 1 / 8) - 8 * 256 * 4
+    assert whole >= args + 1024 * 256 * 4
+
+
+def test_loop_pins_hold_each_loop_to_its_fastest_strategy_under_a_cap():
+    """`loop_pins` picks, per loop, the fastest strategy whose stacked weights (as its
+    body reads them) fit the cap, else the leanest; the loops offer a body with the
+    per-layer weights split over each mesh axis."""
+    from autopar.search.engines import loop_footprint, loop_pins
+
+    cfg = gpt.GPTConfig(
+        hidden=64, heads=4, seq=16, vocab=128, layers=4, batch_size=8, scan_layers=True
+    )
+    problem = _problem(
+        gpt.make_train_step(cfg).step, gpt.abstract_args(cfg), {"data": 2, "model": 4}
+    )
+    loops = [problem.num_inputs + n.id for n in problem.graph.nodes if n.body is not None]
+    assert loops
+    for v in loops:
+        names = [s.name for s in problem.strategies[v]]
+        assert any("dp+weights/model" in n for n in names), names
+    sizes = {
+        v: [loop_footprint(problem, v, k) for k in range(len(problem.strategies[v]))] for v in loops
+    }
+    for cap in (0, float("inf"), sorted(sizes[loops[0]])[1]):
+        for v, k in loop_pins(problem, cap).items():
+            fits = [j for j, b in enumerate(sizes[v]) if b <= cap]
+            if fits:
+                assert sizes[v][k] <= cap
+                assert problem.node_time[v][k] == min(problem.node_time[v][j] for j in fits)
+            else:
+                assert sizes[v][k] == min(sizes[v])

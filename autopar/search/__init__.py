@@ -96,8 +96,10 @@ def search(
 ) -> SearchResult:  # noqa: B006
     """Run `engine` ("auto" tries them all); if its plan does not fit `memory_budget`,
     retry with the optimizer state sharded over every device (ZeRO-1; ZeRO-2 is the
-    same in one fused step) and with the parameters sharded too (ZeRO-3).
-    Returns the fastest plan that fits; raises MemoryBudgetError if none does."""
+    same in one fused step), with the parameters sharded too (ZeRO-3), and then, for
+    functions with loops, with ZeRO-3 and each loop held to a strategy whose stacked
+    inputs take at most 1/2, 1/4, 1/8 of the budget (`engines.loop_pins`), until one
+    fits. Returns the fastest plan that fits; raises MemoryBudgetError if none does."""
     if engine != "auto" and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
     start = time.perf_counter()
@@ -116,6 +118,15 @@ def search(
         "zero1": {i: s for i, s in zero_pins.items() if i in opt_state},
         "zero3": zero_pins,
     }
+    # Loops whose stacked inputs, as their body reads them, take at most 1/2, 1/4, 1/8
+    # of the budget (with ZeRO-3): a body that keeps its weights whole is fastest, but
+    # the whole stack of them must then sit on every device.
+    if any(n.body is not None for n in problem.graph.nodes) and memory_budget < float("inf"):
+        for f in (2, 4, 8):
+            lean = engines.loop_pins(problem, memory_budget / f)
+            lean = {k: s for k, s in lean.items() if k not in pinned}
+            if lean:
+                zero_stages[f"zero3+loops/{f}"] = {**zero_pins, **lean}
     for name in names:
         info[name] = {}
         log.info("mesh %s: searching with %s", problem.mesh.shape, name)
@@ -123,14 +134,18 @@ def search(
         candidates[name] = (choice, evaluate(problem, choice))
         if candidates[name][1].peak_memory_bytes <= memory_budget or name in ("data", "fsdp"):
             continue
+        fits = False
         for stage, pins in zero_stages.items():
             if not pins or (stage == "zero1" and pins == zero_pins):
                 continue
+            if fits and "loops" in stage:  # leaner loops only trade speed for memory
+                break
             key = f"{name}+{stage}"
             info[key] = {}
             log.info("mesh %s: %s over budget, retrying with %s", problem.mesh.shape, name, stage)
             choice = ENGINES[name](problem, {**pins, **pinned}, info[key])
             candidates[key] = (choice, evaluate(problem, choice))
+            fits |= candidates[key][1].peak_memory_bytes <= memory_budget
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
         best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from autopar.search.problem import Problem
+from autopar.search.problem import Problem, batch_like_body_inputs
 from autopar.sharding import axis_order_slow_first
 
 # MindSpore D-Rec weighs the cost of replicating a parameter (a batch cut) by
@@ -298,6 +298,34 @@ def fsdp_pins(problem: Problem) -> dict[int, int]:
         i: _batch_spec(problem, i) if batch[i] else _max_sharded(problem, i)
         for i in range(problem.num_inputs)
     }
+
+
+def loop_footprint(problem: Problem, v: int, k: int) -> int:
+    """Per-device bytes of loop node `v`'s inputs other than activations (its stacked
+    weights, mostly) in the layout its strategy `k` reads them."""
+    node = problem.graph.nodes[v - problem.num_inputs]
+    batched = set(batch_like_body_inputs(node))
+    specs = problem.strategies[v][k].in_specs
+    seen = {x: sp for i, (x, sp) in enumerate(zip(node.inputs, specs)) if i not in batched}
+    return sum(problem.cost.local_bytes(problem.graph.values[x], sp) for x, sp in seen.items())
+
+
+def loop_pins(problem: Problem, cap: float) -> dict[int, int]:
+    """Each loop (a node with a body) pinned to its fastest strategy whose inputs, in
+    the layout it reads them, take at most `cap` bytes per device (the leanest one
+    if none does)."""
+    pins = {}
+    for node in problem.graph.nodes:
+        v = problem.num_inputs + node.id
+        if node.body is None or len(problem.strategies[v]) < 2:
+            continue
+        ks = range(len(problem.strategies[v]))
+        size = {k: loop_footprint(problem, v, k) for k in ks}
+        fits = [k for k in ks if size[k] <= cap]
+        pins[v] = (
+            min(fits, key=lambda k: problem.node_time[v][k]) if fits else min(ks, key=size.get)
+        )
+    return pins
 
 
 def data(problem: Problem) -> list[int]:

@@ -146,13 +146,16 @@ def settle_partials(
 def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
     """(peak, argument) bytes per device: arguments stay live throughout; each
     intermediate lives from its producer to its last consumer (outputs to the end),
-    at the size of its settled spec (`settle_partials`)."""
+    at the size of its settled spec (`settle_partials`). An op that reads a value in
+    another layout than it is stored in (an all-gathered weight, a loop's stacked
+    weights gathered for the whole loop) holds that copy while it runs."""
     g, n_in = problem.graph, problem.num_inputs
     strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
     settled = settle_partials(
         g, [s.in_specs for s in strat], [s.out_specs for s in strat], output_specs(problem, choice)
     )
     args = int(sum(problem.node_mem[i][choice[i]] for i in range(n_in)))
+    stored = {v: problem.strategies[i][choice[i]].out_specs[0] for i, v in enumerate(g.inputs)}
     last_use: dict[int, int] = {}
     for node in g.nodes:
         for x in node.inputs:
@@ -161,13 +164,22 @@ def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
         last_use[x] = len(g.nodes)
     free_at = np.zeros(len(g.nodes) + 1)
     live = peak = 0.0
-    for node in g.nodes:
-        s = problem.strategies[n_in + node.id][choice[n_in + node.id]]
+    for node, s in zip(g.nodes, strat):
+        copies = {
+            (x, want)
+            for x, want in zip(node.inputs, s.in_specs)
+            if x in stored and want != stored[x]
+        }
+        held = sum(
+            problem.cost.local_bytes(g.values[x], want) * problem.resident.get(x, 1.0)
+            for x, want in copies
+        )
         for v, spec in zip(node.outputs, s.out_specs):
-            b = problem.cost.local_bytes(g.values[v], settled.get(v, spec))
+            stored[v] = settled.get(v, spec)
+            b = problem.cost.local_bytes(g.values[v], stored[v])
             b *= problem.resident.get(v, 1.0)
             live += b
             free_at[last_use.get(v, node.id)] += b
-        peak = max(peak, live)
+        peak = max(peak, live + held)
         live -= free_at[node.id]
     return int(args + peak), args

@@ -321,15 +321,26 @@ def _scan_strategy(
     # with the carry's leading, batch dim) split along that dim, the rest searched.
     n_fixed = node.params["num_consts"] + node.params["num_carry"]
     n_carry = node.params["num_carry"]
-    carry = [node.body.values[v] for v in node.body.inputs[n_fixed - n_carry : n_fixed]]
-    if carry and carry[0].rank:
-        pins = {
-            i: _batch_first(body, i)
-            for i, v in enumerate(node.body.inputs)
-            if node.body.values[v].shape[:1] == carry[0].shape[:1]
-        }
+    batched = batch_like_body_inputs(node)
+    if batched:
+        pins = {i: _batch_first(body, i) for i in batched}
         with contextlib.suppress(MemoryBudgetError):
             candidates.append(replace(search(body, "dp", budget, pins), engine="dp+batch"))
+        # Per-layer weights split over one axis (Megatron-style when it is the tensor
+        # axis): a loop stores its stacked weights in the layout its body reads them,
+        # so a body that keeps them whole needs the whole stack on every device.
+        for axis, size in zip(mesh.axis_names, mesh.axis_sizes):
+            split = {
+                i: k
+                for i in range(n_fixed, body.num_inputs)
+                if i not in pins
+                for k in [_largest_dim_over(body, i, axis)]
+                if k is not None
+            }
+            if size > 1 and split:
+                with contextlib.suppress(MemoryBudgetError):
+                    r = search(body, "dp", budget, {**pins, **split})
+                    candidates.append(replace(r, engine=f"dp+weights/{axis}"))
     lead = (stage_axis,) if stage_axis else ()
     lift = lambda sp: Spec((lead, *sp.dims), sp.partial)
     strategies, results, seen = [], [], set()
@@ -346,6 +357,30 @@ def _scan_strategy(
         results.append(r)
     warnings = tuple(f"{w} (in the scan body at {node.key})" for w in body.warnings)
     return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (body, results)
+
+
+def batch_like_body_inputs(node) -> list[int]:
+    """A loop's body inputs that are activations: those with the carry's leading
+    (batch) dim, when the first carry has one; the others are weights and the like."""
+    b = node.body
+    n_fixed = node.params["num_consts"] + node.params["num_carry"]
+    carry = [b.values[v] for v in b.inputs[n_fixed - node.params["num_carry"] : n_fixed]]
+    if not carry or not carry[0].rank:
+        return []
+    return [i for i, v in enumerate(b.inputs) if b.values[v].shape[:1] == carry[0].shape[:1]]
+
+
+def _largest_dim_over(problem: Problem, i: int, axis: str) -> int | None:
+    """Input i's strategy splitting its largest dim over `axis` alone (None if no
+    strategy does, e.g. the dim does not divide)."""
+    t = problem.graph.values[problem.graph.inputs[i]]
+    if not t.rank:
+        return None
+    d = max(range(t.rank), key=lambda k: (t.shape[k], -k))
+    want = tuple((axis,) if k == d else () for k in range(t.rank))
+    return next(
+        (k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0].dims == want), None
+    )
 
 
 def _batch_first(problem: Problem, i: int) -> int:
