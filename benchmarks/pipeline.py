@@ -275,8 +275,10 @@ def markdown(r: dict) -> str:
             "the pipelined loops priced at M + S - 1 forward and backward slots, everything else "
             "on the whole mesh. 1F1B (the default) keeps at most 2S - 1 micro-batches' "
             'activations on a stage; its row is `remat="auto"`, which tries none, dots, '
-            "selective and full and keeps the fastest plan that fits. GPipe keeps all M, so "
-            "only full remat fits there.",
+            "selective and full and keeps the fastest plan that fits. The second row asks for "
+            "GPipe with full remat (GPipe keeps all M micro-batches' activations); "
+            '`pipeline_stages="auto"` includes S = 1, and a schedule of `none` means the '
+            "unpipelined plan was the fastest that fit.",
             "",
             "| schedule | remat | mesh | M | engine | step s (compute + comm) | GB/device | MFU | "
             "search s |",
@@ -301,7 +303,9 @@ def markdown(r: dict) -> str:
             f"GPU): {mega['step_s']:.1f} s, {100 * mega['mfu_72_formula']:.1f} % by the same "
             "formula. "
             + (
-                f'`remat="auto"` tried (1F1B row): {r["parallelize"]["remat_tried"][15:]}. '
+                '`remat="auto"` (1F1B row) '
+                + r["parallelize"]["remat_tried"].removeprefix("remat='auto' ")
+                + ". "
                 if r["parallelize"].get("remat_tried")
                 else ""
             )
