@@ -44,7 +44,7 @@ from autopar.remat import POLICIES as REMAT_POLICIES
 from autopar.remat import remat, remat_report
 from autopar.search import search
 from autopar.search.evaluate import output_specs
-from autopar.search.problem import Problem, build_problem
+from autopar.search.problem import Problem, build_problem, find_aliases
 from autopar.sharding import MeshInfo, Spec, mesh_info
 
 # Plans predicted to use more than this fraction of the budget are compiled once on
@@ -460,7 +460,14 @@ class Parallelized:
         dyn, tree = jax.tree_util.tree_flatten(self._dyn(args))
         micro_dyn = iter(
             jax.tree_util.tree_unflatten(
-                tree, micro_args(dyn, batch_size(graph, scans), pipe.microbatches, name)
+                tree,
+                micro_args(
+                    dyn,
+                    batch_size(graph, scans),
+                    pipe.microbatches,
+                    name,
+                    keep=set(find_aliases(graph).values()),
+                ),
             )
         )
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))

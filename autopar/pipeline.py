@@ -29,7 +29,7 @@ come from a *sum* over the batch, and a body with batch statistics inside is ref
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -160,17 +160,21 @@ def batch_size(graph: Graph, scans: Sequence[int]) -> int:
     return graph.values[n.inputs[n.params["num_consts"]]].shape[0]
 
 
-def micro_args(flat_args: Sequence, batch: int, microbatches: int, fn_name: str) -> list:
-    """Abstract args at the micro-batch size: every leaf whose leading dim is the batch."""
+def micro_args(
+    flat_args: Sequence, batch: int, microbatches: int, fn_name: str, keep: Collection[int] = ()
+) -> list:
+    """Abstract args at the micro-batch size: every leaf whose leading dim is the batch,
+    except the leaves at positions `keep` (state the function returns updated: a stack
+    of 8 layers' weights is not a batch of 8)."""
     if batch % microbatches:
         raise MeshError(
             f"{fn_name}: the batch of {batch} does not split into {microbatches} micro-batches; "
             "pick a micro-batch count that divides it"
         )
     out = []
-    for x in flat_args:
+    for i, x in enumerate(flat_args):
         shape = getattr(x, "shape", None)
-        if shape and shape[0] == batch:
+        if shape and shape[0] == batch and i not in keep:
             x = jax.ShapeDtypeStruct((batch // microbatches, *shape[1:]), x.dtype)
         elif shape is not None:
             x = jax.ShapeDtypeStruct(shape, x.dtype)

@@ -241,3 +241,17 @@ def test_demo_runs_pipelined(capsys):
     )
     out = capsys.readouterr().out
     assert "pipeline: 2 stages over 'stage'" in out and "MATCH" in out
+
+
+def test_a_stack_of_as_many_layers_as_examples_is_not_cut_as_a_batch():
+    """The micro-batch capture cuts the batch, not the parameters: 4 stacked layers'
+    weights with a batch of 4 (both leading dims 4) plan as a pipeline."""
+    cfg = gpt.GPTConfig(
+        hidden=32, heads=2, seq=16, vocab=64, layers=4, batch_size=4, scan_layers=True
+    )
+    ts = gpt.make_train_step(cfg)
+    step = autopar.parallelize(
+        ts.step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=2
+    )
+    plan = step.plan(*gpt.abstract_args(cfg))
+    assert plan.pipeline["stages"] == 2 and plan.pipeline["microbatches"] == 2
