@@ -178,7 +178,10 @@ def interpret(
                     store(node, outs, [None] * len(outs))
 
         fused = {f.forward: f for f in pipelined.fused} if pipelined is not None else {}
+        absorbed: set[int] = set()  # casts already run in their contraction's shard_map
         for node in _order(graph, fused.values()):
+            if node.id in absorbed:
+                continue
             rec = plan.ops[node.id]
             empty = any(graph.values[v].size == 0 for v in (*node.inputs, *node.outputs))
             local = (
@@ -206,7 +209,14 @@ def interpret(
                 outs, haves = _run_scan(node, rec, mesh, invals), rec.out_specs
             elif local:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
-                outs, haves = _run_local(node, rec, graph, mesh, smap, invals), rec.out_specs
+                exact = node.op in EXACT_OPS and not fused
+                casts = _casts_of(node, rec, graph, plan, wants) if exact else []
+                outs = _run_local(node, rec, graph, mesh, smap, invals, casts)
+                outs, cast_outs = outs[: len(node.outputs)], outs[len(node.outputs) :]
+                for c, val in zip(casts, cast_outs):
+                    store(c, [val], plan.ops[c.id].out_specs)
+                    absorbed.add(c.id)
+                haves = rec.out_specs
             else:
                 invals = [read(v, s.without_partial()) for v, s in zip(node.inputs, rec.in_specs)]
                 outs, haves = bind(node, invals, manual=bool(manual)), [None] * len(node.outputs)
@@ -316,8 +326,38 @@ def _stacked(spec: Spec) -> PartitionSpec:
     return PartitionSpec(lead, *spec.without_partial().to_pspec())
 
 
-def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals) -> list:
-    """Run `node` per device on its shards; partial operands and results are stacked."""
+def _casts_of(node: Node, rec, graph: Graph, plan, wants) -> list[Node]:
+    """The float casts of a contraction's result planned in the layout it comes out in
+    (e.g. a batch norm's f32 upcast of a bf16 convolution): they run per device in the
+    contraction's `shard_map`. Outside it, the boundary's copies sit between the result
+    and the cast, and XLA:CPU, which computes bf16 convolutions in f32, then keeps the
+    f32 -> bf16 -> f32 round trip (two more passes over the activation) that it drops
+    when the cast reads the convolution directly, as in a plain `jax.jit` program."""
+    if len(node.outputs) != 1 or rec.out_specs[0].partial:
+        return []
+    v, have = node.outputs[0], rec.out_specs[0]
+    casts = []
+    for c in graph.consumers.get(v, ()):
+        c = graph.nodes[c]
+        crec = plan.ops[c.id]
+        if (
+            c.op == "convert_element_type"
+            and c.body is None
+            and tuple(c.inputs) == (v,)
+            and len(c.outputs) == 1
+            and crec.in_specs[0] == have
+            and crec.out_specs[0] == have
+            and wants(c)[0] == have
+            and graph.values[c.outputs[0]].size
+        ):
+            casts.append(c)
+    return casts
+
+
+def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals, casts=()) -> list:
+    """Run `node` per device on its shards; partial operands and results are stacked.
+    The `casts` of its (unstacked) first result run on the same shards; their results
+    follow `node`'s."""
     local_shapes = [
         tuple(s // math.prod(mesh.shape[a] for a in d) for s, d in zip(t.shape, sp.dims))
         for t, sp in zip((graph.values[v] for v in node.outputs), rec.out_specs)
@@ -327,10 +367,12 @@ def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals) -> list:
         xs = [x[0] if s.partial else x for x, s in zip(xs, rec.in_specs)]
         outs = bind(node, xs, local_shapes[0])
         outs = list(outs) if node.primitive.multiple_results else [outs]
-        return tuple(o[None] if s.partial else o for o, s in zip(outs, rec.out_specs))
+        cast = [bind(c, [outs[0]], local_shapes[0]) for c in casts]
+        return (*(o[None] if s.partial else o for o, s in zip(outs, rec.out_specs)), *cast)
 
     ins = [_stacked(s) if s.partial else s.to_pspec() for s in rec.in_specs]
     outs = [_stacked(s) if s.partial else s.to_pspec() for s in rec.out_specs]
+    outs += [rec.out_specs[0].to_pspec()] * len(casts)
     return list(smap(body, ins, outs)(*invals))
 
 
