@@ -567,7 +567,14 @@ def test_searched_plan_runs_with_the_same_loss_as_jit(plans):
 def test_search_reports_progress_on_stderr(tmp_path):
     """A search that takes more than a moment shows its phase and elapsed time."""
     r = run(
-        "search", "autopar/examples.py:gpt_small", "--mesh", "8", "--out", str(tmp_path / "p.json")
+        "search",
+        "autopar/examples.py:gpt_small",
+        "--mesh",
+        "8",
+        "--engine",
+        "dp",
+        "--out",
+        str(tmp_path / "p.json"),
     )
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
