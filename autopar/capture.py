@@ -12,6 +12,7 @@ parallelize (a train step), not through it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -290,8 +291,7 @@ def append_traced(
     construction (`values`, `nodes` and `consts` are extended in place), each with
     `name_stack` and `source`; the value ids of `fn`'s results. For graph passes
     that insert small computations (`autopar.precision`'s float16 range scales)."""
-    args = [jax.ShapeDtypeStruct(values[v].shape, values[v].dtype) for v in in_ids]
-    closed = jax.make_jaxpr(fn)(*args)
+    closed = _traced(fn, tuple((values[v].shape, values[v].dtype) for v in in_ids))
     b = _Builder()
     b.values, b.nodes, b.consts = values, nodes, consts
     start = len(nodes)
@@ -299,3 +299,10 @@ def append_traced(
     for i in range(start, len(nodes)):
         nodes[i] = replace(nodes[i], name_stack=name_stack, source=source)
     return outs
+
+
+@functools.lru_cache(maxsize=4096)
+def _traced(fn: Callable, avals: tuple) -> Any:
+    """`fn`'s jaxpr on arguments of these (shape, dtype)s, traced once per pair (a pass
+    inserts the same small computation at every contraction of a model)."""
+    return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d) for s, d in avals))

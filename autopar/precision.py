@@ -52,7 +52,7 @@ from jax import lax
 from autopar.capture import append_traced
 from autopar.cost import node_flops
 from autopar.errors import format_bytes
-from autopar.ir import Graph, Node, TensorType, check_graph
+from autopar.ir import Graph, Node, check_graph
 
 CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 MASTER_DTYPE = np.dtype(np.float32)
@@ -123,7 +123,6 @@ def _convert(graph: Graph, dtype: np.dtype) -> Graph:
     values = list(graph.values)
     nodes: list[Node] = []
     consts = dict(graph.consts)
-    cast_prim, cast_params = _cast_op(dtype.name)
     for node in graph.nodes:
         if node.body is not None:
             body = _convert(node.body, dtype)
@@ -135,22 +134,12 @@ def _convert(graph: Graph, dtype: np.dtype) -> Graph:
         if dtype == F16:
             _append_scaled(node, values, nodes, consts)
             continue
-        cast: dict[int, int] = {}
-        for v in dict.fromkeys(node.inputs):
-            values.append(TensorType(graph.values[v].shape, dtype))
-            cast[v] = len(values) - 1
-            nodes.append(
-                Node(
-                    id=len(nodes),
-                    op="convert_element_type",
-                    inputs=(v,),
-                    outputs=(cast[v],),
-                    primitive=cast_prim,
-                    params=dict(cast_params),
-                    name_stack=node.name_stack,
-                    source=node.source,
-                )
-            )
+        cast = {  # one cast per distinct operand, with the contraction's location
+            v: append_traced(
+                values, nodes, consts, _cast_to(dtype.name), [v], node.name_stack, node.source
+            )[0]
+            for v in dict.fromkeys(node.inputs)
+        }
         nodes.append(_mixed(node, len(nodes), tuple(cast[v] for v in node.inputs)))
     if len(values) == len(graph.values) and all(
         a is b for a, b in zip(nodes, graph.nodes, strict=True)
@@ -194,11 +183,9 @@ def _append_scaled(node: Node, values: list, nodes: list, consts: dict) -> None:
 
 
 @functools.cache
-def _cast_op(dtype_name: str) -> tuple[Any, dict[str, Any]]:
-    """`convert_element_type`'s primitive and params, as tracing `astype` makes them."""
-    jaxpr = jax.make_jaxpr(lambda x: x.astype(dtype_name))(jnp.zeros((), MASTER_DTYPE))
-    (eqn,) = jaxpr.eqns
-    return eqn.primitive, dict(eqn.params)
+def _cast_to(dtype_name: str) -> Callable:
+    """`x.astype(dtype_name)`, one function object per dtype (traces are cached by it)."""
+    return lambda x: x.astype(dtype_name)
 
 
 def _with_body_jaxpr(params: dict, body: Graph, upcast: bool = False) -> dict:
