@@ -35,6 +35,16 @@ def summarize_row(res: dict) -> None:
         s["best_engine_program"] = best[0]
         s["best_engine_s"] = best[1]
         s["best_engine_ratio"] = best[1] / best_base[1]
+    # Compute floor: the lowest compiled compute term of any program measured (plans and
+    # baselines), with no communication at all, over the best baseline. A plan scores
+    # below it only by computing less than every program seen.
+    comp = [
+        v["priced"]["compute_s"]
+        for v in [*res["programs"].values(), *res["baselines"].values()]
+        if "priced" in v
+    ]
+    if comp and base:
+        s["compute_floor_ratio"] = min(comp) / best_base[1]
     # Overlap variant of the same ratios.
     ov = lambda e: e["priced"]["step_overlap_s"] if "priced" in e else math.inf
     bo = min((ov(v) for v in res["baselines"].values()), default=math.inf)
@@ -69,6 +79,9 @@ def summarize_row(res: dict) -> None:
             "compiled_compute_s": p["priced"]["compute_s"],
         }
     s["fidelity"] = fid
+    f32 = res.get("f32_memory", {})
+    if "compiled" in f32:
+        s["f32_memory_err"] = rel_err(f32["pred_memory"], f32["compiled"]["total"])
     # Kendall tau: the cost model's ranking vs the compiled ranking.
     items = []
     for name, p in res["programs"].items():

@@ -570,7 +570,7 @@ def test_search_reports_progress_on_stderr(tmp_path):
         "search",
         "autopar/examples.py:gpt_small",
         "--mesh",
-        "8",
+        "data=2,model=4",
         "--engine",
         "dp",
         "--out",

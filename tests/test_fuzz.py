@@ -233,6 +233,7 @@ def check(program: Program, mesh: dict[str, int], engines=ENGINES) -> None:
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+@pytest.mark.slow  # the default run keeps test_random_plans_lower_exactly and the regressions
 @given(programs(), st.sampled_from(MESHES))
 def test_sharded_equals_unsharded(program, mesh):
     """Every engine on each program: MAX_EXAMPLES x len(ENGINES) sharded runs."""

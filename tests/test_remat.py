@@ -288,14 +288,12 @@ def test_compiled_memory_drops():
     assert temp["none"] - temp["full"] >= 0.5 * (saved["none"] - saved["full"])
 
 
-def test_parallelize_remat_trains_and_auto_picks_a_policy_that_fits(tmp_path):
+def test_parallelize_remat_trains_and_replays(tmp_path):
     """`parallelize(remat=...)`: a sharded scanned GPT with its residuals recomputed
-    trains like `jax.jit`, the plan file replays the policy, and "auto" moves to a
-    rematerializing policy when the budget leaves no room for the residuals."""
+    trains like `jax.jit`, and the plan file replays the policy."""
     from helpers import replay_from_file, run_steps
 
     import autopar
-    from autopar.api import compiled_memory
 
     cfg = gpt.GPTConfig(
         hidden=64, heads=4, seq=32, vocab=256, layers=4, batch_size=8, scan_layers=True
@@ -312,6 +310,19 @@ def test_parallelize_remat_trains_and_auto_picks_a_policy_that_fits(tmp_path):
     assert plan.remat == "full" and any(w.startswith("remat (full)") for w in plan.warnings)
     assert replay_from_file(step, ts.step, args, tmp_path, mesh=mesh, cluster="cpu").remat == "full"
 
+
+def test_remat_auto_picks_a_policy_that_fits():
+    """ "auto" moves to a rematerializing policy when the budget leaves no room for the
+    residuals, and says which policies it tried."""
+    import autopar
+    from autopar.api import compiled_memory
+
+    cfg = gpt.GPTConfig(
+        hidden=64, heads=4, seq=32, vocab=256, layers=4, batch_size=8, scan_layers=True
+    )
+    ts = gpt.make_train_step(cfg)
+    args = gpt.abstract_args(cfg)
+    mesh = {"data": 2, "model": 4}
     # a budget under what the plan without remat needs once compiled (at this size
     # XLA:CPU's own buffers are a large part of it, so the cost model's figure is not
     # the bar: parallelize compiles plans near the budget to check them)

@@ -190,3 +190,44 @@ def test_loop_pins_hold_each_loop_to_its_fastest_strategy_under_a_cap():
                 assert problem.node_time[v][k] == min(problem.node_time[v][j] for j in fits)
             else:
                 assert sizes[v][k] == min(sizes[v])
+
+
+def test_independent_collectives_pay_one_latency_per_combined_bucket():
+    """XLA combines independent same-group collectives (up to 30 MiB a bucket): the
+    prediction pays their latency once; a collective fed by another pays its own."""
+    from autopar.search.evaluate import combined_latency
+
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    problem = _problem(lambda x: jnp.tanh(jnp.tanh(x)), (x,), {"data": 8})
+    latency = problem.cost.link(("data",))[0]
+    ar = lambda nbytes: problem.cost.collective("all-reduce", ("data",), nbytes)
+    small, big = ar(1 << 20), ar(20 << 20)
+    # input 0 -> tanh 1 -> tanh 2
+    assert combined_latency(problem, [(0, 1, small), (1, 2, small)]) == 0  # a chain
+    assert combined_latency(problem, [(0, 1, small), (0, 2, small)]) == latency
+    assert (
+        combined_latency(problem, [(0, 1, small), (0, 2, small), (0, None, small)]) == 2 * latency
+    )
+    assert combined_latency(problem, [(0, 1, big), (0, 2, big)]) == 0  # 40 MiB: two buckets
+    gather = problem.cost.collective("all-gather", ("data",), 1 << 20)
+    assert combined_latency(problem, [(0, 1, small), (0, 2, gather)]) == 0  # other kinds
+
+
+def test_data_parallel_gradients_are_priced_as_one_combined_all_reduce():
+    from autopar.search import ENGINES
+    from autopar.search.evaluate import edge_collectives, evaluate
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x)
+
+    ws = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 3
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    problem = _problem(jax.grad(loss), (ws, x), {"data": 8})
+    choice = ENGINES["data"](problem, {}, {})
+    colls = [c for _, _, c in edge_collectives(problem, choice)]
+    assert [c.kind for c in colls] == ["all-reduce"] * 3, colls
+    latency = problem.cost.link(("data",))[0]
+    separate = sum(c.seconds for c in colls)
+    assert evaluate(problem, choice).comm_s == pytest.approx(separate - 2 * latency)

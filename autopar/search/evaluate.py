@@ -54,18 +54,22 @@ def total_time(problem: Problem, choice: Sequence[int]) -> float:
     return t + sum(float(m[choice[u], choice[v]]) for (u, v), m in problem.edges.items())
 
 
-def edge_collectives(problem: Problem, choice: Sequence[int]) -> list[tuple[int, Collective]]:
-    """(consumer cost-graph node, collective) for every reshard the plan pays. Uses of
-    one value that want the same spec share one reshard, as XLA computes it once (the
-    search's pairwise edge costs still count each use: a conservative overestimate)."""
+def edge_collectives(
+    problem: Problem, choice: Sequence[int]
+) -> list[tuple[int, int | None, Collective]]:
+    """(producer, consumer, collective) cost-graph nodes for every reshard the plan pays;
+    the consumer is None for a function output. Uses of one value that want the same
+    spec share one reshard, as XLA computes it once (the search's pairwise edge costs
+    still count each use: a conservative overestimate)."""
     g, n_in, strategies = problem.graph, problem.num_inputs, problem.strategies
-    out: list[tuple[int, Collective]] = []
+    out: list[tuple[int, int | None, Collective]] = []
     seen: set[tuple[int, Spec]] = set()
 
-    def pay(x: int, src: Spec, dst: Spec, at: int) -> None:
+    def pay(x: int, src: Spec, dst: Spec, at: int | None) -> None:
         if (x, dst) not in seen:
             seen.add((x, dst))
-            out.extend((at, c) for c in problem.cost.reshard(g.values[x], src, dst).collectives)
+            u = problem.source[x][0]
+            out.extend((u, at, c) for c in problem.cost.reshard(g.values[x], src, dst).collectives)
 
     for node in g.nodes:
         v = n_in + node.id
@@ -81,8 +85,70 @@ def edge_collectives(problem: Problem, choice: Sequence[int]) -> list[tuple[int,
     for x, target in zip(g.outputs, output_specs(problem, choice)):
         if x in problem.source:
             u, k = problem.source[x]
-            pay(x, strategies[u][choice[u]].out_specs[k], target, u)
+            pay(x, strategies[u][choice[u]].out_specs[k], target, None)
     return out
+
+
+# XLA's GPU combiners merge independent all-reduces (all-gathers, reduce-scatters) over
+# the same devices into one collective of up to 30 MiB and 256 operands (the defaults of
+# xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes): the gradient
+# all-reduces of data parallelism become a few large ones, each paying the latency once.
+COMBINABLE = frozenset({"all-reduce", "all-gather", "reduce-scatter"})
+COMBINE_THRESHOLD_BYTES = 30 * 2**20
+COMBINE_THRESHOLD_COUNT = 256
+
+
+def combined_latency(
+    problem: Problem, colls: Sequence[tuple[int, int | None, Collective]]
+) -> float:
+    """Seconds of latency the combiners save on ``colls`` (from ``edge_collectives``).
+
+    Two collectives of one kind and device group can merge when neither depends on the
+    other. Each gets a level: one more than the deepest collective of its kind and group
+    upstream of its producer. Collectives of one level form an antichain, so each level
+    is combined, in program order, into buckets of the threshold's size; every
+    collective past the first of a bucket saves one latency."""
+    g, n_in = problem.graph, problem.num_inputs
+    at: dict[int | None, list[tuple[int, Collective]]] = {}
+    for u, v, c in colls:
+        if c.kind in COMBINABLE and c.seconds > 0:
+            at.setdefault(v, []).append((u, c))
+    if not at:
+        return 0.0
+    empty: dict = {}
+    level: list[dict] = [empty] * (n_in + len(g.nodes))
+    groups: dict[tuple, list[int]] = {}
+
+    def place(u: int, c: Collective, d: dict) -> None:
+        key = (c.kind, c.axes)
+        lvl = level[u].get(key, 0) + 1
+        groups.setdefault((key, lvl), []).append(c.bytes)
+        if d.get(key, 0) < lvl:
+            d[key] = lvl
+
+    for node in g.nodes:
+        v = n_in + node.id
+        ups = {problem.source[x][0] for x in node.inputs if x in problem.source}
+        merged = [level[u] for u in ups if level[u]]
+        d = dict(merged[0]) if merged else {}
+        for m in merged[1:]:
+            for k, lv in m.items():
+                if d.get(k, 0) < lv:
+                    d[k] = lv
+        for u, c in at.get(v, ()):
+            place(u, c, d)
+        level[v] = d or empty
+    for u, c in at.get(None, ()):
+        place(u, c, {})
+    saved = 0.0
+    for ((_, axes), _), sizes in groups.items():
+        buckets, size, count = 1, 0, 0
+        for b in sizes:
+            if count and (size + b > COMBINE_THRESHOLD_BYTES or count == COMBINE_THRESHOLD_COUNT):
+                buckets, size, count = buckets + 1, 0, 0
+            size, count = size + b, count + 1
+        saved += (len(sizes) - buckets) * problem.cost.link(axes)[0]
+    return saved
 
 
 def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
@@ -107,11 +173,11 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
     compute = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
     colls = edge_collectives(problem, choice)
     by: dict[str, int] = {}
-    for _, c in colls:
+    for _, _, c in colls:
         axes = sorted(c.axes, key=problem.mesh.axis_names.index)
         key = f"{c.kind}@{','.join(axes)}"
         by[key] = by.get(key, 0) + c.bytes
-    comm = sum(c.seconds for _, c in colls)
+    comm = sum(c.seconds for _, _, c in colls) - combined_latency(problem, colls)
     peak, args = peak_memory(problem, choice)
     return Cost(compute, comm, peak, args, by)
 
