@@ -248,9 +248,13 @@ def test_memory_budget_forces_sharding():
     name, mesh = "gpt", "data2xmodel4"
     ts = model(name)
     args = (initial_state(name), ts.batch(0))
-    fsdp = parallel_step(name, mesh, "fsdp").plan(*args)
-    # (XLA needs ~10% more than the liveness estimate here; the compile check enforces it)
-    budget = fsdp.cost.peak_memory_bytes * 1.15
+    # Just above what the fsdp plan takes once compiled: at this size XLA:CPU's own
+    # buffers are a third on top of the cost model's figure, and the compile check in
+    # `parallelize` holds plans to the compiled figure.
+    from autopar.api import compiled_memory
+
+    fsdp = parallel_step(name, mesh, "fsdp")
+    budget = 1.05 * compiled_memory(fsdp.lower(*args).compile())
     step = parallel_step(name, mesh, "auto", budget)
     plan = step.plan(*args)
     assert plan.cost.peak_memory_bytes <= budget

@@ -109,7 +109,9 @@ def test_over_budget_tries_zero_stages_and_keeps_the_fastest_that_fits():
     ts = gpt.make_train_step(cfg)
     args = gpt.abstract_args(cfg)
     base = autopar.parallelize(ts.step, mesh={"data": 8}, cluster="cpu").plan(*args)
-    budget = 0.95 * base.cost.peak_memory_bytes
+    # under the replicated plan's predicted peak; at 0.95 even the ZeRO-3 plans compile
+    # to more than the budget (20.7 against 20.4 MiB), which the compile check refuses
+    budget = 0.98 * base.cost.peak_memory_bytes
     plan = autopar.parallelize(ts.step, mesh={"data": 8}, cluster="cpu", memory_budget=budget).plan(
         *args
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.cost import Collective
+from autopar.cost import FUSED_OPS, Collective
 from autopar.ir import Graph
 from autopar.search.problem import Problem
 from autopar.sharding import Spec
@@ -209,12 +209,39 @@ def settle_partials(
     return out
 
 
+def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]:
+    """Values XLA never writes to memory: made by an elementwise or shape op (FUSED_OPS)
+    and read only by such ops, each in the layout it is made in, and not returned. They
+    live inside one fused kernel; the compute model already prices them so
+    (`problem._hbm_traffic`)."""
+    returned = set(g.outputs)
+    fused = [n.op in FUSED_OPS for n in g.nodes]
+    out: set[int] = set()
+    for n in g.nodes:
+        if not fused[n.id]:
+            continue
+        for v in n.outputs:
+            readers = g.consumers.get(v, ())
+            if v in returned or len(readers) != 1 or not fused[readers[0]]:
+                continue
+            if all(
+                strat[c].in_specs[j] == out_spec[v]
+                for c in readers
+                for j, x in enumerate(g.nodes[c].inputs)
+                if x == v
+            ):
+                out.add(v)
+    return out
+
+
 def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
     """(peak, argument) bytes per device: arguments stay live throughout; each
     intermediate lives from its producer to its last consumer (outputs to the end),
-    at the size of its settled spec (`settle_partials`). An op that reads a value in
-    another layout than it is stored in (an all-gathered weight, a loop's stacked
-    weights gathered for the whole loop) holds that copy while it runs."""
+    at the size of its settled spec (`settle_partials`). A value fused away
+    (`fused_away`) takes no memory; its reads keep its own operands alive instead. An
+    op that reads a value in another layout than it is stored in (an all-gathered
+    weight, a loop's stacked weights gathered for the whole loop) holds that copy
+    while it runs."""
     g, n_in = problem.graph, problem.num_inputs
     strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
     settled = settle_partials(
@@ -222,10 +249,22 @@ def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
     )
     args = int(sum(problem.node_mem[i][choice[i]] for i in range(n_in)))
     stored = {v: problem.strategies[i][choice[i]].out_specs[0] for i, v in enumerate(g.inputs)}
+    made = {
+        v: settled.get(v, sp)
+        for n, s in zip(g.nodes, strat)
+        for v, sp in zip(n.outputs, s.out_specs)
+    }
+    virtual = fused_away(g, strat, made)
+    roots: dict[int, frozenset[int]] = {}
+    base = lambda x: roots[x] if x in virtual else (x,)
     last_use: dict[int, int] = {}
     for node in g.nodes:
         for x in node.inputs:
-            last_use[x] = node.id
+            for r in base(x):
+                last_use[r] = node.id
+        for v in node.outputs:
+            if v in virtual:
+                roots[v] = frozenset(r for x in node.inputs for r in base(x))
     for x in g.outputs:
         last_use[x] = len(g.nodes)
     free_at = np.zeros(len(g.nodes) + 1)
@@ -240,8 +279,10 @@ def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
             problem.cost.local_bytes(g.values[x], want) * problem.resident.get(x, 1.0)
             for x, want in copies
         )
-        for v, spec in zip(node.outputs, s.out_specs):
-            stored[v] = settled.get(v, spec)
+        for v in node.outputs:
+            stored[v] = made[v]
+            if v in virtual:
+                continue
             b = problem.cost.local_bytes(g.values[v], stored[v])
             b *= problem.resident.get(v, 1.0)
             live += b
