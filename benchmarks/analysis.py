@@ -38,13 +38,17 @@ def summarize_row(res: dict) -> None:
     # Compute floor: the lowest compiled compute term of any program measured (plans and
     # baselines), with no communication at all, over the best baseline. A plan scores
     # below it only by computing less than every program seen.
-    comp = [
-        v["priced"]["compute_s"]
+    priced = [
+        v["priced"]
         for v in [*res["programs"].values(), *res["baselines"].values()]
         if "priced" in v
     ]
-    if comp and base:
-        s["compute_floor_ratio"] = min(comp) / best_base[1]
+    if priced and base:
+        s["compute_floor_ratio"] = min(p["compute_s"] for p in priced) / best_base[1]
+        # ... and with the least communication of any program measured added.
+        s["floor_ratio"] = (
+            min(p["compute_s"] for p in priced) + min(p["comm_s"] for p in priced)
+        ) / best_base[1]
     # Overlap variant of the same ratios.
     ov = lambda e: e["priced"]["step_overlap_s"] if "priced" in e else math.inf
     bo = min((ov(v) for v in res["baselines"].values()), default=math.inf)
