@@ -229,9 +229,9 @@ def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]
             readers = g.consumers.get(v, ())
             if v in returned or len(readers) != 1 or not fused[readers[0]]:
                 continue
+            c = readers[0]
             if all(
                 strat[c].in_specs[j] == out_spec[v]
-                for c in readers
                 for j, x in enumerate(g.nodes[c].inputs)
                 if x == v
             ):
@@ -253,12 +253,13 @@ def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
         g, [s.in_specs for s in strat], [s.out_specs for s in strat], output_specs(problem, choice)
     )
     args = int(sum(problem.node_mem[i][choice[i]] for i in range(n_in)))
-    stored = {v: problem.strategies[i][choice[i]].out_specs[0] for i, v in enumerate(g.inputs)}
     made = {
         v: settled.get(v, sp)
         for n, s in zip(g.nodes, strat)
         for v, sp in zip(n.outputs, s.out_specs)
     }
+    stored = {v: problem.strategies[i][choice[i]].out_specs[0] for i, v in enumerate(g.inputs)}
+    stored.update(made)  # every value in the layout it is stored in
     virtual = fused_away(g, strat, made)
     roots: dict[int, frozenset[int]] = {}
     base = lambda x: roots[x] if x in virtual else (x,)
@@ -285,7 +286,6 @@ def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
             for x, want in copies
         )
         for v in node.outputs:
-            stored[v] = made[v]
             if v in virtual:
                 continue
             b = problem.cost.local_bytes(g.values[v], stored[v])
