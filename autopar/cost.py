@@ -125,10 +125,10 @@ class CostModel:
             colls.append(self.collective("all-to-all", tuple(moved), self.local_bytes(t, before)))
             for a in moved:
                 dims[dst_axis_dim[a]].append(a)
+        # 3. Axes `dst` adds are a local slice: free. The lowering slices them before it
+        # gathers (`Spec.gather_last`), so the all-gather makes `dst`'s blocks.
         if gather:
-            after = Spec(tuple(map(tuple, dims)))
-            colls.append(self.collective("all-gather", tuple(gather), self.local_bytes(t, after)))
-        # 3. Axes `dst` adds are a local slice: free.
+            colls.append(self.collective("all-gather", tuple(gather), self.local_bytes(t, dst)))
         return Reshard(sum(c.seconds for c in colls), tuple(colls))
 
 

@@ -61,6 +61,17 @@ class Spec:
     def without_partial(self) -> Spec:
         return Spec(self.dims)
 
+    def gather_last(self, dst: Spec) -> Spec:
+        """Where a reshard from this dense spec to dense `dst` stops before its
+        all-gather: `dst`, plus the axes `dst` drops still in the dims they shard
+        here. Reaching it moves (all-to-all) or slices; leaving it only gathers.
+        Gathering first would move and gather whole values: XLA, told only `dst`,
+        all-gathers `S[data,model]` over both axes before it slices for `RS[model]`."""
+        used = set(dst.used_axes)
+        return Spec(
+            tuple(w + tuple(a for a in d if a not in used) for w, d in zip(dst.dims, self.dims))
+        )
+
     def shards(self, mesh: MeshInfo) -> int:
         return math.prod(mesh.size(a) for a in self.used_axes)
 

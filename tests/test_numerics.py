@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 
 import autopar
 from autopar.hlo import parse_collectives
+from autopar.meshes import make_mesh
 from autopar.models import cnn, embedding, gpt, mlp
 
 STEPS = 3
@@ -356,6 +357,26 @@ def test_all_to_all_priced_at_the_per_device_buffer():
     (coll,) = cost.reshard(t, src, dst).collectives
     assert coll.kind == "all-to-all"
     assert coll.bytes == 256 * 1024 * 4 // 8
+
+
+def test_move_then_gather_reshard():
+    """`S[data,model]R` to `RS[model]` moves `model` (all-to-all) and gathers `data`, as
+    priced; told only the destination, XLA gathers over all 8 devices, then slices."""
+    P = jax.sharding.PartitionSpec
+    mesh = make_mesh({"data": 2, "model": 4})
+
+    def f(x):
+        y = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, "model")))
+        return jnp.cos(y) * 2.0
+
+    x = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) / 100.0
+    step = autopar.parallelize(f, mesh=mesh, cluster=CLUSTER, in_specs=(P(("data", "model")),))
+    np.testing.assert_allclose(step(x), jax.jit(f)(x), rtol=1e-6)
+    found = {
+        (c.kind, c.axes) for c in parse_collectives(step.lower(x).compile().as_text(), step.mesh)
+    }
+    assert ("all-gather", ("data", "model")) not in found, found
+    assert ("all-to-all", ("model",)) in found and ("all-gather", ("data",)) in found, found
 
 
 def test_position_dependent_batches():

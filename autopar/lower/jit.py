@@ -106,6 +106,10 @@ def interpret(
             if have is not None and have.partial:
                 x = jnp.sum(x, axis=0, dtype=x.dtype)
             dense = want.without_partial()
+            if have is not None and not have.partial:
+                mid = have.gather_last(dense)
+                if mid not in (have, dense) and _divides(x.shape, mid, mesh):
+                    x = constrain(x, mid)
             if dense.dims or have is not None and have.partial:
                 x = constrain(x, dense)
             return split(x, want) if want.partial else x
