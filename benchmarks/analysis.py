@@ -109,6 +109,15 @@ def summarize_row(res: dict) -> None:
     s["kendall_tau_comm"] = _tau(comm_items)
     s["kendall_tau_all"] = _tau(items)
     s["kendall_tau_engines"] = _tau(eng_items)
+    # The engines' ranking split into its two terms: which one the ranking gets wrong.
+    for term in ("comm_s", "compute_s"):
+        s[f"kendall_tau_engines_{term[:-2]}"] = _tau(
+            [
+                (n, p["predicted"][term], p["priced"][term])
+                for n, p in res["programs"].items()
+                if "priced" in p
+            ]
+        )
     res["summary"] = s
 
 

@@ -274,13 +274,14 @@ def fidelity_tables(rows) -> list[str]:
         "Items: every distinct compiled autopar plan (engines) plus every baseline (priced "
         "by autopar's cost model with its argument specs pinned). *step*: predicted step vs "
         "compiled-priced step (no overlap); *comm*: predicted vs compiled communication "
-        "seconds only.\n"
+        "seconds only; *compute*: predicted compute vs the compiled program's roofline "
+        "(XLA:CPU's FLOPs and bytes accessed).\n"
     )
     L.append(
         "| model | items (plans + baselines) | tau step (all) | tau step (engines only) | "
-        "tau comm (all) |"
+        "tau comm (all) | tau comm (engines) | tau compute (engines) |"
     )
-    L.append("|---|---|---|---|---|")
+    L.append("|---|---|---|---|---|---|---|")
     for r in rows:
         if "summary" not in r:
             continue
@@ -289,7 +290,8 @@ def fidelity_tables(rows) -> list[str]:
         n_plans = sum(1 for p in r["programs"].values() if "priced" in p)
         L.append(
             f"| {r['row']} | {n_plans} + {n_all - n_plans} | {_f(s['kendall_tau_all'])} | "
-            f"{_f(s['kendall_tau_engines'])} | {_f(s.get('kendall_tau_comm'))} |"
+            f"{_f(s['kendall_tau_engines'])} | {_f(s.get('kendall_tau_comm'))} | "
+            f"{_f(s.get('kendall_tau_engines_comm'))} | {_f(s.get('kendall_tau_engines_compute'))} |"
         )
     L.append("")
     return L

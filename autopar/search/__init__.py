@@ -10,6 +10,7 @@ from autopar.errors import MemoryBudgetError, format_bytes
 from autopar.progress import log
 from autopar.search import engines
 from autopar.search.evaluate import Cost, evaluate
+from autopar.search.polish import polish
 from autopar.search.problem import Problem
 
 # What the exact solvers prove, by engine name, for the plan file (`search_info`).
@@ -127,11 +128,22 @@ def search(
             lean = {k: s for k, s in lean.items() if k not in pinned}
             if lean:
                 zero_stages[f"zero3+loops/{f}"] = {**zero_pins, **lean}
+
+    def run(name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
+        info[key] = {}
+        choice = ENGINES[name](problem, pins, info[key])
+        cost = evaluate(problem, choice)
+        polished, saved = polish(problem, choice, pins)
+        if saved > 0:
+            better = evaluate(problem, polished)
+            if better.peak_memory_bytes <= max(memory_budget, cost.peak_memory_bytes):
+                info[key]["polished_s"] = saved
+                return polished, better
+        return choice, cost
+
     for name in names:
-        info[name] = {}
         log.info("mesh %s: searching with %s", problem.mesh.shape, name)
-        choice = ENGINES[name](problem, pinned, info[name])
-        candidates[name] = (choice, evaluate(problem, choice))
+        candidates[name] = run(name, pinned, name)
         if candidates[name][1].peak_memory_bytes <= memory_budget or name in ("data", "fsdp"):
             continue
         fits = False
@@ -141,10 +153,8 @@ def search(
             if fits and "loops" in stage:  # leaner loops only trade speed for memory
                 break
             key = f"{name}+{stage}"
-            info[key] = {}
             log.info("mesh %s: %s over budget, retrying with %s", problem.mesh.shape, name, stage)
-            choice = ENGINES[name](problem, {**pins, **pinned}, info[key])
-            candidates[key] = (choice, evaluate(problem, choice))
+            candidates[key] = run(name, {**pins, **pinned}, key)
             fits |= candidates[key][1].peak_memory_bytes <= memory_budget
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:

@@ -172,6 +172,13 @@ def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
     return out
 
 
+def step_seconds(problem: Problem, choice: Sequence[int]) -> float:
+    """`evaluate(...).step_s` without the memory walk."""
+    colls = edge_collectives(problem, choice)
+    compute = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
+    return compute + sum(c.seconds for _, _, c in colls) - combined_latency(problem, colls)
+
+
 def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
     compute = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
     colls = edge_collectives(problem, choice)
