@@ -14,8 +14,9 @@ whose time is mostly link latency, it tries the reader's strategies that read th
 value as it is made, and the producer's that make it as it is read; a change stays
 only when the price drops. Reshards are found again each round, as a change can move
 one to the next edge (ViT: the cast before the weight-gradient dot first, then the
-dot). Arguments are
-never changed, so user pins and the data/FSDP recipes' argument specs stand."""
+dot). Arguments are never changed, so user pins and the data/FSDP recipes' argument
+specs stand. Changes that need several ops to move at once (a whole replicated head
+of small ops) are out of its reach."""
 
 from __future__ import annotations
 
@@ -60,6 +61,64 @@ def latency_bound_moves(problem: Problem, choice: Sequence[int]) -> Iterator[tup
                     yield m
 
 
+class _Local:
+    """A change's price without combining, from the reshards of the values it touches
+    (each value pays once per distinct spec its readers want, as in `edge_collectives`),
+    to skip the full re-pricing of changes that cannot pay off."""
+
+    def __init__(self, problem: Problem):
+        self.p = problem
+        g, n_in = problem.graph, problem.num_inputs
+        self.reads: dict[int, list[tuple[int, int]]] = {}
+        for node in g.nodes:
+            for j, x in enumerate(node.inputs):
+                if x in problem.source:
+                    self.reads.setdefault(x, []).append((n_in + node.id, j))
+        self.outs: dict[int, list[int]] = {}
+        for o, x in enumerate(g.outputs):
+            if x in problem.source:
+                self.outs.setdefault(x, []).append(o)
+
+    def _price(self, x: int, pick) -> tuple[float, float]:
+        """(seconds, all-reduce latencies) of value `x`'s reshards when op v runs
+        strategy `pick(v)`."""
+        p = self.p
+        u, k = p.source[x]
+        src = p.strategies[u][pick(u)].out_specs[k]
+        wanted = {p.strategies[v][pick(v)].in_specs[j] for v, j in self.reads.get(x, ())}
+        for o in self.outs.get(x, ()):
+            if o in p.aliases:
+                i = p.aliases[o]
+                wanted.add(p.strategies[i][pick(i)].out_specs[0])
+            else:
+                wanted.add(src if o in p.partial_outputs else src.without_partial())
+        secs = lat = 0.0
+        for dst in wanted - {src}:
+            for c in p.cost.reshard(p.graph.values[x], src, dst).collectives:
+                secs += c.seconds
+                if c.kind in COMBINABLE:
+                    lat += p.cost.link(c.axes)[0]
+        return secs, lat
+
+    def may_pay(self, choice: Sequence[int], x: int, s: int) -> bool:
+        """Whether changing op `x` to strategy `s` could lower the full price: it does
+        locally, or by less than the latency of the all-reduces it adds, which the
+        combiner might merge."""
+        p = self.p
+        node = p.graph.nodes[x - p.num_inputs]
+        values = {v for v in node.inputs if v in p.source} | set(node.outputs)
+        delta = float(p.node_time[x][s] - p.node_time[x][choice[x]])
+        added = 0.0
+        for v in values:
+            if v not in p.source:
+                continue
+            before = self._price(v, lambda w: choice[w])
+            after = self._price(v, lambda w: s if w == x else choice[w])
+            delta += after[0] - before[0]
+            added += after[1] - before[1]
+        return delta - max(added, 0.0) < -MIN_GAIN_S
+
+
 def polish(
     problem: Problem,
     choice: Sequence[int],
@@ -69,10 +128,14 @@ def polish(
     best = list(choice)
     start = price = None
     trials = 0
+    local = None
     for _ in range(MAX_ROUNDS):
         improved = False
         for x, s in list(latency_bound_moves(problem, best)):
             if x in pinned or s == best[x] or trials >= MAX_TRIALS:
+                continue
+            local = local or _Local(problem)
+            if not local.may_pay(best, x, s):
                 continue
             if price is None:
                 start = price = step_seconds(problem, best)
