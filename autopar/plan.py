@@ -349,8 +349,8 @@ class Plan:
                 )
             if info.get("polished_s"):
                 notes.append(
-                    f"then polished {info['polished_s'] * 1e6:.1f} µs faster with all-reduces "
-                    "combined"
+                    f"{'then ' if notes else ''}polished {info['polished_s'] * 1e6:.1f} µs "
+                    "faster with all-reduces combined"
                 )
             lines.append(f"  {name}: " + "; ".join(notes))
         for w in self.warnings:
