@@ -44,11 +44,10 @@ def summarize_row(res: dict) -> None:
         if "priced" in v
     ]
     if priced and base:
-        s["compute_floor_ratio"] = min(p["compute_s"] for p in priced) / best_base[1]
+        least_compute = min(p["compute_s"] for p in priced)
+        s["compute_floor_ratio"] = least_compute / best_base[1]
         # ... and with the least communication of any program measured added.
-        s["floor_ratio"] = (
-            min(p["compute_s"] for p in priced) + min(p["comm_s"] for p in priced)
-        ) / best_base[1]
+        s["floor_ratio"] = (least_compute + min(p["comm_s"] for p in priced)) / best_base[1]
     # Overlap variant of the same ratios.
     ov = lambda e: e["priced"]["step_overlap_s"] if "priced" in e else math.inf
     bo = min((ov(v) for v in res["baselines"].values()), default=math.inf)

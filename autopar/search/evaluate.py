@@ -4,7 +4,7 @@ communication, collectives by mesh axis and kind, and per-device peak memory."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,40 +154,46 @@ def combined_latency(
     return saved
 
 
+def output_spec(problem: Problem, o: int, pick: Callable[[int], int]) -> Spec:
+    """The spec function output `o` is returned in when node `n` runs strategy
+    `pick(n)`: an updated argument keeps the argument's spec; anything else its
+    producer's, summed if partial (unless the problem lets that output stay partial)."""
+    v = problem.graph.outputs[o]
+    if o in problem.aliases:
+        i = problem.aliases[o]
+        return problem.strategies[i][pick(i)].out_specs[0]
+    if v in problem.source:
+        u, k = problem.source[v]
+        spec = problem.strategies[u][pick(u)].out_specs[k]
+        return spec if o in problem.partial_outputs else spec.without_partial()
+    return Spec.replicated(problem.graph.values[v].rank)
+
+
 def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
-    """The spec each function output is returned in: an updated argument keeps the
-    argument's spec; anything else its producer's, summed if partial (unless the
-    problem lets that output stay partial)."""
-    g, out = problem.graph, []
-    for o, v in enumerate(g.outputs):
-        if o in problem.aliases:
-            i = problem.aliases[o]
-            out.append(problem.strategies[i][choice[i]].out_specs[0])
-        elif v in problem.source:
-            u, k = problem.source[v]
-            spec = problem.strategies[u][choice[u]].out_specs[k]
-            out.append(spec if o in problem.partial_outputs else spec.without_partial())
-        else:
-            out.append(Spec.replicated(g.values[v].rank))
-    return out
+    return [output_spec(problem, o, choice.__getitem__) for o in range(len(problem.graph.outputs))]
+
+
+def _times(problem: Problem, choice: Sequence[int]):
+    """(compute seconds, communication seconds with all-reduces combined, collectives)."""
+    colls = edge_collectives(problem, choice)
+    compute = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
+    comm = sum(c.seconds for _, _, c in colls) - combined_latency(problem, colls)
+    return compute, comm, colls
 
 
 def step_seconds(problem: Problem, choice: Sequence[int]) -> float:
     """`evaluate(...).step_s` without the memory walk."""
-    colls = edge_collectives(problem, choice)
-    compute = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
-    return compute + sum(c.seconds for _, _, c in colls) - combined_latency(problem, colls)
+    compute, comm, _ = _times(problem, choice)
+    return compute + comm
 
 
 def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
-    compute = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
-    colls = edge_collectives(problem, choice)
+    compute, comm, colls = _times(problem, choice)
     by: dict[str, int] = {}
     for _, _, c in colls:
         axes = sorted(c.axes, key=problem.mesh.axis_names.index)
         key = f"{c.kind}@{','.join(axes)}"
         by[key] = by.get(key, 0) + c.bytes
-    comm = sum(c.seconds for _, _, c in colls) - combined_latency(problem, colls)
     peak, args = peak_memory(problem, choice)
     return Cost(compute, comm, peak, args, by)
 

@@ -13,16 +13,17 @@ included). For each reshard that pays a collective the combiner leaves alone and
 whose time is mostly link latency, it tries the reader's strategies that read the
 value as it is made, and the producer's that make it as it is read; a change stays
 only when the price drops. Reshards are found again each round, as a change can move
-one to the next edge (ViT: the cast before the weight-gradient dot first, then the
-dot). Arguments are never changed, so user pins and the data/FSDP recipes' argument
-specs stand. Changes that need several ops to move at once (a whole replicated head
-of small ops) are out of its reach."""
+one to the next edge (on ViT-B/16 three ops change: the cast of the logits' gradient,
+the bias gradient's sum and the weight-gradient dot). Arguments are never changed,
+so user pins and the data/FSDP recipes' argument specs stand. Changes that need
+several ops to move at once (a whole replicated head of small ops) are out of its
+reach."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
-from autopar.search.evaluate import COMBINABLE, step_seconds
+from autopar.search.evaluate import COMBINABLE, output_spec, step_seconds
 from autopar.search.problem import Problem
 
 MAX_ROUNDS = 4
@@ -86,12 +87,7 @@ class _Local:
         u, k = p.source[x]
         src = p.strategies[u][pick(u)].out_specs[k]
         wanted = {p.strategies[v][pick(v)].in_specs[j] for v, j in self.reads.get(x, ())}
-        for o in self.outs.get(x, ()):
-            if o in p.aliases:
-                i = p.aliases[o]
-                wanted.add(p.strategies[i][pick(i)].out_specs[0])
-            else:
-                wanted.add(src if o in p.partial_outputs else src.without_partial())
+        wanted |= {output_spec(p, o, pick) for o in self.outs.get(x, ())}
         secs = lat = 0.0
         for dst in wanted - {src}:
             for c in p.cost.reshard(p.graph.values[x], src, dst).collectives:
