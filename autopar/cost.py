@@ -99,7 +99,7 @@ class CostModel:
         colls: list[Collective] = []
         dims = [list(d) for d in src.dims]
         # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else all-reduce.
-        dst_axis_dim = {a: i for i, d in enumerate(dst.dims) for a in d}
+        dst_axis_dim = dst.axis_dims()
         scatter = tuple(a for a in src.partial if a in dst_axis_dim and a not in src.used_axes)
         reduce = tuple(a for a in src.partial if a not in scatter)
         cur = Spec(tuple(map(tuple, dims)))
@@ -121,10 +121,14 @@ class CostModel:
             for a in d[keep:]:
                 (moved if a in dst_axis_dim else gather).append(a)
             dims[i] = d[:keep]
-        if moved:
+        steps = None if src.partial or not moved else src.move_steps(dst)
+        if steps:  # as the lowering does it: slices first, then one axis per all-to-all
+            for prev, nxt in zip((src, *steps), steps):
+                was, now = prev.axis_dims(), nxt.axis_dims()
+                for a in [a for a, i in was.items() if now[a] != i]:
+                    colls.append(self.collective("all-to-all", (a,), self.local_bytes(t, prev)))
+        elif moved:
             colls.append(self.collective("all-to-all", tuple(moved), self.local_bytes(t, before)))
-            for a in moved:
-                dims[dst_axis_dim[a]].append(a)
         # 3. Axes `dst` adds are a local slice: free. The lowering slices them before it
         # gathers (`Spec.gather_last`), so the all-gather makes `dst`'s blocks.
         if gather:

@@ -61,6 +61,10 @@ class Spec:
     def without_partial(self) -> Spec:
         return Spec(self.dims)
 
+    def axis_dims(self) -> dict[str, int]:
+        """The dim each used axis shards."""
+        return {a: i for i, d in enumerate(self.dims) for a in d}
+
     def gather_last(self, dst: Spec) -> Spec:
         """Where a reshard from this dense spec to dense `dst` stops before its
         all-gather: `dst`, plus the axes `dst` drops still in the dims they shard
@@ -71,6 +75,40 @@ class Spec:
         return Spec(
             tuple(w + tuple(a for a in d if a not in used) for w, d in zip(dst.dims, self.dims))
         )
+
+    def move_steps(self, dst: Spec) -> tuple[Spec, ...] | None:
+        """The way from this dense spec to `self.gather_last(dst)` one axis at a time:
+        the spec after each step, or None when there is no such way.
+
+        A step either slices a new axis onto a dim (local) or takes the minor-most
+        axis of one dim and appends it to the dim `dst` wants it in, which XLA does
+        as one all-to-all over that axis. Slices go first, so the moves carry
+        `dst`'s blocks. Told to move axes out of several dims at once
+        (`S[model]S[data]R` to `RRS[stage,data,model]`), XLA gathers the whole value
+        instead ("involuntary full rematerialization"). None when an axis is not
+        minor-most where it must leave, as `S[data,model]` to dim 1 in the same
+        order (which XLA does in one go)."""
+        goal = [list(d) for d in self.gather_last(dst).dims]
+        cur = [list(d) for d in self.dims]
+        steps: list[Spec] = []
+        while cur != goal:
+            todo = [
+                (j, goal[j][len(c)])
+                for j, c in enumerate(cur)
+                if len(c) < len(goal[j]) and goal[j][: len(c)] == c
+            ]
+            used = {a for c in cur for a in c}
+            fresh = [(j, a) for j, a in todo if a not in used]
+            ready = [(j, a) for j, a in todo if any(c[-1:] == [a] for c in cur)]
+            if not fresh + ready:
+                return None
+            j, a = (fresh + ready)[0]
+            for c in cur:
+                if c[-1:] == [a]:
+                    c.pop()
+            cur[j].append(a)
+            steps.append(Spec(tuple(map(tuple, cur))))
+        return tuple(steps)
 
     def shards(self, mesh: MeshInfo) -> int:
         return math.prod(mesh.size(a) for a in self.used_axes)

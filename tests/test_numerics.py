@@ -379,6 +379,50 @@ def test_move_then_gather_reshard():
     assert ("all-to-all", ("model",)) in found and ("all-gather", ("data",)) in found, found
 
 
+def test_moves_out_of_several_dims_go_one_axis_at_a_time():
+    """`S[model]S[data]R` to `RRS[stage,data,model]`: told only the destination, XLA
+    gathers the whole value ("involuntary full rematerialization"); the lowering slices
+    `stage`, then moves `data`, then `model`, each an all-to-all of 1/8 blocks, as
+    priced. (A 1F1B pipeline's activations took such a reshard after the loop.)"""
+    from autopar.cost import CostModel
+    from autopar.ir import TensorType
+    from autopar.sharding import Spec, mesh_info
+
+    P = jax.sharding.PartitionSpec
+    mesh = make_mesh({"stage": 2, "data": 2, "model": 2})
+    want = P(None, None, ("stage", "data", "model"))
+
+    def f(x):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, want))
+
+    x = jnp.arange(16 * 8 * 32, dtype=jnp.float32).reshape(16, 8, 32) / 100.0
+    step = autopar.parallelize(f, mesh=mesh, cluster=CLUSTER, in_specs=(P("model", "data"),))
+    np.testing.assert_allclose(step(x), jax.jit(f)(x), rtol=1e-6)
+    found = [
+        (c.kind, c.axes) for c in parse_collectives(step.lower(x).compile().as_text(), step.mesh)
+    ]
+    # there and back (the output keeps the argument's layout): the way back moves
+    # `model`, then `data`, and gathers `stage`
+    assert sorted(found) == sorted(
+        [("all-to-all", ("data",)), ("all-to-all", ("model",))] * 2 + [("all-gather", ("stage",))]
+    ), found
+
+    cost = CostModel(step.profile, mesh_info(step.mesh, step.profile))
+    src, dst = Spec((("model",), ("data",), ())), Spec.from_pspec(want, 3)
+    assert [str(s) for s in src.move_steps(dst)] == [
+        "S[model]S[data]S[stage]",
+        "S[model]RS[stage,data]",
+        "RRS[stage,data,model]",
+    ]
+    priced = cost.reshard(TensorType((16, 8, 32), np.dtype(np.float32)), src, dst).collectives
+    assert [(c.kind, c.axes, c.bytes) for c in priced] == [
+        ("all-to-all", ("data",), 16 * 8 * 32 * 4 // 8),
+        ("all-to-all", ("model",), 16 * 8 * 32 * 4 // 8),
+    ]
+    # an axis that is not minor-most where it leaves: XLA moves both at once
+    assert Spec((("data", "model"), ())).move_steps(Spec(((), ("data", "model")))) is None
+
+
 def test_position_dependent_batches():
     """Guard: the batches really differ per step, else the steps would not test much."""
     for name in MODELS:

@@ -107,9 +107,11 @@ def interpret(
                 x = jnp.sum(x, axis=0, dtype=x.dtype)
             dense = want.without_partial()
             if have is not None and not have.partial:
-                mid = have.gather_last(dense)
-                if mid not in (have, dense) and _divides(x.shape, mid, mesh):
-                    x = constrain(x, mid)
+                # one axis moved at a time, then the gather (`Spec.move_steps`)
+                steps = have.move_steps(dense) or (have.gather_last(dense),)
+                for mid in steps:
+                    if mid not in (have, dense) and _divides(x.shape, mid, mesh):
+                        x = constrain(x, mid)
             if dense.dims or have is not None and have.partial:
                 x = constrain(x, dense)
             return split(x, want) if want.partial else x
