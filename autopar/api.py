@@ -90,6 +90,8 @@ class Parallelized:
         remat=None,
     ):
         self.fn = fn
+        # traced as trailing positional arguments, after the positional ones
+        self.keywords = _keyword_only(fn)
         self.profile = cost_models.load(cluster)
         if pipeline_stages == "auto":
             self.meshes = _pipeline_meshes(mesh, self.profile.devices_per_node)
@@ -193,22 +195,39 @@ class Parallelized:
 
     # ---- internals ----------------------------------------------------------------------
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
-        """Keyword arguments bound to their positions (autopar traces positionally)."""
-        if not kwargs:
+        """The arguments as autopar traces them: keyword arguments bound to their
+        positions, then the keyword-only ones in `self.keywords` order (defaults
+        filled in)."""
+        if not kwargs and not self.keywords:
             return args
+        sig = inspect.signature(self.fn)
         try:
-            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
         except (TypeError, ValueError) as e:
             raise AutoparError(f"{fn_name(self.fn)}: cannot bind the arguments: {e}") from None
-        if bound.kwargs:
+        extra = sorted(set(bound.kwargs) - set(self.keywords))
+        if extra:
             raise AutoparError(
-                f"{fn_name(self.fn)}: keyword-only arguments {sorted(bound.kwargs)} are not supported; "
-                "pass them positionally or close over them"
+                f"{fn_name(self.fn)}: keyword arguments {extra} would go to its **kwargs, which "
+                "autopar does not trace; give them parameters of their own or close over them"
             )
-        return tuple(bound.args)
+        kw = [bound.arguments.get(k, sig.parameters[k].default) for k in self.keywords]
+        return (*bound.args, *kw)
+
+    def _in_specs(self, args: tuple) -> Any:
+        """`in_specs`, with None (searched) for the keyword-only arguments when it
+        names only the positional ones."""
+        n_kw, specs = len(self.keywords), self.in_specs
+        if n_kw and isinstance(specs, tuple | list) and len(specs) == len(self._dyn(args)) - n_kw:
+            return (*specs, *[None] * n_kw)
+        return specs
+
+    def _n_positional(self, args: tuple) -> int:
+        """How many of the traced `args` are positional (what argnums count)."""
+        return len(args) - len(self.keywords)
 
     def _dyn(self, args) -> tuple:
-        static = _norm(self.static_argnums, len(args))
+        static = _norm(self.static_argnums, self._n_positional(args))
         return tuple(a for i, a in enumerate(args) if i not in static)
 
     def _flat_dyn(self, args) -> list:
@@ -222,7 +241,9 @@ class Parallelized:
             else ("py", type(x).__name__)
             for x in leaves
         )
-        statics = tuple(_hashable(args[i]) for i in _norm(self.static_argnums, len(args)))
+        statics = tuple(
+            _hashable(args[i]) for i in _norm(self.static_argnums, self._n_positional(args))
+        )
         return (tree, sig, statics)
 
     def _get(self, args) -> _Compiled:
@@ -268,15 +289,15 @@ class Parallelized:
 
     def _compile_with(self, args, remat_policy: str | None) -> _Compiled:
         single = len(self.meshes) == 1
-        static = _norm(self.static_argnums, len(args))
+        static = _norm(self.static_argnums, self._n_positional(args))
         log.info("tracing %s", fn_name(self.fn))
-        graph = capture(self.fn, args, static, self.meshes[0] if single else None)
+        graph = capture(self.fn, args, static, self.meshes[0] if single else None, self.keywords)
         graph, notes = self._prepare(graph, remat_policy)
         if self.grad_accumulation and self.grad_accumulation > 1:
             graph = self._accumulated(
                 graph, args, static, self.meshes[0] if single else None, remat_policy
             )
-        donate = _flat_donate(args, static, _norm(self.donate_argnums, len(args)))
+        donate = _flat_donate(args, static, _norm(self.donate_argnums, self._n_positional(args)))
         reused: dict[int, Spec] = {}
         if self.given_plan is not None:
             mesh = self._mesh_for_plan(self.given_plan)
@@ -309,7 +330,7 @@ class Parallelized:
             problem = build_problem(graph, info, CostModel(self.profile, info), pipelined)
             try:
                 pins = (
-                    user_pins(problem, self._dyn(args), self.in_specs)
+                    user_pins(problem, self._dyn(args), self._in_specs(args))
                     if self.in_specs is not None
                     else {}
                 )
@@ -380,7 +401,7 @@ class Parallelized:
         """`graph` with its per-micro-batch part in a loop (`autopar.accumulate`); the
         batch is the last non-static argument, cut along its leaves' leading dim."""
         M, name = self.grad_accumulation, fn_name(self.fn)
-        dyn = [i for i in range(len(args)) if i not in static]
+        dyn = [i for i in range(self._n_positional(args)) if i not in static]
         if not dyn:
             raise AutoparError(f"{name}: grad_accumulation needs a batch argument")
         leaves = [jax.tree_util.tree_leaves(args[i]) for i in dyn]
@@ -399,7 +420,8 @@ class Parallelized:
         cut = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype)
         margs[dyn[-1]] = jax.tree_util.tree_map(cut, abstractify_tree(args[dyn[-1]]))
         log.info("tracing %s at the micro-batch size", name)
-        micro, _ = self._prepare(capture(self.fn, tuple(margs), static, mesh), remat_policy)
+        micro = capture(self.fn, tuple(margs), static, mesh, self.keywords)
+        micro, _ = self._prepare(micro, remat_policy)
         return accumulate(graph, micro, range(first, first + len(batch)), M, mesh)
 
     def _pipelines(
@@ -472,7 +494,8 @@ class Parallelized:
         )
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
         log.info("tracing %s at the micro-batch size", name)
-        micro, _ = self._prepare(capture(self.fn, margs, static, mesh), remat_policy)
+        micro = capture(self.fn, margs, static, mesh, self.keywords)
+        micro, _ = self._prepare(micro, remat_policy)
         mscans = pipelined_scans(micro, pipe)
         if len(mscans) != len(scans):
             raise MeshError(
@@ -601,7 +624,8 @@ def parallelize(
     and searches the rest, saying so in the plan's warnings. `in_specs` fixes the specs of some arguments (semi-auto parallel): a
     pytree prefix of the non-static args with a PartitionSpec to fix a leaf (or a
     whole subtree) and None to let the search decide; every engine honours it, as it
-    honours the function's own `with_sharding_constraint` calls. Usable as
+    honours the function's own `with_sharding_constraint` calls (keyword-only
+    arguments come after the positional ones there, as they are traced). Usable as
     `@parallelize(mesh=...)`.
 
     `pipeline_stages=S` runs every loop over layers (a `scan` whose length S divides,
@@ -858,6 +882,14 @@ def _sds_for(x, rec: TensorRecord, mesh):
             a.shape, a.dtype, sharding=NamedSharding(mesh, rec.spec.to_pspec())
         )
     return a
+
+
+def _keyword_only(fn: Callable) -> tuple[str, ...]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
 
 
 def _norm(argnums: tuple[int, ...], n: int) -> tuple[int, ...]:

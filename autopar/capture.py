@@ -86,21 +86,28 @@ def abstractify(x: Any) -> Any:
 
 
 def capture(
-    fn: Callable, args: Sequence[Any], static_argnums: Sequence[int] = (), mesh: Any = None
+    fn: Callable,
+    args: Sequence[Any],
+    static_argnums: Sequence[int] = (),
+    mesh: Any = None,
+    keywords: Sequence[str] = (),
 ) -> Graph:
-    """Trace `fn(*args)` into a Graph. `args` may hold arrays or ShapeDtypeStructs.
-    With `mesh`, tracing runs under `jax.set_mesh(mesh)`, so bare PartitionSpecs in
-    the function's own `with_sharding_constraint` calls resolve against it."""
+    """Trace `fn(*args)` into a Graph. `args` may hold arrays or ShapeDtypeStructs;
+    the last `len(keywords)` of them are passed by those names (keyword-only
+    parameters). With `mesh`, tracing runs under `jax.set_mesh(mesh)`, so bare
+    PartitionSpecs in the function's own `with_sharding_constraint` calls resolve
+    against it."""
     static = set(static_argnums)
     dyn_idx = [i for i in range(len(args)) if i not in static]
-    names = _arg_names(fn, len(args))
+    n_pos = len(args) - len(keywords)
+    names = _arg_names(fn, n_pos) + list(keywords)
     dyn_args = tuple(abstractify_tree(args[i]) for i in dyn_idx)
 
     def flat_fn(*dyn):
         full = list(args)
         for i, a in zip(dyn_idx, dyn):
             full[i] = a
-        return fn(*full)
+        return fn(*full[:n_pos], **dict(zip(keywords, full[n_pos:])))
 
     try:
         with _mesh_context(mesh):

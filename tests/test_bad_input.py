@@ -377,6 +377,33 @@ def test_keyword_arguments():
     assert_trees_close(step(w, x=x), jax.jit(_tanh_matmul)(w, x=x))
 
 
+def _keyword_scaled(w, x, n, *, scale, bias=None, **rest):
+    y = jnp.tanh(x @ w) * scale
+    return (y if bias is None else y + bias) ** n
+
+
+def test_keyword_only_arguments():
+    """Keyword-only parameters are traced after the positional ones, under their names;
+    argnums count positional parameters only, as in jax.jit."""
+    w, x, b, s = _values((64, 32)), _values((16, 64)), _values((32,)), jnp.float32(0.5)
+    step = autopar.parallelize(_keyword_scaled, mesh=MESH, static_argnums=-1)
+    ref = jax.jit(_keyword_scaled, static_argnums=2)
+    assert_trees_close(step(w, x, 2, scale=s), ref(w, x, 2, scale=s))
+    assert_trees_close(step(w, x=x, n=3, bias=b, scale=s), ref(w, x, 3, scale=s, bias=b))
+    plan = step.plan(w, x, 3, scale=s, bias=b)
+    assert [r.path for r in plan.inputs] == ["w", "x", "scale", "bias"]
+    with pytest.raises(autopar.AutoparError, match="missing a required argument: 'scale'"):
+        step(w, x, 2)
+    # in_specs naming the positional arguments leaves the keyword-only ones to the search
+    pinned = autopar.parallelize(
+        _keyword_scaled, mesh=MESH, static_argnums=2, in_specs=(PartitionSpec(None, "model"), None)
+    )
+    assert_trees_close(pinned(w, x, 2, scale=s), ref(w, x, 2, scale=s))
+    assert pinned.plan(w, x, 2, scale=s).inputs[0].spec.to_pspec() == PartitionSpec(None, "model")
+    with pytest.raises(autopar.AutoparError, match=r"\['other'\] would go to its \*\*kwargs"):
+        step(w, x, 2, scale=s, other=b)
+
+
 # ---- 10. integer, bool and low-precision dtypes ------------------------------------------
 
 
