@@ -69,6 +69,10 @@ def summarize_row(res: dict) -> None:
             "pred_memory": pred["peak_memory_bytes"],
             "compiled_memory": meas["memory"]["total"],
             "memory_err": rel_err(pred["peak_memory_bytes"], meas["memory"]["total"]),
+            "compiled_memory_less_f32_copies": meas["memory"].get("less_f32_copies"),
+            "memory_err_less_f32_copies": rel_err(
+                pred["peak_memory_bytes"], meas["memory"].get("less_f32_copies")
+            ),
             "pred_arg_bytes": pred["argument_bytes"],
             "compiled_arg_bytes": meas["memory"]["argument"],
             "pred_flops": p.get("predicted_flops"),

@@ -9,7 +9,7 @@ What is read (``measure``):
 * ``compiled.cost_analysis()`` flops and bytes accessed (per device);
 * ``compiled.memory_analysis()``: arguments + outputs + temporaries - aliased, per device.
 
-Two things the CPU backend compiles differently from a GPU, and how they are handled:
+Three things the CPU backend compiles differently from a GPU, and how they are handled:
 
 1. **All-reduce + dynamic-slice instead of reduce-scatter.** The CPU compiler keeps
    GSPMD's "all-reduce, then each device slices its part" (a GPU build runs XLA's
@@ -26,6 +26,13 @@ Two things the CPU backend compiles differently from a GPU, and how they are han
    reducer was promoted, its operand is a bf16->f32 convert, or all its users convert it
    back to bf16. ``upcast_bytes`` records how many bytes were halved.
 
+3. **bf16 dots and convolutions run in f32**, and XLA:CPU keeps f32 copies of their
+   bf16 operands and results, which a GPU build does not. Memory is reported as
+   compiled (``memory_analysis``) and, where the program was compiled with a dump
+   directory, also less what those copies add to XLA's live peak
+   (``f32_copies_at_peak``: XLA's own buffer sizes and live ranges, the copies found by
+   the same two tests as in 2).
+
 Collectives inside while loops are multiplied by the loop's ``known_trip_count`` (nested
 loops multiply); the suite's models are unrolled, so the multiplier is 1 there.
 
@@ -38,9 +45,13 @@ each collective is ``CostModel.collective(kind, axes, bytes)`` (alpha + bus fact
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 import cost_models
 from autopar.cost import CostModel
@@ -55,6 +66,9 @@ _CALLEE_LIST_RE = re.compile(r"\b(?:branch_computations|called_computations)=\{(
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _TO_APPLY_RE = re.compile(r"\bto_apply=%?([\w.\-]+)")
 _DTYPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[")
+# buffer-assignment values, `<id name{index} @position> (size=...`; live ranges `name{index}:a-b`
+_VALUE_RE = re.compile(r"value: <\d+ ([\w.\-]+)(\{[\d,]*\})? @\d+> \(size=(\d+)")
+_RANGE_RE = re.compile(r"^\s+([\w.\-]+\{[\d,]*\}):(\d+)-(\d+)$", re.M)
 
 
 def _dtype(shape: str) -> str:
@@ -328,25 +342,90 @@ def compiled_memory(m) -> dict[str, int]:
     }
 
 
-def compile_lowered(lowered) -> tuple[object, float]:
+def compile_lowered(lowered, dump_dir: str | None = None) -> tuple[object, float]:
+    """Compile, timed; with ``dump_dir``, XLA also writes its buffer assignment and
+    live ranges there (for ``measure``'s memory less the CPU's f32 copies)."""
+    options = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True} if dump_dir else None
     t = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=options)
     return compiled, time.perf_counter() - t
 
 
-def measure(compiled, mesh, compile_s: float = 0.0, correct_bf16: bool = True) -> Measured:
-    """Read collectives, flops, bytes and memory from a compiled program on ``mesh``."""
+def _read_dump(dump_dir: str, suffix: str) -> str:
+    files = glob.glob(os.path.join(dump_dir, f"*cpu_after_optimizations{suffix}"))
+    with open(max(files, key=os.path.getsize)) as f:  # the program, not a helper module
+        return f.read()
+
+
+def f32_copies_at_peak(dump_dir: str) -> dict[str, int]:
+    """How much of XLA's peak is f32 copies of bf16 data, from the dumped program,
+    buffer assignment and live ranges (``compile_lowered(..., dump_dir)``).
+
+    A temporary (not an argument) counts as such a copy by the two tests the
+    collective correction uses: it is a convert from bf16 (behind layout ops), or every
+    user converts it back to bf16 (a dot computed in f32 for a bf16 result). The
+    liveness curve is XLA's own (its schedule, each buffer live over its dumped range,
+    at its assigned size); ``live_peak`` is its maximum, ``live_peak_less_f32_copies``
+    the maximum of the same curve without the copies."""
+    mod = HloModule(_read_dump(dump_dir, ".txt"))
+    sizes = {
+        name + (index or "{}"): int(size)
+        for name, index, size in _VALUE_RE.findall(_read_dump(dump_dir, "-buffer-assignment.txt"))
+    }
+    live = _read_dump(dump_dir, "-live-range.txt").split("BufferLiveRange:")[1]
+    live = live.split("Live ranges at")[0]
+
+    def is_copy(key: str) -> bool:
+        name = key.removesuffix("{}")  # tuple elements (`{0}`) are not looked into
+        ins = mod.instrs.get(name)
+        if ins is None or name == key or ins.opcode == "parameter":
+            return False
+        users = mod.users.get(name, [])
+        return mod.produces_bf16_data(ins) or (
+            _dtype(ins.shape) == "f32" and bool(users)
+            and all(mod.consumes_as_bf16(u, name) for u in users)
+        )  # fmt: skip
+
+    ranges = [(k, int(a), int(b)) for k, a, b in _RANGE_RE.findall(live)]
+    end = max((b for _, _, b in ranges), default=0) + 2
+    both, kept = np.zeros(end), np.zeros(end)
+    for key, a, b in ranges:
+        size = sizes.get(key, 0)
+        for curve in (both,) if is_copy(key) else (both, kept):
+            curve[a] += size
+            curve[b + 1] -= size
+    return {
+        "live_peak": int(np.cumsum(both).max(initial=0)),
+        "live_peak_less_f32_copies": int(np.cumsum(kept).max(initial=0)),
+    }
+
+
+def measure(
+    compiled,
+    mesh,
+    compile_s: float = 0.0,
+    correct_bf16: bool = True,
+    dump_dir: str | None = None,
+) -> Measured:
+    """Read collectives, flops, bytes and memory from a compiled program on ``mesh``.
+    With the ``dump_dir`` it was compiled with, memory also gets ``less_f32_copies``:
+    the total less what the CPU's f32 copies of bf16 data add to XLA's live peak."""
     text = compiled.as_text()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list | tuple) else ca
     prof = cost_models.load("h100-sxm")  # only devices_per_node matters for the tier
     info = mesh_info(mesh, prof)
     mod = HloModule(text)
+    memory = compiled_memory(compiled.memory_analysis())
+    if dump_dir is not None:
+        peaks = f32_copies_at_peak(dump_dir)
+        copies = peaks["live_peak"] - peaks["live_peak_less_f32_copies"]
+        memory.update(peaks, less_f32_copies=memory["total"] - copies)
     out = Measured(
         compile_s=compile_s,
         flops=float(ca.get("flops", 0.0)),
         bytes_accessed=float(ca.get("bytes accessed", 0.0)),
-        memory=compiled_memory(compiled.memory_analysis()),
+        memory=memory,
         unknown_trip_loops=mod.unknown_trip_loops,
     )
     all_axes = tuple(a for a, s in zip(info.axis_names, info.axis_sizes) if s > 1)

@@ -34,6 +34,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -114,8 +115,9 @@ def compile_and_price(lower_fn, mesh, dtype) -> dict:
     t = time.perf_counter()
     lowered = lower_fn()
     lower_s = time.perf_counter() - t
-    compiled, compile_s = ev.compile_lowered(lowered)
-    m = ev.measure(compiled, mesh, compile_s)
+    with tempfile.TemporaryDirectory(prefix="autopar-xla-dump-") as dump:
+        compiled, compile_s = ev.compile_lowered(lowered, dump)
+        m = ev.measure(compiled, mesh, compile_s, dump_dir=dump)
     p = ev.price(m, PROFILE, mesh, dtype)
     return {"lower_s": lower_s, "measured": m.to_json(), "priced": p.to_json()}
 
