@@ -519,7 +519,14 @@ METHOD = """\
   2(n-1)/n). Unmatched all-reduces stay all-reduces (priced at the full buffer).
 * **bf16.** The CPU backend runs bf16 collectives in f32 (convert before/after, or a
   `*_promoted` reducer). Such collectives are counted at bf16 width; genuinely f32 ones
-  (softmax statistics, the loss) are not.
+  (softmax statistics, the loss) are not. It also computes bf16 dots and convolutions
+  in f32 and keeps f32 copies of their operands and results. Memory is reported as
+  compiled and, beside it, *less f32 copies*: each program is compiled with XLA's dump
+  on, and `evaluator.f32_copies_at_peak` rebuilds XLA's liveness curve from the dumped
+  buffer sizes and live ranges (XLA's own schedule) with and without the temporaries
+  that are converts from bf16 or whose every user converts them back to bf16 (the
+  collective correction's two tests; arguments excluded); the difference of the two
+  maxima comes off `memory_analysis`'s total, so XLA's packing overhead stays in.
 * **Loops.** Collectives inside `while` bodies are multiplied by the loop's
   `known_trip_count`; the suite's models are unrolled, so there were none.
 * **Scaling.** Widths, heads, experts, sequence lengths, vocabularies and images are the
