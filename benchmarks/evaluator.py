@@ -173,22 +173,40 @@ class HloModule:
     def produces_bf16_data(self, ins) -> bool:
         """``ins`` is f32 holding bf16 values: a convert from bf16, or a fusion whose root
         is one (behind layout ops)."""
+        return self._bf16_source(ins) is not None
+
+    def _bf16_source(self, ins):
+        """The bf16 operand of the convert that makes ``ins`` (see
+        ``produces_bf16_data``), or None."""
         if ins is None or _dtype(ins.shape) != "f32":
-            return False
+            return None
         root, comp = ins, None
         if ins.opcode == "fusion":
             comp = self._fused(ins)
             root = self.roots.get(comp or "")
         for _ in range(8):
             if root is None:
-                return False
+                return None
             if root.opcode == "convert":
                 src = self._operand(root, 0, comp)
-                return src is not None and _dtype(src.shape) == "bf16"
+                return src if src is not None and _dtype(src.shape) == "bf16" else None
             if root.opcode not in self._LAYOUT:
-                return False
+                return None
             root = self._operand(root, 0, comp)
-        return False
+        return None
+
+    def upcasts_a_bf16_buffer(self, ins) -> bool:
+        """``ins`` converts a bf16 value that is in memory of its own (an operand, not a
+        value made inside the same fusion), so the f32 copy is all extra."""
+        src = self._bf16_source(ins)
+        return src is not None and (ins.opcode != "fusion" or src.opcode == "parameter")
+
+    def contracts(self, ins) -> bool:
+        """``ins`` is a dot or convolution, or a fusion of one (XLA:CPU's ``ynn_fusion``)."""
+        if ins.opcode in ("dot", "convolution"):
+            return True
+        comp = self._fused(ins) if ins.opcode == "fusion" else None
+        return any(i.opcode in ("dot", "convolution") for i in self.comp_instrs.get(comp or "", []))
 
     def _operand(self, ins, i: int, comp: str | None):
         if i >= len(ins.operands):
@@ -361,10 +379,15 @@ def f32_copies_at_peak(dump_dir: str) -> dict[str, int]:
     """How much of XLA's peak is f32 copies of bf16 data, from the dumped program,
     buffer assignment and live ranges (``compile_lowered(..., dump_dir)``).
 
-    A temporary (not an argument) counts as such a copy by the two tests the
-    collective correction uses: it is a convert from bf16 (behind layout ops), or every
-    user converts it back to bf16 (a dot computed in f32 for a bf16 result). The
-    liveness curve is XLA's own (its schedule, each buffer live over its dumped range,
+    A temporary (not an argument) is such a copy when it is the CPU's doing around a
+    dot or convolution: a convert from bf16 (behind layout ops) that only dots and
+    convolutions read (their operand, upcast), or a dot or convolution whose every
+    user converts it back to bf16 (its result, computed in f32). Upcasts the program
+    asks for itself (a softmax in f32) are read by other ops and stay. A copy is all
+    extra when the bf16 value is in memory anyway (an upcast of a bf16 buffer, or a
+    result that plain converts turn into one); otherwise (a fusion that rounds an f32
+    value to bf16 and back, a result whose bf16 is never written) it stands in for the
+    bf16 value a GPU build would keep, and half of it is extra. The liveness curve is XLA's own (its schedule, each buffer live over its dumped range,
     at its assigned size); ``live_peak`` is its maximum, ``live_peak_less_f32_copies``
     the maximum of the same curve without the copies."""
     mod = HloModule(_read_dump(dump_dir, ".txt"))
@@ -375,29 +398,48 @@ def f32_copies_at_peak(dump_dir: str) -> dict[str, int]:
     live = _read_dump(dump_dir, "-live-range.txt").split("BufferLiveRange:")[1]
     live = live.split("Live ranges at")[0]
 
-    def is_copy(key: str) -> bool:
+    def extra(key: str) -> float:
+        """The share of buffer `key` that is the CPU's f32 copy."""
         name = key.removesuffix("{}")  # tuple elements (`{0}`) are not looked into
         ins = mod.instrs.get(name)
         if ins is None or name == key or ins.opcode == "parameter":
-            return False
+            return 0.0
         users = mod.users.get(name, [])
-        return mod.produces_bf16_data(ins) or (
-            _dtype(ins.shape) == "f32" and bool(users)
+        if not users:
+            return 0.0
+        if mod.produces_bf16_data(ins):
+            if not all(mod.contracts(u) for u in users):
+                return 0.0
+            return 1.0 if mod.upcasts_a_bf16_buffer(ins) else 0.5
+        if not (
+            _dtype(ins.shape) == "f32" and mod.contracts(ins)
             and all(mod.consumes_as_bf16(u, name) for u in users)
-        )  # fmt: skip
+        ):  # fmt: skip
+            return 0.0
+        return (
+            1.0 if all(u.opcode == "convert" or _is_wrapped_convert(mod, u) for u in users) else 0.5
+        )
 
     ranges = [(k, int(a), int(b)) for k, a, b in _RANGE_RE.findall(live)]
     end = max((b for _, _, b in ranges), default=0) + 2
     both, kept = np.zeros(end), np.zeros(end)
     for key, a, b in ranges:
         size = sizes.get(key, 0)
-        for curve in (both,) if is_copy(key) else (both, kept):
-            curve[a] += size
-            curve[b + 1] -= size
+        for curve, n in ((both, size), (kept, size * (1.0 - extra(key)))):
+            curve[a] += n
+            curve[b + 1] -= n
     return {
         "live_peak": int(np.cumsum(both).max(initial=0)),
         "live_peak_less_f32_copies": int(np.cumsum(kept).max(initial=0)),
     }
+
+
+def _is_wrapped_convert(mod: HloModule, ins) -> bool:
+    """A fusion of one convert of its parameter (XLA:CPU's ``wrapped_convert``)."""
+    if ins.opcode != "fusion":
+        return False
+    body = mod.comp_instrs.get(mod._fused(ins) or "", [])
+    return [i.opcode for i in body if i.opcode != "parameter"] == ["convert"]
 
 
 def measure(
