@@ -44,7 +44,7 @@ from autopar.remat import POLICIES as REMAT_POLICIES
 from autopar.remat import remat, remat_report
 from autopar.search import search
 from autopar.search.evaluate import output_specs
-from autopar.search.problem import Problem, build_problem, find_aliases
+from autopar.search.problem import Problem, build_problem, find_aliases, step_floor
 from autopar.sharding import MeshInfo, Spec, mesh_info
 
 # Plans predicted to use more than this fraction of the budget are compiled once on
@@ -324,7 +324,15 @@ class Parallelized:
                 failures.append(f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}: {e}")
                 continue
             tries += [(k, mesh, p) for p in pipes]
-        for k, mesh, pipelined in tries:
+        # Cheapest floor first; on an abstract mesh (no compile check can turn plans
+        # away afterwards) a try whose floor is above the best price found is skipped.
+        floors = [step_floor(graph, mesh.size, self.profile, p) for _, mesh, p in tries]
+        best, skipped = math.inf, 0
+        for i in sorted(range(len(tries)), key=lambda i: (floors[i], i)):
+            k, mesh, pipelined = tries[i]
+            if isinstance(mesh, AbstractMesh) and floors[i] >= best:
+                skipped += 1
+                continue
             info = mesh_info(mesh, self.profile)
             log.info("mesh %s: pricing the strategies of %d ops", info.shape, len(graph.nodes))
             problem = build_problem(graph, info, CostModel(self.profile, info), pipelined)
@@ -346,6 +354,7 @@ class Parallelized:
                 (cost.step_s, k, name, mesh, problem, result, pipelined)
                 for name, _, cost in result.ranked
             ]
+            best = min([best] + [cost.step_s for _, _, cost in result.ranked])
         if not options:
             raise MemoryBudgetError(
                 "no mesh shape gives a plan that fits:\n  " + "\n  ".join(failures)
@@ -353,6 +362,12 @@ class Parallelized:
         options.sort(key=lambda o: o[:3])
         if self.pipeline_stages == "auto":
             notes += (_pipeline_tries(options, failures),)
+        if skipped:
+            notes += (
+                f"{skipped} of {len(tries)} (mesh, micro-batch count) tries not searched: "
+                "all their FLOPs at the profile's peak rate already take longer than the "
+                "best plan found (`search.problem.step_floor`)",
+            )
         rejected = []
         for _, _, name, mesh, problem, result, pipelined in options:
             plan = make_plan(problem, result.pick(name), self.profile, mesh, pipelined)

@@ -3,6 +3,7 @@ axis."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import math
 import re
@@ -235,6 +236,42 @@ def test_auto_stage_count_keeps_the_fastest_plan():
     assert plan.cost.step_s <= two.cost.step_s
     with pytest.raises(MeshError, match="device count"):
         autopar.parallelize(ts.step, mesh=MESH, pipeline_stages="auto")
+
+
+def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch):
+    """`search.problem.step_floor` (all FLOPs at the peak rate, a pipeline's fill and
+    drain included) is below the price of every (mesh, micro-batch count) tried; on an
+    abstract mesh a try whose floor is above the best price found is not searched."""
+    import autopar.api as api
+
+    ts = gpt.make_train_step(_cfg(layers=8))
+    args = (jax.eval_shape(ts.init, 0), jax.eval_shape(ts.batch, 0))  # 16 devices: abstract
+    floors: dict[tuple, float] = {}
+    real = api.step_floor
+
+    def record(graph, devices, profile, pipelined=None):
+        f = real(graph, devices, profile, pipelined)
+        floors[(pipelined.pipe.stages, pipelined.pipe.microbatches) if pipelined else None] = f
+        return f
+
+    monkeypatch.setattr(api, "step_floor", record)
+    plan = autopar.parallelize(ts.step, mesh=16, cluster=CLUSTER, pipeline_stages="auto").plan(
+        *args
+    )
+    (tried,) = [w for w in plan.warnings if w.startswith("pipeline_stages='auto' tried")]
+    prices = re.findall(r"(\{[^}]*\})(?: M=(\d+))? ([\d.]+) ms", tried)
+    assert len(prices) >= 4, tried
+    for mesh, m, ms in prices:
+        key = (ast.literal_eval(mesh)["stage"], int(m)) if m else None
+        assert 0 < floors[key] * 1e3 <= float(ms), (key, floors, tried)
+
+    # floors that rule out all but one try: only that one is searched
+    count = iter(range(1000))
+    monkeypatch.setattr(api, "step_floor", lambda *a, **k: 0.0 if next(count) == 0 else 1e9)
+    one = autopar.parallelize(ts.step, mesh=16, cluster=CLUSTER, pipeline_stages="auto").plan(*args)
+    (skipped,) = [w for w in one.warnings if "tries not searched" in w]
+    assert skipped.startswith(f"{len(prices) - 1} of {len(prices)} ")
+    assert one.cost.step_s >= plan.cost.step_s
 
 
 @pytest.mark.slow  # the pipelined lowering is tested above; this is the demo's wiring

@@ -263,6 +263,39 @@ def _inside_1f1b(graph: Graph, pipelined: PipelinedScans) -> set[int]:
     return out
 
 
+def graph_flops(graph: Graph) -> float:
+    """All FLOPs of one run of `graph`, loops at their length."""
+    return sum(
+        node.params["length"] * graph_flops(node.body)
+        if node.body is not None
+        else node_flops(node, graph)
+        for node in graph.nodes
+    )
+
+
+def step_floor(
+    graph: Graph, devices: int, profile, pipelined: PipelinedScans | None = None
+) -> float:
+    """A floor under every plan's predicted step for `graph` on `devices` devices: all
+    of its FLOPs spread over every device at the profile's best FLOP rate, a pipelined
+    loop's at the micro-batch size for all `M + S - 1` slots (its fill and drain). No
+    op is priced below its FLOPs over its parallelism at its dtype's rate, and no
+    communication below zero, so a search whose floor is above a price already found
+    cannot beat it."""
+    piped = pipelined.scans if pipelined is not None else {}
+    total = 0.0
+    for node in graph.nodes:
+        if node.id in piped:
+            pipe = pipelined.pipe
+            slots = pipe.microbatches + pipe.stages - 1
+            total += slots * node.params["length"] * graph_flops(piped[node.id][0])
+        elif node.body is not None:
+            total += node.params["length"] * graph_flops(node.body)
+        else:
+            total += node_flops(node, graph)
+    return total / (max(profile.peak_flops.values()) * profile.compute_efficiency * devices)
+
+
 def _pipeline_seconds(
     node, body: Problem, pipe: Pipeline, cost: CostModel, result, collect: bool = True
 ) -> float:
