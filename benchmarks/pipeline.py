@@ -215,6 +215,7 @@ def parallelize_auto(
         "mfu": flops / (plan.cost.step_s * DEVICES * peak),
         "search_seconds": seconds,
         "tried": [w for w in plan.warnings if w.startswith("pipeline_stages=")],
+        "skipped": next((w for w in plan.warnings if "tries not searched" in w), None),
     }
 
 
@@ -314,7 +315,8 @@ def markdown(r: dict) -> str:
                 r["parallelize"]["tried"][0].split(": ", 1)[-1][:1500]
                 if r["parallelize"]["tried"]
                 else "-"
-            ),
+            )
+            + (f" ({r['parallelize']['skipped']})" if r["parallelize"].get("skipped") else ""),
         ]
     if "fitted" in r:
         f = r["fitted"]
