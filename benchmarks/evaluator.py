@@ -208,6 +208,13 @@ class HloModule:
         comp = self._fused(ins) if ins.opcode == "fusion" else None
         return any(i.opcode in ("dot", "convolution") for i in self.comp_instrs.get(comp or "", []))
 
+    def is_one_convert(self, ins) -> bool:
+        """A convert, or a fusion of just one (XLA:CPU's ``wrapped_convert``)."""
+        if ins.opcode != "fusion":
+            return ins.opcode == "convert"
+        body = self.comp_instrs.get(self._fused(ins) or "", [])
+        return [i.opcode for i in body if i.opcode != "parameter"] == ["convert"]
+
     def _operand(self, ins, i: int, comp: str | None):
         if i >= len(ins.operands):
             return None
@@ -387,9 +394,10 @@ def f32_copies_at_peak(dump_dir: str) -> dict[str, int]:
     extra when the bf16 value is in memory anyway (an upcast of a bf16 buffer, or a
     result that plain converts turn into one); otherwise (a fusion that rounds an f32
     value to bf16 and back, a result whose bf16 is never written) it stands in for the
-    bf16 value a GPU build would keep, and half of it is extra. The liveness curve is XLA's own (its schedule, each buffer live over its dumped range,
-    at its assigned size); ``live_peak`` is its maximum, ``live_peak_less_f32_copies``
-    the maximum of the same curve without the copies."""
+    bf16 value a GPU build would keep, and half of it is extra. The liveness curve is
+    XLA's own (its schedule, each buffer live over its dumped range, at its assigned
+    size); ``live_peak`` is its maximum, ``live_peak_less_f32_copies`` the maximum of
+    the same curve without the copies."""
     mod = HloModule(_read_dump(dump_dir, ".txt"))
     sizes = {
         name + (index or "{}"): int(size)
@@ -416,9 +424,7 @@ def f32_copies_at_peak(dump_dir: str) -> dict[str, int]:
             and all(mod.consumes_as_bf16(u, name) for u in users)
         ):  # fmt: skip
             return 0.0
-        return (
-            1.0 if all(u.opcode == "convert" or _is_wrapped_convert(mod, u) for u in users) else 0.5
-        )
+        return 1.0 if all(mod.is_one_convert(u) for u in users) else 0.5
 
     ranges = [(k, int(a), int(b)) for k, a, b in _RANGE_RE.findall(live)]
     end = max((b for _, _, b in ranges), default=0) + 2
@@ -432,14 +438,6 @@ def f32_copies_at_peak(dump_dir: str) -> dict[str, int]:
         "live_peak": int(np.cumsum(both).max(initial=0)),
         "live_peak_less_f32_copies": int(np.cumsum(kept).max(initial=0)),
     }
-
-
-def _is_wrapped_convert(mod: HloModule, ins) -> bool:
-    """A fusion of one convert of its parameter (XLA:CPU's ``wrapped_convert``)."""
-    if ins.opcode != "fusion":
-        return False
-    body = mod.comp_instrs.get(mod._fused(ins) or "", [])
-    return [i.opcode for i in body if i.opcode != "parameter"] == ["convert"]
 
 
 def measure(
