@@ -523,10 +523,13 @@ METHOD = """\
   in f32 and keeps f32 copies of their operands and results. Memory is reported as
   compiled and, beside it, *less f32 copies*: each program is compiled with XLA's dump
   on, and `evaluator.f32_copies_at_peak` rebuilds XLA's liveness curve from the dumped
-  buffer sizes and live ranges (XLA's own schedule) with and without the temporaries
-  that are converts from bf16 or whose every user converts them back to bf16 (the
-  collective correction's two tests; arguments excluded); the difference of the two
-  maxima comes off `memory_analysis`'s total, so XLA's packing overhead stays in.
+  buffer sizes and live ranges (XLA's own schedule) with and without the copies the CPU
+  makes around dots and convolutions: bf16 -> f32 converts that only dots and
+  convolutions read, and f32 dot or convolution results whose every user converts them
+  back to bf16 (arguments excluded). A copy counts whole when its bf16 value is in
+  memory anyway, half when it stands in for a bf16 value a GPU build would write
+  instead. The difference of the two curves' maxima comes off `memory_analysis`'s
+  total, so XLA's packing overhead stays in.
 * **Loops.** Collectives inside `while` bodies are multiplied by the loop's
   `known_trip_count`; the suite's models are unrolled, so there were none.
 * **Scaling.** Widths, heads, experts, sequence lengths, vocabularies and images are the
