@@ -382,7 +382,7 @@ def _read_dump(dump_dir: str, suffix: str) -> str:
         return f.read()
 
 
-def f32_copies_at_peak(dump_dir: str) -> dict[str, int]:
+def f32_copies_at_peak(dump_dir: str, mod: HloModule | None = None) -> dict[str, int]:
     """How much of XLA's peak is f32 copies of bf16 data, from the dumped program,
     buffer assignment and live ranges (``compile_lowered(..., dump_dir)``).
 
@@ -397,8 +397,9 @@ def f32_copies_at_peak(dump_dir: str) -> dict[str, int]:
     bf16 value a GPU build would keep, and half of it is extra. The liveness curve is
     XLA's own (its schedule, each buffer live over its dumped range, at its assigned
     size); ``live_peak`` is its maximum, ``live_peak_less_f32_copies`` the maximum of
-    the same curve without the copies."""
-    mod = HloModule(_read_dump(dump_dir, ".txt"))
+    the same curve without the copies. ``mod``: the program already parsed (the
+    compiled text, whose names are the dump's)."""
+    mod = mod or HloModule(_read_dump(dump_dir, ".txt"))
     sizes = {
         name + (index or "{}"): int(size)
         for name, index, size in _VALUE_RE.findall(_read_dump(dump_dir, "-buffer-assignment.txt"))
@@ -458,7 +459,7 @@ def measure(
     mod = HloModule(text)
     memory = compiled_memory(compiled.memory_analysis())
     if dump_dir is not None:
-        peaks = f32_copies_at_peak(dump_dir)
+        peaks = f32_copies_at_peak(dump_dir, mod)
         copies = peaks["live_peak"] - peaks["live_peak_less_f32_copies"]
         memory.update(peaks, less_f32_copies=memory["total"] - copies)
     out = Measured(

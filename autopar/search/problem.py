@@ -265,12 +265,13 @@ def _inside_1f1b(graph: Graph, pipelined: PipelinedScans) -> set[int]:
 
 def graph_flops(graph: Graph) -> float:
     """All FLOPs of one run of `graph`, loops at their length."""
-    return sum(
-        node.params["length"] * graph_flops(node.body)
-        if node.body is not None
-        else node_flops(node, graph)
-        for node in graph.nodes
-    )
+    return sum(_run_flops(node, graph) for node in graph.nodes)
+
+
+def _run_flops(node, graph: Graph) -> float:
+    if node.body is not None:
+        return node.params["length"] * graph_flops(node.body)
+    return node_flops(node, graph)
 
 
 def step_floor(
@@ -285,14 +286,12 @@ def step_floor(
     piped = pipelined.scans if pipelined is not None else {}
     total = 0.0
     for node in graph.nodes:
-        if node.id in piped:
+        if node.id in piped:  # the body at the micro-batch size, in every slot
             pipe = pipelined.pipe
-            slots = pipe.microbatches + pipe.stages - 1
-            total += slots * node.params["length"] * graph_flops(piped[node.id][0])
-        elif node.body is not None:
-            total += node.params["length"] * graph_flops(node.body)
+            micro = replace(node, body=piped[node.id][0])
+            total += (pipe.microbatches + pipe.stages - 1) * _run_flops(micro, graph)
         else:
-            total += node_flops(node, graph)
+            total += _run_flops(node, graph)
     return total / (max(profile.peak_flops.values()) * profile.compute_efficiency * devices)
 
 
