@@ -309,74 +309,74 @@ def fidelity_tables(rows) -> list[str]:
 
 
 def targets(rows) -> list[str]:
+    """One line per target: rows met, and each row's figure. Rows without the figure
+    count against a target, except the optional checks (`measured_only`), which are
+    left out when no row has them."""
+    fid = lambda s: s["fidelity"].get(s.get("auto_program", ""), {})
+    within = lambda tol: lambda v, r: abs(v) <= tol
+    at_least = lambda v, r: v >= 0.8
+    checks = [  # (target, figure of a row's summary, met, format, measured_only)
+        (
+            "best engine ≤ 1.0x best baseline (≤ 0.9x MoE, WRN)",
+            lambda s: s.get("best_engine_ratio"),
+            lambda v, r: v <= TARGET_RATIO.get(r["family"], 1.0),
+            lambda v: _f(v, 3),
+            False,
+        ),
+        (
+            "predicted vs compiled collective bytes within 10% (auto's plan)",
+            lambda s: fid(s).get("comm_err"),
+            within(0.10),
+            _pct,
+            False,
+        ),
+        (
+            "memory within 15% (auto's plan)",
+            lambda s: fid(s).get("memory_err"),
+            within(0.15),
+            _pct,
+            False,
+        ),
+        (
+            "memory within 15%, less XLA:CPU's f32 copies of bf16 data (auto's plan; see 3)",
+            lambda s: fid(s).get("memory_err_less_f32_copies"),
+            within(0.15),
+            _pct,
+            True,
+        ),
+        (
+            "memory within 15%, the model in f32 (no CPU bf16 upcast; see 3)",
+            lambda s: s.get("f32_memory_err"),
+            within(0.15),
+            _pct,
+            True,
+        ),
+        (
+            "Kendall tau ≥ 0.8 (step; the search's candidate plans: the engines' distinct plans)",
+            lambda s: s.get("kendall_tau_engines"),
+            at_least,
+            _f,
+            False,
+        ),
+        (
+            "Kendall tau ≥ 0.8 (step; all items: the engines' plans and the baselines)",
+            lambda s: s.get("kendall_tau_all"),
+            at_least,
+            _f,
+            False,
+        ),
+    ]
     L = ["| target | rows met | detail |", "|---|---|---|"]
-    ratio_ok, ratio_detail = 0, []
-    bytes_ok, mem_ok, tau_ok, n = 0, 0, 0, 0
-    bytes_d, mem_d, tau_d = [], [], []
-    mem32_ok, n32, mem32_d = 0, 0, []
-    memc_ok, nc, memc_d = 0, 0, []
-    taue_ok, taue_d = 0, []
-    for r in rows:
-        if "summary" not in r:
-            continue
-        n += 1
-        s = r["summary"]
-        tgt = TARGET_RATIO.get(r["family"], 1.0)
-        br = s.get("best_engine_ratio")
-        if br is not None and br <= tgt:
-            ratio_ok += 1
-        ratio_detail.append(f"{r['row']} {_f(br, 3)}")
-        f = s["fidelity"].get(s.get("auto_program", ""), {})
-        ce, me = f.get("comm_err"), f.get("memory_err")
-        if ce is not None and abs(ce) <= 0.10:
-            bytes_ok += 1
-        if me is not None and abs(me) <= 0.15:
-            mem_ok += 1
-        bytes_d.append(f"{r['row']} {_pct(ce)}")
-        mem_d.append(f"{r['row']} {_pct(me)}")
-        mc = f.get("memory_err_less_f32_copies")
-        if mc is not None:
-            nc += 1
-            memc_ok += abs(mc) <= 0.15
-            memc_d.append(f"{r['row']} {_pct(mc)}")
-        m32 = s.get("f32_memory_err")
-        if m32 is not None:
-            n32 += 1
-            mem32_ok += abs(m32) <= 0.15
-            mem32_d.append(f"{r['row']} {_pct(m32)}")
-        t = s.get("kendall_tau_all")
-        if t is not None and t >= 0.8:
-            tau_ok += 1
-        tau_d.append(f"{r['row']} {_f(t)}")
-        te = s.get("kendall_tau_engines")
-        if te is not None and te >= 0.8:
-            taue_ok += 1
-        taue_d.append(f"{r['row']} {_f(te)}")
-    L.append(
-        f"| best engine ≤ 1.0x best baseline (≤ 0.9x MoE, WRN) | {ratio_ok}/{n} | {'; '.join(ratio_detail)} |"
-    )
-    L.append(
-        f"| predicted vs compiled collective bytes within 10% (auto's plan) | {bytes_ok}/{n} | {'; '.join(bytes_d)} |"
-    )
-    L.append(f"| memory within 15% (auto's plan) | {mem_ok}/{n} | {'; '.join(mem_d)} |")
-    if nc:
-        L.append(
-            f"| memory within 15%, less XLA:CPU's f32 copies of bf16 data (auto's plan; see 3) | "
-            f"{memc_ok}/{nc} | {'; '.join(memc_d)} |"
-        )
-    if n32:
-        L.append(
-            f"| memory within 15%, the model in f32 (no CPU bf16 upcast; see 3) | "
-            f"{mem32_ok}/{n32} | {'; '.join(mem32_d)} |"
-        )
-    L.append(
-        f"| Kendall tau ≥ 0.8 (step; the search's candidate plans: the engines' distinct "
-        f"plans) | {taue_ok}/{n} | {'; '.join(taue_d)} |"
-    )
-    L.append(
-        f"| Kendall tau ≥ 0.8 (step; all items: the engines' plans and the baselines) | "
-        f"{tau_ok}/{n} | {'; '.join(tau_d)} |"
-    )
+    summarized = [r for r in rows if "summary" in r]
+    for target, figure, met, fmt, measured_only in checks:
+        got = [(r, figure(r["summary"])) for r in summarized]
+        if measured_only:
+            got = [(r, v) for r, v in got if v is not None]
+            if not got:
+                continue
+        n_met = sum(v is not None and bool(met(v, r)) for r, v in got)
+        detail = "; ".join(f"{r['row']} {fmt(v)}" for r, v in got)
+        L.append(f"| {target} | {n_met}/{len(got)} | {detail} |")
     L.append("")
     return L
 
