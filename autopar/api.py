@@ -814,7 +814,8 @@ def make_plan(
 
 
 def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
-    """(inputs, outputs, ops) records of a choice; a scan op carries its body's."""
+    """(inputs, outputs, ops) records of a choice; a scan op carries its body's, a
+    cond its branches'."""
     g, n_in = problem.graph, problem.num_inputs
     strat = lambda v: problem.strategies[v][choice[v]]
     inputs = tuple(
@@ -833,6 +834,18 @@ def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
         res = results[choice[n_in + n.id]]
         return BodyRecord(res.engine, *_records(sub, res.choice), res.cost)
 
+    def branches(n):
+        if n.id not in problem.conds:
+            return None
+        subs, per_strategy = problem.conds[n.id]
+        outs = strat(n_in + n.id).out_specs
+        recs = []
+        for sub, res in zip(subs, per_strategy[choice[n_in + n.id]].results):
+            ins, have, ops = _records(sub, res.choice)
+            want = tuple(replace(r, spec=sp) for r, sp in zip(have, outs))
+            recs.append(BodyRecord(res.engine, ins, want, ops, res.cost))
+        return tuple(recs)
+
     keys = op_keys(g)
     ops = tuple(
         OpRecord(
@@ -844,6 +857,7 @@ def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
             strat(n_in + n.id).out_specs,
             float(problem.node_time[n_in + n.id][choice[n_in + n.id]]),
             body(n),
+            branches(n),
         )
         for n in g.nodes
     )

@@ -3,8 +3,8 @@
 Calls (`jit`/`pjit`, `closed_call`, `custom_jvp_call`, `custom_vjp_call`,
 `checkpoint`) are inlined, so the graph is one flat list of primitives.
 Structured control flow stays a single node: a `scan` node carries its body as
-a graph of its own (`Node.body`, searched once for every step); `while` and
-`cond` are opaque to the strategy rules. Note: inlining `custom_jvp`/`custom_vjp`
+a graph of its own (`Node.body`, searched once for every step), a `cond` node
+its branches (`Node.branches`); `while` is opaque to the strategy rules. Note: inlining `custom_jvp`/`custom_vjp`
 keeps their primal computation only, so differentiate *inside* the function you
 parallelize (a train step), not through it.
 """
@@ -208,6 +208,9 @@ class _Builder:
                     env[var] = v
                 continue
             body = _scan_body(eqn, inner_stack, _source(eqn, site)) if name == "scan" else None
+            branches = (
+                _cond_branches(eqn, inner_stack, _source(eqn, site)) if name == "cond" else None
+            )
             outs = [self.new_value(var.aval) for var in eqn.outvars]
             for var, v in zip(eqn.outvars, outs):
                 if not isinstance(var, _compat.DropVar):
@@ -223,6 +226,7 @@ class _Builder:
                     name_stack=inner_stack,
                     source=_source(eqn, site),
                     body=body,
+                    branches=branches,
                 )
             )
         return [read(x) for x in jaxpr.outvars]
@@ -238,6 +242,34 @@ def _scan_body(eqn, stack: str, site: str) -> Graph:
     roles_out = ["carry"] * n_carry + ["y"] * (n_out - n_carry)
     k_in = [i - roles_in.index(r) for i, r in enumerate(roles_in)]
     k_out = [i - roles_out.index(r) for i, r in enumerate(roles_out)]
+    return _subgraph(
+        closed,
+        stack,
+        site,
+        [f"body/{r}{k}" for r, k in zip(roles_in, k_in)],
+        [f"body/{r}{k}" for r, k in zip(roles_out, k_out)],
+        f"scan body at {site}",
+    )
+
+
+def _cond_branches(eqn, stack: str, site: str) -> tuple[Graph, ...]:
+    """A cond's branches as graphs of its operands (the inputs after the branch index),
+    with paths `branchK/inN` and `branchK/outN`."""
+    return tuple(
+        _subgraph(
+            closed,
+            stack,
+            site,
+            [f"branch{k}/in{i}" for i in range(len(closed.jaxpr.invars))],
+            [f"branch{k}/out{i}" for i in range(len(closed.jaxpr.outvars))],
+            f"cond branch {k} at {site}",
+        )
+        for k, closed in enumerate(eqn.params["branches"])
+    )
+
+
+def _subgraph(closed, stack: str, site: str, in_paths, out_paths, name: str) -> Graph:
+    """A closed jaxpr called by a structured control-flow op, as a graph of its own."""
     b = _Builder()
     in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
     out_ids = b.inline(closed.jaxpr, closed.consts, in_ids, stack, site)
@@ -245,11 +277,11 @@ def _scan_body(eqn, stack: str, site: str) -> Graph:
         values=tuple(b.values),
         nodes=tuple(b.nodes),
         inputs=tuple(in_ids),
-        input_paths=tuple(f"body/{r}{k}" for r, k in zip(roles_in, k_in)),
+        input_paths=tuple(in_paths),
         outputs=tuple(out_ids),
-        output_paths=tuple(f"body/{r}{k}" for r, k in zip(roles_out, k_out)),
+        output_paths=tuple(out_paths),
         consts=b.consts,
-        name=f"scan body at {site}",
+        name=name,
     )
     check_graph(g)
     return g

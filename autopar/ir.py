@@ -51,6 +51,9 @@ class Node:
     # `scan`: the loop body as its own graph (inputs: consts, carry, one slice of
     # each xs; outputs: carry, one slice of each ys), searched once for all steps
     body: Graph | None = field(default=None, repr=False)
+    # `cond`: each branch as its own graph (inputs: the operands after the branch
+    # index; outputs: the results), all searched to one interface
+    branches: tuple[Graph, ...] | None = field(default=None, repr=False)
 
     @property
     def key(self) -> str:

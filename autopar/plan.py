@@ -49,6 +49,7 @@ class OpRecord:
     out_specs: tuple[Spec, ...]
     compute_s: float
     body: BodyRecord | None = None  # a scan's body plan
+    branches: tuple[BodyRecord, ...] | None = None  # a cond's branch plans
 
     def to_json(self) -> dict:
         d = {
@@ -62,6 +63,8 @@ class OpRecord:
         }
         if self.body is not None:
             d["body"] = self.body.to_json()
+        if self.branches is not None:
+            d["branches"] = [b.to_json() for b in self.branches]
         return d
 
     @staticmethod
@@ -75,6 +78,7 @@ class OpRecord:
             tuple(_spec_from(s) for s in d["out_specs"]),
             float(d["compute_s"]),
             BodyRecord.from_json(d["body"]) if "body" in d else None,
+            tuple(BodyRecord.from_json(b) for b in d["branches"]) if "branches" in d else None,
         )
 
 
@@ -82,7 +86,9 @@ class OpRecord:
 class BodyRecord:
     """A scan body's plan, searched once and used for every step of the loop: the
     body's inputs (consts, carry, one slice of each xs), outputs and ops, as in a
-    Plan; `cost` is one step's."""
+    Plan; `cost` is one step's. A cond branch's plan too: its inputs are the cond's
+    operands, its outputs the cond's results in the cond's specs (the branch reshards
+    into them), `cost` the branch's own."""
 
     engine: str
     inputs: tuple[TensorRecord, ...]
@@ -134,6 +140,8 @@ def fingerprint(graph: Graph) -> str:
         h.update(f"{n.op}({ins})->{outs}\n".encode())
         if n.body is not None:
             h.update(f"body {fingerprint(n.body)}\n".encode())
+        for b in n.branches or ():
+            h.update(f"branch {fingerprint(b)}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -384,4 +392,11 @@ def _op_lines(ops, indent: str) -> list[str]:
                 f"{o.body.cost.step_s * 1e3:.3f} ms a step:"
             )
             lines += _op_lines(o.body.ops, indent + "  ")
+        elif o.branches is not None:
+            for k, b in enumerate(o.branches):
+                lines.append(
+                    f"{indent}{o.source:<22} {o.op:<20} branch {k} ({b.engine}), "
+                    f"{b.cost.step_s * 1e3:.3f} ms:"
+                )
+                lines += _op_lines(b.ops, indent + "  ")
     return lines

@@ -31,10 +31,10 @@ their name stack) so that micro-batch loops may compute them per micro-batch:
 a micro-batch's scale differs from the whole batch's only in which tiny
 elements reach float16's subnormal range (`autopar.microbatch`).
 
-Scan bodies (`Node.body`) are converted recursively. A body's inputs and
-outputs keep their types, so the scan node's interface is unchanged; its
-`jaxpr` param is retraced from the converted body so that binding the node
-computes what `Node.body` says.
+Scan bodies (`Node.body`) and cond branches (`Node.branches`) are converted
+recursively. Their inputs and outputs keep their types, so the node's interface
+is unchanged; its `jaxpr` (`branches`) param is retraced from the converted
+graphs so that binding the node computes what they say.
 """
 
 from __future__ import annotations
@@ -128,6 +128,12 @@ def _convert(graph: Graph, dtype: np.dtype) -> Graph:
             body = _convert(node.body, dtype)
             if body is not node.body:
                 node = replace(node, body=body, params=_with_body_jaxpr(node.params, body))
+        if node.branches is not None:
+            branches = tuple(_convert(b, dtype) for b in node.branches)
+            if any(a is not b for a, b in zip(branches, node.branches)):
+                node = replace(
+                    node, branches=branches, params=_with_branch_jaxprs(node.params, branches)
+                )
         if not converts(node, graph):
             nodes.append(replace(node, id=len(nodes)) if node.id != len(nodes) else node)
             continue
@@ -190,12 +196,22 @@ def _cast_to(dtype_name: str) -> Callable:
 
 def _with_body_jaxpr(params: dict, body: Graph, upcast: bool = False) -> dict:
     """A scan's params with `jaxpr` retraced from `body` (same avals in and out)."""
-    old = params["jaxpr"]
+    return {**params, "jaxpr": _retraced(params["jaxpr"], body, upcast)}
+
+
+def _with_branch_jaxprs(params: dict, branches: tuple[Graph, ...], upcast: bool = False) -> dict:
+    """A cond's params with each of `branches` retraced from its graph."""
+    new = tuple(_retraced(j, b, upcast) for j, b in zip(params["branches"], branches))
+    return {**params, "branches": new}
+
+
+def _retraced(old, graph: Graph, upcast: bool):
+    """The closed jaxpr of `graph`, on `old`'s argument avals; its results must be `old`'s."""
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in old.in_avals]
-    new = jax.make_jaxpr(graph_fn(body, upcast_contractions=upcast))(*args)
+    new = jax.make_jaxpr(graph_fn(graph, upcast_contractions=upcast))(*args)
     if [(a.shape, a.dtype) for a in new.out_avals] != [(a.shape, a.dtype) for a in old.out_avals]:
-        raise AssertionError("mixed_precision changed a scan body's result types")
-    return {**params, "jaxpr": new}
+        raise AssertionError("mixed_precision changed the result types of a loop body or branch")
+    return new
 
 
 def graph_fn(graph: Graph, *, upcast_contractions: bool = False) -> Callable[..., tuple]:
@@ -213,6 +229,8 @@ def graph_fn(graph: Graph, *, upcast_contractions: bool = False) -> Callable[...
             params = dict(node.params)
             if node.body is not None and upcast_contractions:
                 params = _with_body_jaxpr(params, node.body, upcast=True)
+            if node.branches is not None and upcast_contractions:
+                params = _with_branch_jaxprs(params, node.branches, upcast=True)
             invals = [read(v) for v in node.inputs]
             if upcast_contractions:
                 invals = upcast_operands(node, invals)
@@ -334,6 +352,9 @@ def describe(graph: Graph, compute_dtype: Any = jnp.bfloat16) -> PrecisionReport
         for node in g.nodes:
             if node.body is not None:
                 walk(node.body, (*scope, node.key), executions * int(node.params["length"]))
+            elif node.branches is not None:  # at most one branch runs
+                for k, b in enumerate(node.branches):
+                    walk(b, (*scope, f"{node.key} branch {k}"), executions)
             elif converts(node, g):
                 conversions.append(
                     Conversion(

@@ -213,6 +213,9 @@ def interpret(
             elif node.body is not None:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
                 outs, haves = _run_scan(node, rec, mesh, invals), rec.out_specs
+            elif node.branches is not None and rec.branches is not None:
+                invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
+                outs, haves = _run_cond(node, rec, mesh, invals), rec.out_specs
             elif local:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
                 exact = node.op in EXACT_OPS and not fused
@@ -325,6 +328,15 @@ def _run_scan(node: Node, rec, mesh, invals) -> list:
         step, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
     )
     return [*carry, *ys]
+
+
+def _run_cond(node: Node, rec, mesh, invals) -> list:
+    """`lax.switch` over the branches, each interpreted under its own plan
+    (`rec.branches`: the cond's operand specs in, its result specs out)."""
+    runs = [interpret(b, r, mesh, pin_inputs=True) for b, r in zip(node.branches, rec.branches)]
+    return list(
+        jax.lax.switch(invals[0], [lambda *xs, f=f: list(f(*xs)) for f in runs], *invals[1:])
+    )
 
 
 def _stacked(spec: Spec) -> PartitionSpec:

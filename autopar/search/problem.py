@@ -57,6 +57,10 @@ class Problem:
     # value id -> the fraction of it alive at once (a 1F1B pipeline's saved activations
     # and head values, which exist a few micro-batches at a time)
     resident: dict[int, float] = field(default_factory=dict)
+    # cond node id -> (its branches' problems, one Branches per cond strategy)
+    conds: dict[int, tuple[tuple[Problem, ...], tuple[Branches, ...]]] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def num_inputs(self) -> int:
@@ -144,6 +148,7 @@ def build_problem(
         strategies.append(cache[key])
         source[v] = (i, 0)
     bodies: dict[int, tuple[Problem, Any]] = {}
+    conds: dict[int, tuple[tuple[Problem, ...], tuple[Branches, ...]]] = {}
     for node in graph.nodes:
         key = _node_key(node, graph) if node.body is None else None
         ns = cache.get(key) if key is not None else None
@@ -161,6 +166,8 @@ def build_problem(
             )
         elif node.body is not None:
             ns, bodies[node.id] = _scan_strategy(node, mesh, cost)
+        elif node.branches is not None:
+            ns, conds[node.id] = _cond_strategy(node, mesh, cost)
         elif ns is None:
             ns = strategies_for(node, graph, mesh)
             if key is not None:
@@ -178,7 +185,9 @@ def build_problem(
         strategies.append(ns.strategies)
         for k, v in enumerate(node.outputs):
             source[v] = (n_in + node.id, k)
-        flops[n_in + node.id] = node_flops(node, graph)
+        flops[n_in + node.id] = (
+            _run_flops(node, graph) if node.branches is not None else node_flops(node, graph)
+        )
 
     node_time, node_mem = _node_costs(
         graph, mesh, cost, strategies, flops, carried, partial_outputs, resident
@@ -196,6 +205,8 @@ def build_problem(
             )
         else:
             node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
+    for i, (_, per_strategy) in conds.items():
+        node_time[n_in + i] = np.array([b.seconds for b in per_strategy])
     node_time = tuple(node_time)
     edges = _edges(graph, cost, strategies, source)
     aliases = find_aliases(graph)
@@ -229,6 +240,7 @@ def build_problem(
         bodies,
         frozenset(partial_outputs),
         resident,
+        conds,
     )
 
 
@@ -271,6 +283,8 @@ def graph_flops(graph: Graph) -> float:
 def _run_flops(node, graph: Graph) -> float:
     if node.body is not None:
         return node.params["length"] * graph_flops(node.body)
+    if node.branches is not None:  # the costliest branch
+        return max(graph_flops(b) for b in node.branches)
     return node_flops(node, graph)
 
 
@@ -389,6 +403,85 @@ def _scan_strategy(
         results.append(r)
     warnings = tuple(f"{w} (in the scan body at {node.key})" for w in body.warnings)
     return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (body, results)
+
+
+@dataclass(frozen=True)
+class Branches:
+    """One strategy of a cond: each branch's plan, its inputs pinned to the cond's
+    operand specs; `seconds` is the costliest branch's step with the reshard of its
+    results into the cond's result specs."""
+
+    results: tuple[Any, ...]  # one SearchResult per branch
+    seconds: float
+
+
+def _cond_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategies, tuple]:
+    """A cond's strategies: interfaces (operand and result specs) that every branch is
+    searched to. The operand specs tried: the inputs of each branch's own plans (every
+    engine, the branch searched alone), every operand whole, and every operand with
+    its largest dim over one mesh axis. For each, every branch is searched (`dp`) with
+    its inputs pinned there; the results come out in the specs the costliest branch
+    leaves them in, and the other branches reshard theirs into them. A strategy is
+    priced at its costliest branch: the search does not know which one runs."""
+    from autopar.search import search
+    from autopar.search.evaluate import output_specs
+
+    probs = tuple(build_problem(b, mesh, cost) for b in node.branches)
+    p0, n = probs[0], len(node.inputs) - 1
+    budget = cost.profile.hbm_bytes
+
+    def solve(p: Problem, engine: str, pins: dict[int, int]):
+        try:
+            return search(p, engine, budget, pins)
+        except MemoryBudgetError:
+            return search(p, engine, float("inf"), pins)
+
+    spec_of = lambda p, choice: tuple(p.strategies[i][choice[i]].out_specs[0] for i in range(n))
+    tried: dict[tuple[Spec, ...], None] = {}
+    for p in probs:
+        for _, choice, _ in solve(p, "auto", {}).ranked:
+            tried.setdefault(spec_of(p, choice))
+    whole = [
+        next(k for k, st in enumerate(p0.strategies[i]) if not st.out_specs[0].used_axes)
+        for i in range(n)
+    ]
+    tried.setdefault(spec_of(p0, whole))
+    for axis, size in zip(mesh.axis_names, mesh.axis_sizes):
+        split = [_largest_dim_over(p0, i, axis) for i in range(n)]
+        if size > 1 and any(k is not None for k in split):
+            tried.setdefault(spec_of(p0, [w if k is None else k for k, w in zip(split, whole)]))
+    index = [{st.out_specs[0]: k for k, st in enumerate(p0.strategies[i])} for i in range(n)]
+    head = Spec.replicated(0)  # the branch index, a scalar
+    strategies, per_strategy, seen = [], [], set()
+    for ins in tried:
+        pins = {i: index[i][sp] for i, sp in enumerate(ins)}
+        results = tuple(solve(p, "dp", pins) for p in probs)
+        worst = max(range(len(probs)), key=lambda k: results[k].cost.step_s)
+        outs = tuple(output_specs(probs[worst], results[worst].choice))
+        if (ins, outs) in seen:
+            continue
+        seen.add((ins, outs))
+        seconds = max(
+            r.cost.step_s
+            + sum(
+                cost.reshard(p.graph.values[v], have, want).seconds
+                for v, have, want in zip(p.graph.outputs, output_specs(p, r.choice), outs)
+            )
+            for p, r in zip(probs, results)
+        )
+        strategies.append(
+            fixed_strategy(Fixed((head, *ins), outs, f"cond: {results[worst].engine}"))
+        )
+        per_strategy.append(Branches(results, seconds))
+    warnings = tuple(
+        f"{w} (in the cond branch {k} at {node.key})"
+        for k, p in enumerate(probs)
+        for w in p.warnings
+    )
+    return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (
+        probs,
+        tuple(per_strategy),
+    )
 
 
 def batch_like_body_inputs(node) -> list[int]:

@@ -20,11 +20,12 @@ def sharding_constraint_rule(node: Node, graph: Graph) -> Fixed:
 
 @register("while", "cond")
 def control_flow_rule(node: Node, graph: Graph) -> Fixed:
+    """`while` (and a `cond` captured without its branches) runs replicated."""
     return replicated_rule(
         node,
         graph,
         f"replicated {node.op}",
-        f"control flow '{node.op}' at {node.key} runs replicated: autopar does not search inside while loops or branches yet (scan bodies are searched)",
+        f"control flow '{node.op}' at {node.key} runs replicated: autopar does not search inside while loops yet (scan bodies and cond branches are searched)",
     )
 
 

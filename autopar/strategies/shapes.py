@@ -131,8 +131,9 @@ def split_rule(node: Node, graph: Graph) -> FactorRule:
     return FactorRule(factors, (dims,), tuple(dims for _ in outs))
 
 
-@register("iota")
+@register("iota", "empty", "empty2")  # empty2: the placeholder residuals of a cond's jvp
 def iota_rule(node: Node, graph: Graph) -> FactorRule:
+    """A value made from nothing: any layout, made in place."""
     _, (out,) = _types(node, graph)
     return FactorRule(tuple(Factor(s) for s in out.shape), (), (tuple(range(out.rank)),))
 
