@@ -55,7 +55,7 @@ def summarize_row(res: dict) -> None:
         s["auto_ratio_overlap"] = ov(res["programs"][auto_prog]) / bo
     # Fidelity of every compiled plan: predicted vs compiled bytes, memory, flops.
     fid = {}
-    for name, p in res["programs"].items():
+    for name, p in autopar_programs(res).items():
         if "measured" not in p:
             continue
         pred, meas = p["predicted"], p["measured"]
@@ -89,39 +89,45 @@ def summarize_row(res: dict) -> None:
     f32 = res.get("f32_memory", {})
     if "compiled" in f32:
         s["f32_memory_err"] = rel_err(f32["pred_memory"], f32["compiled"]["total"])
-    # Kendall tau: the cost model's ranking vs the compiled ranking.
-    items = []
-    for name, p in res["programs"].items():
-        if "priced" in p:
-            items.append((name, p["predicted"]["step_s"], p["priced"]["step_no_overlap_s"]))
-    eng_items = list(items)
-    for b, e in res["baselines"].items():
-        if "priced" in e and "autopar_priced" in e:
-            items.append((f"baseline:{b}", e["autopar_priced"]["step_s"], step(e)))
-    s["ranking_items"] = items
-    comm_items = [
-        (n, p["predicted"]["comm_s"], p["priced"]["comm_s"])
-        for n, p in res["programs"].items()
-        if "priced" in p
-    ] + [
-        (f"baseline:{b}", e["autopar_priced"]["comm_s"], e["priced"]["comm_s"])
+    # Kendall tau: the cost model's ranking vs the compiled ranking, over autopar's plans
+    # (the engines' and the completions of the baselines' argument specs), each compared
+    # with its own compiled program.
+    progs_all = {n: p for n, p in autopar_programs(res).items() if "priced" in p}
+    terms = {"step": ("step_s", "step_no_overlap_s"), "comm": ("comm_s", "comm_s")}
+    terms["compute"] = ("compute_s", "compute_s")
+    for term, (pk, ck) in terms.items():
+        items = [(n, p["predicted"][pk], p["priced"][ck]) for n, p in progs_all.items()]
+        eng = [i for i in items if i[0] in res["programs"]]
+        s[f"ranking_items_{term}"] = items
+        s[f"kendall_tau_all_{term}"] = _tau(items)
+        s[f"kendall_tau_engines_{term}"] = _tau(eng)
+    # The same cost-model prices against GSPMD's programs for the baselines' specs: how
+    # far GSPMD's completion is from autopar's (not a check of the cost model).
+    gspmd = [
+        (f"baseline:{b}", e["autopar_priced"]["step_s"], step(e))
         for b, e in res["baselines"].items()
         if "priced" in e and "autopar_priced" in e
     ]
-    s["ranking_items_comm"] = comm_items
-    s["kendall_tau_comm"] = _tau(comm_items)
-    s["kendall_tau_all"] = _tau(items)
-    s["kendall_tau_engines"] = _tau(eng_items)
-    # The engines' ranking split into its two terms: which one the ranking gets wrong.
-    for term in ("comm_s", "compute_s"):
-        s[f"kendall_tau_engines_{term[:-2]}"] = _tau(
-            [
-                (n, p["predicted"][term], p["priced"][term])
-                for n, p in res["programs"].items()
-                if "priced" in p
-            ]
-        )
+    s["kendall_tau_gspmd"] = _tau(
+        [
+            (n, p["predicted"]["step_s"], p["priced"]["step_no_overlap_s"])
+            for n, p in res["programs"].items()
+            if "priced" in p
+        ]
+        + gspmd
+    )
     res["summary"] = s
+
+
+def autopar_programs(res: dict) -> dict:
+    """Every compiled autopar program of a row: the engines' distinct plans, then
+    autopar's completions of the baselines' argument specs (``pinned:<baseline>``) that
+    differ from them."""
+    out = dict(res["programs"])
+    for b, e in res["baselines"].items():
+        if "pinned" in e:
+            out[f"pinned:{b}"] = e["pinned"]
+    return out
 
 
 def norm_comm(comm: dict, axis_order) -> dict:

@@ -10,8 +10,9 @@ For every row of ``benchmarks.suite``:
 3. compile every distinct plan on simulated CPU devices from abstract arguments and
    every hand-written baseline (``benchmarks.baselines``), read the compiled programs
    (``benchmarks.evaluator.measure``) and price them on the GPU profile;
-4. price each baseline with autopar's own cost model too (its argument specs fixed with
-   ``in_specs=``, the rest completed by the ``dp`` engine), for the ranking check.
+4. complete each baseline's argument specs with autopar (``in_specs=``, the rest searched
+   by the ``dp`` engine), price that plan and compile it: more of autopar's plans for the
+   ranking check, each compared with its own compiled program.
 
 GPT-3 175B is searched only, at 8 to 96 layers (``suite.GPT3_FULL``).
 Results go to ``benchmarks/results/*.json``; ``benchmarks.report`` turns them into
@@ -234,6 +235,23 @@ def bench_row(row: suite.Row, quick: bool) -> dict:
             entry["autopar_priced_s"] = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001
             entry["autopar_priced_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        else:
+            # autopar's completion is a program of its own: compile it too, so that the
+            # ranking check compares a prediction with the program it predicts (the
+            # baseline itself is GSPMD's completion of the same argument specs).
+            sig = plan_signature(plan)
+            if sig in by_sig:
+                entry["pinned_program"] = by_sig[sig]
+            else:
+                try:
+                    pinned = compile_and_price(lambda par=par: par.lower(*args), mesh, row.dtype)
+                except Exception as e:  # noqa: BLE001
+                    pinned = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+                    log(traceback.format_exc())
+                pinned["predicted"] = plan.cost.to_json()
+                pinned["predicted_flops"] = predicted_flops(par, args, plan)
+                entry["pinned"] = pinned
+                by_sig[sig] = f"pinned:{b}"
         res["baselines"][b] = entry
         if "priced" in entry:
             log(
