@@ -49,9 +49,17 @@ MESHES = {
 }
 
 # Every model on every mesh with the default engine, plus every explicit engine on the
-# 2x4 mesh for the GPT.
+# 2x4 mesh for the GPT. The GPTs on the 1-D meshes (8 and 1x8) are the slow tier: the
+# 2-D meshes cover them and the smaller models run on every mesh.
+SLOW_CASES = {("gpt", "data8"), ("gpt", "data1xmodel8"), ("gpt_scan", "data1xmodel8")}
 CASES = [
-    pytest.param(model, mesh, "auto", id=f"{model}-{mesh}-auto")
+    pytest.param(
+        model,
+        mesh,
+        "auto",
+        id=f"{model}-{mesh}-auto",
+        marks=[pytest.mark.slow] if (model, mesh) in SLOW_CASES else [],
+    )
     for model in MODELS
     for mesh in MESHES
     if model != "gpt_scan" or mesh in ("data2xmodel4", "data1xmodel8")
