@@ -129,32 +129,16 @@ def search(
             if lean:
                 zero_stages[f"zero3+loops/{f}"] = {**zero_pins, **lean}
 
-    def solve(name: str, pins: Mapping[int, int], out: SolverInfo) -> tuple[list[int], Cost]:
-        choice = ENGINES[name](problem, pins, out)
+    def run(name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
+        info[key] = {}
+        choice = ENGINES[name](problem, pins, info[key])
         cost = evaluate(problem, choice)
         polished, saved = polish(problem, choice, pins)
         if saved > 0:
             better = evaluate(problem, polished)
             if better.peak_memory_bytes <= max(memory_budget, cost.peak_memory_bytes):
-                out["polished_s"] = saved
+                info[key]["polished_s"] = saved
                 return polished, better
-        return choice, cost
-
-    def run(name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
-        info[key] = {}
-        choice, cost = solve(name, pins, info[key])
-        args = {**{i: choice[i] for i in range(problem.num_inputs)}, **pins}
-        if name == "dp" and not info[key].get("optimal", True) and len(args) > len(pins):
-            # dp guessed part of the graph: solved again with every argument pinned to
-            # the spec it chose, the graph reduces further and less of it is guessed
-            # (GPT-6.7B's suite row: 102.80 -> 101.56 ms). Kept only if cheaper.
-            second: SolverInfo = {}
-            again, cost2 = solve(name, args, second)
-            if cost2.step_s < cost.step_s and cost2.peak_memory_bytes <= max(
-                memory_budget, cost.peak_memory_bytes
-            ):
-                info[key]["args_pinned_s"] = cost.step_s - cost2.step_s
-                return again, cost2
         return choice, cost
 
     for name in names:
