@@ -93,8 +93,11 @@ def summarize_row(res: dict) -> None:
     # (the engines' and the completions of the baselines' argument specs), each compared
     # with its own compiled program.
     progs_all = {n: p for n, p in autopar_programs(res).items() if "priced" in p}
-    terms = {"step": ("step_s", "step_no_overlap_s"), "comm": ("comm_s", "comm_s")}
-    terms["compute"] = ("compute_s", "compute_s")
+    terms = {  # term: (predicted key, compiled key)
+        "step": ("step_s", "step_no_overlap_s"),
+        "comm": ("comm_s", "comm_s"),
+        "compute": ("compute_s", "compute_s"),
+    }
     for term, (pk, ck) in terms.items():
         items = [(n, p["predicted"][pk], p["priced"][ck]) for n, p in progs_all.items()]
         eng = [i for i in items if i[0] in res["programs"]]

@@ -10,6 +10,7 @@ argument, so both keep one sharding. Every engine works on this one object.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -358,10 +359,9 @@ def _scan_strategy(
         node.body, mesh, cost, partial_carry=is_accumulation(node), partial_outputs=sums
     )
     budget = cost.profile.hbm_bytes
-    try:
-        result = search(body, "auto", budget)
-    except MemoryBudgetError:
-        result = search(body, "auto", budget := float("inf"))
+    result = _search_fitting(body, "auto", budget)
+    if result.cost.peak_memory_bytes > budget:  # nothing fits: neither need the others
+        budget = float("inf")
     candidates = [result.pick(name) for name, _, _ in result.ranked]
     # Plus the layout a loop over layers usually wants: every activation (an input
     # with the carry's leading, batch dim) split along that dim, the rest searched.
@@ -415,6 +415,17 @@ class Branches:
     seconds: float
 
 
+def _search_fitting(problem: Problem, engine: str, budget: float, pins=None):
+    """`search` within `budget`; when no plan fits, the fastest plan at any size (a loop
+    body or branch must be planned whatever it needs; the outer search prices that)."""
+    from autopar.search import search
+
+    try:
+        return search(problem, engine, budget, pins or {})
+    except MemoryBudgetError:
+        return search(problem, engine, float("inf"), pins or {})
+
+
 def _cond_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategies, tuple]:
     """A cond's strategies: interfaces (operand and result specs) that every branch is
     searched to. The operand specs tried: the inputs of each branch's own plans (every
@@ -423,23 +434,15 @@ def _cond_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategie
     its inputs pinned there; the results come out in the specs the costliest branch
     leaves them in, and the other branches reshard theirs into them. A strategy is
     priced at its costliest branch: the search does not know which one runs."""
-    from autopar.search import search
     from autopar.search.evaluate import output_specs
 
     probs = tuple(build_problem(b, mesh, cost) for b in node.branches)
     p0, n = probs[0], len(node.inputs) - 1
-    budget = cost.profile.hbm_bytes
-
-    def solve(p: Problem, engine: str, pins: dict[int, int]):
-        try:
-            return search(p, engine, budget, pins)
-        except MemoryBudgetError:
-            return search(p, engine, float("inf"), pins)
-
+    solve = functools.partial(_search_fitting, budget=cost.profile.hbm_bytes)
     spec_of = lambda p, choice: tuple(p.strategies[i][choice[i]].out_specs[0] for i in range(n))
     tried: dict[tuple[Spec, ...], None] = {}
     for p in probs:
-        for _, choice, _ in solve(p, "auto", {}).ranked:
+        for _, choice, _ in solve(p, "auto").ranked:
             tried.setdefault(spec_of(p, choice))
     whole = [
         next(k for k, st in enumerate(p0.strategies[i]) if not st.out_specs[0].used_axes)
@@ -455,7 +458,7 @@ def _cond_strategy(node, mesh: MeshInfo, cost: CostModel) -> tuple[NodeStrategie
     strategies, per_strategy, seen = [], [], set()
     for ins in tried:
         pins = {i: index[i][sp] for i, sp in enumerate(ins)}
-        results = tuple(solve(p, "dp", pins) for p in probs)
+        results = tuple(solve(p, "dp", pins=pins) for p in probs)
         worst = max(range(len(probs)), key=lambda k: results[k].cost.step_s)
         outs = tuple(output_specs(probs[worst], results[worst].choice))
         if (ins, outs) in seen:

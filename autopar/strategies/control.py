@@ -20,7 +20,8 @@ def sharding_constraint_rule(node: Node, graph: Graph) -> Fixed:
 
 @register("while", "cond")
 def control_flow_rule(node: Node, graph: Graph) -> Fixed:
-    """`while` (and a `cond` captured without its branches) runs replicated."""
+    """`while` runs replicated; so does a `cond` where its branches are not searched
+    (the micro-batch check, `autopar.microbatch`, asks every op's rule)."""
     return replicated_rule(
         node,
         graph,
