@@ -8,8 +8,8 @@ from autopar import checkpoint, distributed
 from autopar.api import Parallelized, parallelize
 from autopar.errors import AutoparError, CaptureError, MemoryBudgetError, MeshError, PlanError
 from autopar.meshes import make_mesh
-from autopar.plan import Plan
-from autopar.workload import Workload
+from autopar.plan.plan import Plan
+from autopar.tools.workload import Workload
 
 __all__ = [
     "AutoparError",

@@ -8,7 +8,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "demo":
-        from autopar import demo  # sets XLA_FLAGS before JAX starts its backend
+        from autopar.examples import demo  # sets XLA_FLAGS before JAX starts its backend
 
         return demo.main(argv[1:])
     try:

@@ -16,15 +16,15 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 import cost_models
-from autopar._compat import broadcast_prefix
-from autopar.accumulate import accumulate
-from autopar.capture import abstractify_tree, capture, fn_name
-from autopar.cost import CostModel
+from autopar.cost.model import CostModel
 from autopar.errors import AutoparError, MemoryBudgetError, MeshError, PlanError, format_bytes
-from autopar.ir import Graph
+from autopar.ir._compat import broadcast_prefix
+from autopar.ir.capture import abstractify_tree, capture, fn_name
+from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve
-from autopar.pipeline import (
+from autopar.passes.accumulate import accumulate
+from autopar.passes.pipeline import (
     SCHEDULES,
     Pipeline,
     PipelinedScans,
@@ -37,11 +37,11 @@ from autopar.pipeline import (
     scan_labels,
     with_full_consts,
 )
-from autopar.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
-from autopar.precision import compute_dtype_of, mixed_precision
-from autopar.precision import describe as describe_precision
-from autopar.remat import POLICIES as REMAT_POLICIES
-from autopar.remat import remat, remat_report
+from autopar.passes.precision import compute_dtype_of, mixed_precision
+from autopar.passes.precision import describe as describe_precision
+from autopar.passes.remat import POLICIES as REMAT_POLICIES
+from autopar.passes.remat import remat, remat_report
+from autopar.plan.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search import search
 from autopar.search.evaluate import output_specs
 from autopar.search.problem import Problem, build_problem, find_aliases, step_floor
@@ -302,7 +302,9 @@ class Parallelized:
         if self.given_plan is not None:
             mesh = self._mesh_for_plan(self.given_plan)
             try:
-                plan = bind_plan(self.given_plan, graph, mesh_info(mesh, self.profile), mesh)
+                plan = bind_plan(
+                    self.given_plan, graph, mesh_info(mesh, self.profile.devices_per_node), mesh
+                )
                 pipelined = None
                 if plan.pipeline:
                     pipe = Pipeline.from_json(plan.pipeline)
@@ -312,7 +314,9 @@ class Parallelized:
             except PlanError:
                 if not self.allow_partial:
                     raise
-                reused = reusable_specs(self.given_plan, graph, mesh_info(mesh, self.profile))
+                reused = reusable_specs(
+                    self.given_plan, graph, mesh_info(mesh, self.profile.devices_per_node)
+                )
         options, failures, tries = [], [], []
         memory_bound = False
         for k, mesh in enumerate(self.meshes):
@@ -333,7 +337,7 @@ class Parallelized:
             if isinstance(mesh, AbstractMesh) and floors[i] >= best:
                 skipped += 1
                 continue
-            info = mesh_info(mesh, self.profile)
+            info = mesh_info(mesh, self.profile.devices_per_node)
             log.info("mesh %s: pricing the strategies of %d ops", info.shape, len(graph.nodes))
             problem = build_problem(graph, info, CostModel(self.profile, info), pipelined)
             try:
@@ -413,7 +417,7 @@ class Parallelized:
         )
 
     def _accumulated(self, graph: Graph, args, static, mesh, remat_policy) -> Graph:
-        """`graph` with its per-micro-batch part in a loop (`autopar.accumulate`); the
+        """`graph` with its per-micro-batch part in a loop (`autopar.passes.accumulate`); the
         batch is the last non-static argument, cut along its leaves' leading dim."""
         M, name = self.grad_accumulation, fn_name(self.fn)
         dyn = [i for i in range(self._n_positional(args)) if i not in static]
@@ -453,7 +457,7 @@ class Parallelized:
             S = dict(zip(mesh.axis_names, mesh.axis_sizes))["stage"]
             if not pipelined_scans(graph, Pipeline(S, 1)):
                 return []
-        check_pipeline(Pipeline(S, 1), mesh_info(mesh, self.profile))
+        check_pipeline(Pipeline(S, 1), mesh_info(mesh, self.profile.devices_per_node))
         scans = pipelined_scans(graph, Pipeline(S, 1))
         if not scans:
             loops = [n.params["length"] for n in graph.nodes if n.body is not None]
@@ -491,7 +495,7 @@ class Parallelized:
     ) -> PipelinedScans:
         """Capture the function again at the micro-batch size and pair its scans with
         `graph`'s pipelined ones."""
-        check_pipeline(pipe, mesh_info(mesh, self.profile))
+        check_pipeline(pipe, mesh_info(mesh, self.profile.devices_per_node))
         scans = pipelined_scans(graph, pipe)
         name = fn_name(self.fn)
         dyn, tree = jax.tree_util.tree_flatten(self._dyn(args))
@@ -658,7 +662,7 @@ def parallelize(
 
     `precision="bf16"` computes every float32 matmul and convolution on bfloat16
     operands with float32 accumulation, keeping float32 master weights, optimizer
-    state and activations (`autopar.precision`). `precision="fp16"` does the same in
+    state and activations (`autopar.passes.precision`). `precision="fp16"` does the same in
     float16, each operand scaled by a power of two into float16's range from its own
     max|x| (per-tensor dynamic scaling, in place of loss scaling: the captured step is
     already differentiated).
@@ -666,9 +670,9 @@ def parallelize(
     `grad_accumulation=M` cuts the batch (the last non-static argument, along its
     leaves' leading dim) into M micro-batches and runs everything that can go micro-batch
     by micro-batch (forward, backward, up to the gradient sums) in a loop over them,
-    then the rest (the optimizer) once (`autopar.accumulate`).
+    then the rest (the optimizer) once (`autopar.passes.accumulate`).
 
-    `remat` rematerializes a layer loop's residuals (`autopar.remat`, layers under a
+    `remat` rematerializes a layer loop's residuals (`autopar.passes.remat`, layers under a
     `scan`): "dots" keeps only matmul outputs and the layer input, "selective" also
     recomputes the matmul outputs cheapest to recompute per byte (a transformer's
     attention scores), "full" keeps only the layer input, and the backward loop

@@ -26,9 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
-from autopar.capture import path_str
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.ir.capture import path_str
+from autopar.plan.plan import Plan
 
 
 class CheckpointError(AutoparError):

@@ -12,7 +12,7 @@
 
 TARGET names a factory returning an `autopar.Workload`: `path/to/file.py:factory` or
 `package.module:factory`, optionally called with literal arguments
-(`autopar/examples.py:gpt(hidden=256, layers=4)`).
+(`autopar/examples/examples.py:gpt(hidden=256, layers=4)`).
 
 A mesh is `name=size,...` (`data=8,model=8`), `DxM[xE]` (`8x8` is data=8,model=8;
 a third size is the `expert` axis) or a device count (`64`: mesh-shape search over 1-3 axes).
@@ -83,7 +83,7 @@ def parse_mesh(text: str) -> dict[str, int]:
                 f"{len(THREE_AXES)} axes ({', '.join(THREE_AXES)}); name them: a=2,b=2,c=2,d=2"
             )
     elif "=" in t:
-        from autopar.demo import parse_mesh as parse_pairs
+        from autopar.examples.demo import parse_mesh as parse_pairs
 
         mesh = parse_pairs(t)
         sizes = list(mesh.values())
@@ -206,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
         "(compute; communication by mesh axis and collective kind; memory), the candidates "
         "the search compared, and warnings.",
     )
-    i.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan/1 JSON)")
+    i.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan.plan/1 JSON)")
     i.add_argument("--format", "-f", choices=formats, default="table")
     i.add_argument("--by", choices=("param", "op", "layer"), default="param")
     i.set_defaults(func=cmd_inspect)
@@ -267,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
         "most common contraction strategy and by how its parameters are split, and the largest "
         "parameters as rectangles cut into one tile per shard along every sharded dimension.",
     )
-    r.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan/1 JSON)")
+    r.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan.plan/1 JSON)")
     r.add_argument(
         "--out",
         "-o",
@@ -318,7 +318,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def prepare_backend(num_devices: int) -> None:
     """Ask for `num_devices` simulated CPU devices before JAX's backend starts."""
-    from autopar import demo
+    from autopar.examples import demo
 
     started = demo._backend_started()
     demo.setup_env(num_devices)
@@ -329,7 +329,7 @@ def prepare_backend(num_devices: int) -> None:
 
 
 def _load_plan(path: str):
-    from autopar.plan import Plan
+    from autopar.plan.plan import Plan
 
     return Plan.load(path)
 
@@ -360,7 +360,7 @@ def cmd_search(args) -> int:
         raise UsageError(
             f"unknown engine {args.engine!r}; choose one of: auto, {', '.join(ENGINES)}"
         )
-    from autopar.workload import load_target
+    from autopar.tools.workload import load_target
 
     wl = load_target(args.target)
     import autopar
@@ -388,7 +388,7 @@ def cmd_search(args) -> int:
         remat=args.remat,
         precision=args.precision,
     )
-    from autopar.progress import Progress
+    from autopar.tools.progress import Progress
 
     with Progress():
         plan = step.plan(*wl.args)
@@ -412,7 +412,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from autopar.inspection import render_inspect
+    from autopar.tools.inspection import render_inspect
 
     plan = _load_plan(args.plan)
     print(render_inspect(plan, args.format, args.by))
@@ -420,7 +420,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from autopar.inspection import diff_plans, render_diff
+    from autopar.tools.inspection import diff_plans, render_diff
 
     a, b = _load_plan(args.a), _load_plan(args.b)
     print(
@@ -431,7 +431,7 @@ def cmd_diff(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from autopar import inspection as insp
+    from autopar.tools import inspection as insp
 
     plan = _load_plan(args.plan)
     hits = insp.find_ops(plan, args.op)
@@ -461,10 +461,10 @@ def _rebuild_problem(plan, target: str, dirs: list[str]):
     """Trace TARGET, check it is the plan's function, and rebuild its search problem."""
     import cost_models
     from autopar.api import bind_plan
-    from autopar.capture import capture
-    from autopar.cost import CostModel
+    from autopar.cost.model import CostModel
+    from autopar.ir.capture import capture
     from autopar.search.problem import build_problem
-    from autopar.workload import load_target
+    from autopar.tools.workload import load_target
 
     wl = load_target(target)
     kw = {}
@@ -501,9 +501,9 @@ def cmd_verify(args) -> int:
         )
     import autopar
     import cost_models
-    from autopar.hlo import parse_collectives, summarize
-    from autopar.inspection import comm_key
-    from autopar.workload import load_target
+    from autopar.tools.hlo import parse_collectives, summarize
+    from autopar.tools.inspection import comm_key
+    from autopar.tools.workload import load_target
 
     wl = load_target(args.target)
     step = autopar.parallelize(
@@ -608,7 +608,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_render(args) -> int:
-    from autopar.render import render_plan
+    from autopar.tools.render import render_plan
 
     if args.top < 0:
         raise UsageError(f"--top must be >= 0, got {args.top}")
@@ -629,10 +629,10 @@ def cmd_calibrate(args) -> int:
     mesh = parse_mesh(args.mesh) if args.mesh else None
     # JAX's default backend (the GPUs when there are any; JAX_PLATFORMS=cpu for the CPU),
     # unlike search/verify, which plan on the CPU. A CPU gets simulated devices.
-    from autopar import demo
+    from autopar.examples import demo
 
     demo.setup_env(math.prod(mesh.values()) if mesh else 8)
-    from autopar.calibrate import calibrate
+    from autopar.cost.calibrate import calibrate
 
     calibrate(args.out, mesh=mesh, quick=args.quick, name=args.name, log=print)
     return 0
@@ -688,7 +688,7 @@ COMMANDS = ("search", "inspect", "diff", "explain", "verify", "render", "calibra
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "demo":
-        from autopar import demo
+        from autopar.examples import demo
 
         return demo.main(argv[1:])
     parser = _parser()

@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.errors import AutoparError, PlanError
-from autopar.plan import Plan
+from autopar.plan.plan import Plan
 
 
 class DistributedError(AutoparError):

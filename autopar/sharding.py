@@ -17,8 +17,6 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from cost_models import ClusterProfile
-
 Axes = tuple[str, ...]
 
 
@@ -176,14 +174,16 @@ class MeshInfo:
 
 
 def mesh_info(
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, profile: ClusterProfile
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, devices_per_node: int
 ) -> MeshInfo:
+    """The mesh as the cost model sees it; `devices_per_node` (a cluster profile's)
+    says which axes stay on one node's fast links."""
     names = tuple(mesh.axis_names)
     sizes = tuple(mesh.axis_sizes) if hasattr(mesh, "axis_sizes") else tuple(mesh.shape.values())
     ids = None
     if isinstance(mesh, jax.sharding.Mesh):
         ids = [d.id for d in mesh.devices.flat]
-    return MeshInfo.build(names, sizes, ids, profile.devices_per_node)
+    return MeshInfo.build(names, sizes, ids, devices_per_node)
 
 
 def axis_order_slow_first(mesh: MeshInfo) -> list[str]:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.capture import path_str
-from autopar.search.stages import param_path
+from autopar.ir.capture import path_str
+from benchmarks.stages import param_path
 
 P = PartitionSpec
 Rule = Callable[[str, tuple[int, ...]], PartitionSpec]

@@ -30,8 +30,8 @@ def gpt_memory(layers: int, mesh, engine: str, budget: float | None = None) -> d
 
     import autopar
     from autopar.api import compiled_memory
-    from autopar.hlo import parse_collectives, summarize
-    from autopar.models import gpt
+    from autopar.examples.models import gpt
+    from autopar.tools.hlo import parse_collectives, summarize
 
     cfg = gpt.GPTConfig(layers=layers, hidden=4096, heads=32, seq=1024, vocab=51200, batch_size=16)
     ts = gpt.make_train_step(cfg)
@@ -77,10 +77,10 @@ def megatron_mlp() -> dict:
 
     import autopar
     import cost_models
-    from autopar.cost import CostModel
-    from autopar.hlo import parse_collectives
-    from autopar.models import gpt
+    from autopar.cost.model import CostModel
+    from autopar.examples.models import gpt
     from autopar.sharding import mesh_info
+    from autopar.tools.hlo import parse_collectives
 
     cfg = gpt.MLPBlockConfig(batch=8, seq=2048, hidden=8192, ffn=32768, dtype=jnp.bfloat16)
     params, x = gpt.mlp_block_abstract_args(cfg)
@@ -97,7 +97,7 @@ def megatron_mlp() -> dict:
         .compile()
     )
     profile = cost_models.load("h100-sxm")
-    cm = CostModel(profile, mesh_info(mesh, profile))
+    cm = CostModel(profile, mesh_info(mesh, profile.devices_per_node))
 
     def priced(compiled):
         cs = parse_collectives(compiled.as_text(), mesh)

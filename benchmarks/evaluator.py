@@ -3,7 +3,7 @@ devices and price it on a GPU profile.
 
 What is read (``measure``):
 
-* every collective, from ``autopar.hlo.parse_collectives(text, mesh)``: kind, bytes of
+* every collective, from ``autopar.tools.hlo.parse_collectives(text, mesh)``: kind, bytes of
   the full-size side, replica groups -> mesh axes, and the link tier of those axes
   (``MeshInfo.is_intra_node``);
 * ``compiled.cost_analysis()`` flops and bytes accessed (per device);
@@ -36,7 +36,7 @@ Three things the CPU backend compiles differently from a GPU, and how they are h
 Collectives inside while loops are multiplied by the loop's ``known_trip_count`` (nested
 loops multiply); the suite's models are unrolled, so the multiplier is 1 there.
 
-Pricing (``price``), with ``autopar.cost.CostModel`` on a cost_models profile: compute is
+Pricing (``price``), with ``autopar.cost.model.CostModel`` on a cost_models profile: compute is
 the whole-program roofline ``max(flops / (peak(dtype) x eff), bytes / (HBM bw x eff))``;
 each collective is ``CostModel.collective(kind, axes, bytes)`` (alpha + bus factor x bytes
 / link bandwidth of the slowest link its axes cross). Reported: the no-overlap sum
@@ -54,9 +54,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 import cost_models
-from autopar.cost import CostModel
-from autopar.hlo import _parse_instruction, parse_collectives, shape_bytes
+from autopar.cost.model import CostModel
 from autopar.sharding import mesh_info
+from autopar.tools.hlo import _parse_instruction, parse_collectives, shape_bytes
 
 _HEADER_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
 _CALLEE_RE = re.compile(
@@ -455,7 +455,7 @@ def measure(
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, list | tuple) else ca
     prof = cost_models.load("h100-sxm")  # only devices_per_node matters for the tier
-    info = mesh_info(mesh, prof)
+    info = mesh_info(mesh, prof.devices_per_node)
     mod = HloModule(text)
     memory = compiled_memory(compiled.memory_analysis())
     if dump_dir is not None:
@@ -565,7 +565,7 @@ class Priced:
 def price(m: Measured, profile, mesh, dtype) -> Priced:
     """Seconds on ``profile`` (a cost_models name or ClusterProfile) for a measured program."""
     prof = cost_models.load(profile)
-    info = mesh_info(mesh, prof)
+    info = mesh_info(mesh, prof.devices_per_node)
     cm = CostModel(prof, info)
     compute = cm.compute_seconds(m.flops, m.bytes_accessed, dtype)
     by_axis: dict[str, float] = {}

@@ -88,9 +88,9 @@ import jax  # noqa: E402
 import autopar.search as search_mod  # noqa: E402
 import cost_models  # noqa: E402
 from autopar import examples  # noqa: E402
-from autopar.capture import capture  # noqa: E402
-from autopar.cost import CostModel  # noqa: E402
-from autopar.ir import Graph  # noqa: E402
+from autopar.cost.model import CostModel  # noqa: E402
+from autopar.ir.capture import capture  # noqa: E402
+from autopar.ir.graph import Graph  # noqa: E402
 from autopar.meshes import make_mesh  # noqa: E402
 from autopar.search import search  # noqa: E402
 from autopar.search.evaluate import total_time  # noqa: E402
@@ -185,7 +185,7 @@ def log(msg: str) -> None:
 
 def make_problem(graph: Graph, mesh: dict[str, int], profile) -> Problem:
     """The search problem as ``autopar.parallelize`` builds it."""
-    info = mesh_info(make_mesh(mesh), profile)
+    info = mesh_info(make_mesh(mesh), profile.devices_per_node)
     return build_problem(graph, info, CostModel(profile, info))
 
 

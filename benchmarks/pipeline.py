@@ -3,13 +3,13 @@
 GPT-3 175B (96 layers, hidden 12288, 96 heads, seq 2048, vocab 51200, global batch
 1536, bf16, AdamW) on 1024 devices with the ``a100-80g`` profile, 80 GB per device.
 
-* ``auto``: :func:`autopar.search.stages.search_gpt` over stages, per-stage
+* ``auto``: :func:`benchmarks.stages.search_gpt` over stages, per-stage
   ``data x model`` sub-mesh (tensor parallel inside a node), micro-batch size 1/2/4,
   1F1B / GPipe, per-stage remat none / selective / full and ZeRO 0-3 (the terms and
   the DP: the module docstring of ``autopar/search/stages.py``);
 * ``megatron``: the Megatron-LM configuration (TP 8 x PP 8 x DP 16, 1F1B, micro-batch
   1, 12 layers per stage, no ZeRO) with full and with selective recompute, priced by the
-  same cost model (:func:`autopar.search.stages.evaluate`);
+  same cost model (:func:`benchmarks.stages.evaluate`);
 * the same under the efficiency factors ``benchmarks.published`` fitted to the published
   step times (``compute+hbm``, read from ``results/published.json``), when present;
 * a plot of per-device memory against step time over remat x ZeRO (every global choice,
@@ -39,8 +39,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import autopar  # noqa: E402
 import cost_models  # noqa: E402
-from autopar.search import stages as PL  # noqa: E402
 from benchmarks import published  # noqa: E402
+from benchmarks import stages as PL  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GPT3 = PL.GPTShape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, batch=1536)
@@ -173,7 +173,7 @@ def parallelize_auto(
     micro-batch size searched for real. 1F1B by default (a stage keeps at most 2S - 1
     micro-batches' activations, so selective remat fits); GPipe keeps all M, so only
     full remat fits there."""
-    from autopar.models import gpt
+    from autopar.examples.models import gpt
 
     cfg = gpt.GPTConfig(
         vocab=GPT3.vocab,

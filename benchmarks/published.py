@@ -17,7 +17,7 @@ autopar does not model pipeline parallelism, so the prediction is composed here 
 autopar plans of single-layer pieces, priced with autopar's own cost model on an
 abstract mesh ``{"data": 1, "model": TP}`` with the Megatron tensor-parallel specs of
 ``benchmarks.baselines`` pinned on the parameters and the batch (``in_specs=``) and
-``engine="dp"`` completing every other tensor's sharding. With ``autopar.models.gpt``
+``engine="dp"`` completing every other tensor's sharding. With ``autopar.examples.models.gpt``
 at the per-stage micro-batch ``b`` (``L1`` = ``GPTConfig(layers=1)``, ``L0`` = the same
 with ``layers=0``: embedding, final LayerNorm, tied logits and loss only), the plans
 are of
@@ -99,16 +99,16 @@ from scipy.optimize import lsq_linear  # noqa: E402
 
 import autopar  # noqa: E402
 import cost_models  # noqa: E402
-from autopar.cost import CostModel  # noqa: E402
-from autopar.models import gpt  # noqa: E402
-from autopar.search.stages import (  # noqa: E402
+from autopar.cost.model import CostModel  # noqa: E402
+from autopar.examples.models import gpt  # noqa: E402
+from autopar.sharding import MeshInfo  # noqa: E402
+from benchmarks import baselines  # noqa: E402
+from benchmarks.stages import (  # noqa: E402
     in_attention_core,
     model_flops,
     p2p_seconds,
     piece_plans,
 )
-from autopar.sharding import MeshInfo  # noqa: E402
-from benchmarks import baselines  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 A100_BF16_PEAK = 312e12  # dense, what Korthikanti's MFU is relative to
@@ -202,7 +202,7 @@ def params_count(a: Anchor) -> float:
 
 
 # The Megatron layout of ``benchmarks.baselines`` (the same as
-# ``autopar.search.stages.megatron_specs``), pinned on the pieces' state and batch.
+# ``benchmarks.stages.megatron_specs``), pinned on the pieces' state and batch.
 _MEGATRON_SPECS = functools.partial(baselines.specs, baselines.BASELINES["megatron"])
 
 

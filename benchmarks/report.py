@@ -508,10 +508,10 @@ METHOD = """\
 * **No GPU cluster.** Each plan is compiled for N simulated CPU devices
   (`--xla_force_host_platform_device_count=16`) from `ShapeDtypeStruct` arguments — no
   weights are allocated — and the compiled program is read (`benchmarks/evaluator.py`):
-  every collective from `autopar.hlo.parse_collectives` (kind, bytes of the full-size
+  every collective from `autopar.tools.hlo.parse_collectives` (kind, bytes of the full-size
   side, mesh axes, link tier via `MeshInfo.is_intra_node`), `cost_analysis()` FLOPs and
   bytes accessed, and `memory_analysis()` per-device bytes.
-* **Pricing** on the `h100-sxm` profile with `autopar.cost.CostModel`: each collective
+* **Pricing** on the `h100-sxm` profile with `autopar.cost.model.CostModel`: each collective
   is `alpha + busbw factor x bytes / link bandwidth` (`CostModel.collective`), compute is
   the whole-program roofline `max(FLOPs / (peak x 0.6), bytes / (HBM bw x 0.8))`. The
   step is reported without overlap (`compute + comm`, used for all ratios) and with

@@ -47,10 +47,10 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 
 import cost_models  # noqa: E402
-from autopar.capture import capture  # noqa: E402
-from autopar.cost import CostModel  # noqa: E402
+from autopar.cost.model import CostModel  # noqa: E402
+from autopar.examples.models import gpt  # noqa: E402
+from autopar.ir.capture import capture  # noqa: E402
 from autopar.meshes import make_mesh  # noqa: E402
-from autopar.models import gpt  # noqa: E402
 from autopar.search import ENGINES, engines, search  # noqa: E402
 from autopar.search import layers as layer_reduction  # noqa: E402
 from autopar.search.evaluate import evaluate  # noqa: E402
@@ -136,7 +136,7 @@ def measure(
     trace_s = min(trace_runs)
     profile = cost_models.load(PROFILE)
     mesh = make_mesh(mesh_shape)
-    info = mesh_info(mesh, profile)
+    info = mesh_info(mesh, profile.devices_per_node)
     t = time.perf_counter()
     graph = capture(ts.step, args)
     capture_s = time.perf_counter() - t

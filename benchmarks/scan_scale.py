@@ -25,7 +25,7 @@ def measure(layers: int, engine: str) -> dict:
     import jax
 
     import autopar
-    from autopar.models import gpt
+    from autopar.examples.models import gpt
     from benchmarks import suite
 
     cfg = dataclasses.replace(suite.gpt3(layers).config, batch_size=1536, scan_layers=True)

@@ -22,8 +22,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from autopar.models import gpt, moe, vit
-from autopar.models import wide_resnet as wrn
+from autopar.examples.models import gpt, moe, vit
+from autopar.examples.models import wide_resnet as wrn
 
 MESHES = {
     4: {"data": 2, "model": 2},

@@ -25,8 +25,8 @@ import optax
 import autopar
 import autopar.checkpoint as ckpt
 import autopar.distributed as dist
-from autopar.models import gpt
-from autopar.models.common import TrainStep
+from autopar.examples.models import gpt
+from autopar.examples.models.common import TrainStep
 
 CONFIG = gpt.GPTConfig(vocab=64, seq=16, hidden=32, layers=1, heads=4, batch_size=8)
 MESH = {"data": 2, "model": 4}

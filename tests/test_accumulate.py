@@ -11,7 +11,7 @@ from helpers import assert_trees_close, replay_from_file, run_steps
 import autopar
 from autopar.api import compiled_memory
 from autopar.errors import AutoparError
-from autopar.models import gpt
+from autopar.examples.models import gpt
 
 MESH = {"data": 2, "model": 4}
 CLUSTER = "cpu"

@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 import autopar
 import autopar.api
-from autopar.models import mlp
+from autopar.examples.models import mlp
 
 MESH = {"data": 2, "model": 4}
 CONFIG = mlp.MLPConfig()
@@ -156,7 +156,7 @@ def test_plan_save_load_round_trip(ts, state, fsdp_step, tmp_path):
     again = tmp_path / "again.json"
     loaded.save(again)
     assert again.read_text() == path.read_text()
-    assert json.loads(path.read_text())["format"] == "autopar.plan/1"
+    assert json.loads(path.read_text())["format"] == "autopar.plan.plan/1"
     # Unbound, the specs are keyed by argument path.
     assert (
         loaded.in_specs["state/params/dense_0/kernel"]
@@ -211,7 +211,9 @@ def test_plan_for_another_function_raises(tmp_path):
         pytest.param(lambda text: "", id="empty"),
         pytest.param(lambda text: text.replace("{", "[", 3), id="garbled"),
         pytest.param(lambda text: text.replace('"inputs"', '"inputz"'), id="missing-key"),
-        pytest.param(lambda text: text.replace("autopar.plan/1", "autopar.plan/0"), id="format"),
+        pytest.param(
+            lambda text: text.replace("autopar.plan.plan/1", "autopar.plan.plan/0"), id="format"
+        ),
         pytest.param(lambda text: "[1, 2]", id="not-an-object"),
     ],
 )

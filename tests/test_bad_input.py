@@ -20,7 +20,7 @@ from helpers import assert_trees_close, run_steps
 from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
-from autopar.models import mlp
+from autopar.examples.models import mlp
 
 MESH = {"data": 2, "model": 4}
 HERE = Path(__file__).name

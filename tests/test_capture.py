@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from autopar.capture import capture
 from autopar.errors import CaptureError
-from autopar.ir import check_graph
+from autopar.ir.capture import capture
+from autopar.ir.graph import check_graph
 
 
 def test_paths_name_arguments_and_pytree_keys():

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
 import autopar.checkpoint as ckpt
-from autopar.models import mlp
+from autopar.examples.models import mlp
 
 CONFIG = mlp.MLPConfig()
 PLAN_A = {"mesh": {"data": 2, "model": 4}, "engine": "dp"}

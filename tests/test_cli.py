@@ -17,14 +17,15 @@ import pytest
 from helpers import bad_input, ok, run_cli
 
 import autopar
-from autopar import cli, examples
-from autopar import inspection as insp
-from autopar.workload import TargetError, Workload, load_target
+from autopar import cli
+from autopar.examples import examples
+from autopar.tools import inspection as insp
+from autopar.tools.workload import TargetError, Workload, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((ROOT / "docs" / "plan.schema.json").read_text())
-GPT = "autopar/examples.py:gpt_small"
-MLP = "autopar/examples.py:mlp_small"
+GPT = "autopar/examples/examples.py:gpt_small"
+MLP = "autopar/examples/examples.py:mlp_small"
 
 
 def run(*args: str, **kw):
@@ -159,7 +160,7 @@ def plans(tmp_path_factory):
 def bad_target_file(tmp_path):
     p = tmp_path / "targets.py"
     p.write_text(
-        "from autopar.examples import mlp_small\n"
+        "from autopar.examples.examples import mlp_small\n"
         "def not_a_workload():\n    return 42\n"
         "def boom():\n    raise RuntimeError('no weights here')\n"
         "FORTY_TWO = 42\n"
@@ -193,7 +194,7 @@ def test_search_writes_a_plan_that_matches_the_schema(plans):
 def test_schema_checker_catches_mistakes(plans):
     d, _ = plans
     plan = json.loads((d / "mlp.json").read_text())
-    plan["format"] = "autopar.plan/2"
+    plan["format"] = "autopar.plan.plan/2"
     del plan["ops"][0]["key"]
     plan["inputs"][0]["spec"] = [3]
     plan["cost"]["comm_bytes"]["teleport@data"] = 1
@@ -364,8 +365,8 @@ def test_explain_with_target_prices_every_alternative(plans):
 def test_explain_alternatives_agree_with_the_problem(plans):
     """The prices `explain` shows are node time + edges against the planned neighbours."""
     import cost_models
-    from autopar.capture import capture
-    from autopar.cost import CostModel
+    from autopar.cost.model import CostModel
+    from autopar.ir.capture import capture
     from autopar.search.evaluate import total_time
     from autopar.search.problem import build_problem
 
@@ -449,10 +450,10 @@ def test_corrupted_plan_file(plans, tmp_path):
     p = tmp_path / "cut.json"
     p.write_text((d / "mlp.json").read_text()[:500])
     bad_input(run("inspect", str(p)), "not valid JSON")
-    p.write_text(json.dumps({"format": "autopar.plan/1", "mesh": {}}))
+    p.write_text(json.dumps({"format": "autopar.plan.plan/1", "mesh": {}}))
     bad_input(run("diff", str(p), str(d / "mlp.json")), "malformed")
     p.write_text(json.dumps({"format": "something/else"}))
-    bad_input(run("explain", str(p), "add#0"), "not an autopar.plan/1 file")
+    bad_input(run("explain", str(p), "add#0"), "not an autopar.plan.plan/1 file")
 
 
 @pytest.mark.parametrize(
@@ -568,7 +569,7 @@ def test_search_reports_progress_on_stderr(tmp_path):
     """A search that takes more than a moment shows its phase and elapsed time."""
     r = run(
         "search",
-        "autopar/examples.py:gpt_small",
+        "autopar/examples/examples.py:gpt_small",
         "--mesh",
         "data=2,model=4",
         "--engine",
@@ -588,7 +589,7 @@ def test_search_with_pipeline_remat_and_precision(tmp_path):
     out = ok(
         run(
             "search",
-            "autopar/examples.py:gpt_scan_small",
+            "autopar/examples/examples.py:gpt_scan_small",
             "--mesh",
             "stage=2,data=2,model=2",
             "--cluster",
@@ -614,6 +615,11 @@ def test_search_with_pipeline_remat_and_precision(tmp_path):
     assert plan["pipeline"]["fused"][0]["head"]
     assert (plan["remat"], plan["precision"]) == ("full", "bfloat16")
     bad = run(
-        "search", "autopar/examples.py:gpt_scan_small", "--mesh", "8", "--pipeline-stages", "x"
+        "search",
+        "autopar/examples/examples.py:gpt_scan_small",
+        "--mesh",
+        "8",
+        "--pipeline-stages",
+        "x",
     )
     assert bad.returncode == 2 and "a stage count or 'auto'" in bad.stderr

@@ -13,11 +13,11 @@ import pytest
 from helpers import bad_input, ok, run_cli
 
 import cost_models
-from autopar import render
-from autopar.plan import Plan
+from autopar.plan.plan import Plan
+from autopar.tools import render
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT = "autopar/examples.py:gpt_small"
+GPT = "autopar/examples/examples.py:gpt_small"
 
 
 def run(*args: str, **kw):
@@ -72,7 +72,7 @@ def test_render_bad_input(small_plan, tmp_path, capsys):
     assert "not valid JSON" in in_process(capsys, "render", str(broken))
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"format": "something/9"}))
-    assert "autopar.plan/1" in in_process(capsys, "render", str(other))
+    assert "autopar.plan.plan/1" in in_process(capsys, "render", str(other))
     line = in_process(capsys, "render", str(small_plan), "--out", str(tmp_path / "x.jpg"))
     assert ".png, .svg" in line
     line = in_process(capsys, "render", str(small_plan), "-o", str(tmp_path / "no" / "x.png"))
@@ -125,7 +125,7 @@ def test_calibrate_bad_input(tmp_path, capsys):
 
 
 def test_fit_alpha_beta_recovers_a_line():
-    from autopar.calibrate import fit_alpha_beta
+    from autopar.cost.calibrate import fit_alpha_beta
 
     alpha, beta = 20e-6, 5e9
     xs = [1e3, 1e5, 1e6, 1e7, 1e8]

@@ -12,9 +12,9 @@ import pytest
 from helpers import assert_trees_close, is_sharded, replay_from_file
 
 import autopar
-from autopar.capture import capture
-from autopar.hlo import parse_collectives
-from autopar.precision import describe, graph_fn, mixed_precision
+from autopar.ir.capture import capture
+from autopar.passes.precision import describe, graph_fn, mixed_precision
+from autopar.tools.hlo import parse_collectives
 
 MESH = {"data": 4, "model": 2}
 CLUSTER = "cpu"  # on a GPU profile these small shapes would (rightly) stay replicated

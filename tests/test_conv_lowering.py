@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar.hlo import parse_collectives
 from autopar.meshes import make_mesh
+from autopar.tools.hlo import parse_collectives
 
 MESH = {"data": 2, "model": 2}
 X = jax.ShapeDtypeStruct((32, 16, 16, 128), jnp.bfloat16)

@@ -293,8 +293,8 @@ def random_plan(fn, args, mesh: dict[str, int], seed: int):
     time one that passes a partial sum through when the op has such variants."""
     import cost_models
     from autopar.api import make_plan
-    from autopar.capture import capture
-    from autopar.cost import CostModel
+    from autopar.cost.model import CostModel
+    from autopar.ir.capture import capture
     from autopar.lower.jit import jit_from_plan
     from autopar.meshes import make_mesh
     from autopar.search import SearchResult
@@ -305,7 +305,7 @@ def random_plan(fn, args, mesh: dict[str, int], seed: int):
     jmesh = make_mesh(mesh)
     profile = cost_models.load("h100-sxm")
     graph = capture(fn, args, (), jmesh)  # as parallelize does: under the mesh
-    info = mesh_info(jmesh, profile)
+    info = mesh_info(jmesh, profile.devices_per_node)
     problem = build_problem(graph, info, CostModel(profile, info))
     rng = np.random.default_rng(seed)
     choice = []

@@ -1,4 +1,4 @@
-"""Tests for autopar.hlo: collectives read from compiled HLO text.
+"""Tests for autopar.tools.hlo: collectives read from compiled HLO text.
 
 Real programs are compiled on 8 simulated CPU devices (tests/conftest.py sets XLA_FLAGS).
 """
@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from autopar.hlo import (
+from autopar.tools.hlo import (
     HloCollective,
     parse_collectives,
     parse_replica_groups,

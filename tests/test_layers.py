@@ -9,14 +9,14 @@ from helpers import assert_trees_close
 
 import autopar
 import cost_models
-from autopar.capture import capture
-from autopar.cost import CostModel
-from autopar.models import gpt
+from autopar.cost.model import CostModel
+from autopar.examples.models import gpt
+from autopar.ir.capture import capture
 from autopar.search import layers as LY
 from autopar.search import search
-from autopar.search.costgraph import CostGraph
-from autopar.search.dp import solve_dp
 from autopar.search.problem import build_problem
+from autopar.search.solvers.costgraph import CostGraph
+from autopar.search.solvers.dp import solve_dp
 from autopar.sharding import MeshInfo
 
 MESH = {"data": 2, "model": 2}

@@ -1,4 +1,4 @@
-"""Tests for the example models in ``autopar.models``."""
+"""Tests for the example models in ``autopar.examples.models``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
-from autopar.models import cnn, embedding, gpt, mlp
-from autopar.models.common import TrainStep, abstract
+from autopar.examples.models import cnn, embedding, gpt, mlp
+from autopar.examples.models.common import TrainStep, abstract
 
 MODELS = [
     pytest.param(gpt, gpt.GPTConfig(), id="gpt"),

@@ -18,9 +18,9 @@ from helpers import assert_trees_close, is_sharded, run_steps, shard_shape, spec
 from jax.sharding import NamedSharding
 
 import autopar
-from autopar.hlo import parse_collectives
+from autopar.examples.models import cnn, embedding, gpt, mlp
 from autopar.meshes import make_mesh
-from autopar.models import cnn, embedding, gpt, mlp
+from autopar.tools.hlo import parse_collectives
 
 STEPS = 3
 LEARNING_RATE = 1e-2
@@ -353,12 +353,12 @@ def test_compiled_collectives_match_plan(mesh, fn, engine):
 
 def test_all_to_all_priced_at_the_per_device_buffer():
     """Moving an 8-way split from dim 0 to dim 1 exchanges each device's 1/8 block."""
-    from autopar.cost import CostModel
-    from autopar.ir import TensorType
+    from autopar.cost.model import CostModel
+    from autopar.ir.graph import TensorType
     from autopar.sharding import Spec, mesh_info
 
     step = autopar.parallelize(_mlp_loss, mesh={"data": 2, "model": 4})
-    cost = CostModel(step.profile, mesh_info(step.mesh, step.profile))
+    cost = CostModel(step.profile, mesh_info(step.mesh, step.profile.devices_per_node))
     t = TensorType((256, 1024), np.dtype(np.float32))
     src = Spec((("data", "model"), ()))
     dst = Spec(((), ("data", "model")))
@@ -392,8 +392,8 @@ def test_moves_out_of_several_dims_go_one_axis_at_a_time():
     gathers the whole value ("involuntary full rematerialization"); the lowering slices
     `stage`, then moves `data`, then `model`, each an all-to-all of 1/8 blocks, as
     priced. (A 1F1B pipeline's activations took such a reshard after the loop.)"""
-    from autopar.cost import CostModel
-    from autopar.ir import TensorType
+    from autopar.cost.model import CostModel
+    from autopar.ir.graph import TensorType
     from autopar.sharding import Spec, mesh_info
 
     P = jax.sharding.PartitionSpec
@@ -415,7 +415,7 @@ def test_moves_out_of_several_dims_go_one_axis_at_a_time():
         [("all-to-all", ("data",)), ("all-to-all", ("model",))] * 2 + [("all-gather", ("stage",))]
     ), found
 
-    cost = CostModel(step.profile, mesh_info(step.mesh, step.profile))
+    cost = CostModel(step.profile, mesh_info(step.mesh, step.profile.devices_per_node))
     src, dst = Spec((("model",), ("data",), ())), Spec.from_pspec(want, 3)
     assert [str(s) for s in src.move_steps(dst)] == [
         "S[model]S[data]S[stage]",

@@ -9,8 +9,8 @@ import math
 
 import cost_models
 from autopar import examples
-from autopar.capture import capture
-from autopar.cost import CostModel
+from autopar.cost.model import CostModel
+from autopar.ir.capture import capture
 from autopar.meshes import make_mesh
 from autopar.search import search
 from autopar.search.evaluate import total_time
@@ -24,7 +24,7 @@ TARGETS = {"dp": 1.01, "recursive": 1.10}
 def ratios(workload) -> dict[str, float]:
     """Each engine's search objective over the ILP optimum, on one problem."""
     profile = cost_models.load("h100-sxm")
-    info = mesh_info(make_mesh(MESH), profile)
+    info = mesh_info(make_mesh(MESH), profile.devices_per_node)
     graph = capture(workload.fn, workload.args)
     problem = build_problem(graph, info, CostModel(profile, info))
     ilp = search(problem, "ilp", math.inf)

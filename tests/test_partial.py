@@ -11,12 +11,12 @@ from helpers import assert_trees_close
 
 import autopar
 import cost_models
-from autopar.cost import CostModel
-from autopar.hlo import parse_collectives
-from autopar.ir import TensorType
+from autopar.cost.model import CostModel
+from autopar.examples.models import gpt
+from autopar.ir.graph import TensorType
 from autopar.meshes import make_mesh
-from autopar.models import gpt
 from autopar.sharding import Spec, mesh_info
+from autopar.tools.hlo import parse_collectives
 
 MEGATRON = {"w1": jax.P(None, "model"), "w2": jax.P("model", None)}
 
@@ -52,7 +52,7 @@ def test_passed_through_sum_is_exact():
 
 def test_partial_destination_costs_the_sum_then_splits_free():
     profile = cost_models.load("h100-sxm")
-    info = mesh_info(make_mesh({"data": 2, "model": 4}), profile)
+    info = mesh_info(make_mesh({"data": 2, "model": 4}), profile.devices_per_node)
     cm = CostModel(profile, info)
     t = TensorType((64, 64), np.dtype(np.float32))
     p_model = Spec(((), ()), ("model",))

@@ -14,7 +14,7 @@ from helpers import assert_trees_close, replay_from_file, run_steps
 
 import autopar
 from autopar.errors import MeshError
-from autopar.models import gpt
+from autopar.examples.models import gpt
 
 MESH = {"stage": 2, "data": 2, "model": 2}
 CLUSTER = "cpu"
@@ -277,7 +277,7 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch):
 @pytest.mark.slow  # the pipelined lowering is tested above; this is the demo's wiring
 def test_demo_runs_pipelined(capsys):
     """`autopar demo --pipeline-stages 2` trains the demo GPT as a pipeline, like jax.jit."""
-    from autopar import demo
+    from autopar.examples import demo
 
     assert (
         demo.main(["--mesh", "stage=2,data=2,model=2", "--pipeline-stages", "2", "--steps", "2"])

@@ -1,4 +1,4 @@
-"""Mixed precision (`autopar.precision`): bfloat16 or float16 contractions, float32 master weights."""
+"""Mixed precision (`autopar.passes.precision`): bfloat16 or float16 contractions, float32 master weights."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from jax.sharding import Mesh
 
 import cost_models
 from autopar.api import make_plan
-from autopar.capture import capture
-from autopar.cost import CostModel, compute_dtype, node_flops
-from autopar.ir import Graph, check_graph
+from autopar.cost.model import CostModel, compute_dtype, node_flops
+from autopar.examples.models import gpt, mlp
+from autopar.examples.models.common import simple_train_step
+from autopar.ir.capture import capture
+from autopar.ir.graph import Graph, check_graph
 from autopar.lower.jit import jit_from_plan
-from autopar.models import gpt, mlp
-from autopar.models.common import simple_train_step
-from autopar.precision import (
+from autopar.passes.precision import (
     CONTRACTIONS,
     describe,
     graph_fn,
@@ -99,7 +99,7 @@ def lowered(graph: Graph, flat_args):
     """Run `graph` through autopar's lowering under a one-device (replicated) plan."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     profile = cost_models.load("cpu")
-    info = mesh_info(mesh, profile)
+    info = mesh_info(mesh, profile.devices_per_node)
     problem = build_problem(graph, info, CostModel(profile, info))
     plan = make_plan(problem, search(problem, "data", float("inf")), profile, mesh)
     return jit_from_plan(graph, plan, mesh)(*flat_args)
@@ -241,7 +241,7 @@ def h100_cost() -> CostModel:
     profile = cost_models.load("h100-sxm")
     assert profile.flops_for(BF16) > 10 * profile.flops_for(F32)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    return CostModel(profile, mesh_info(mesh, profile))
+    return CostModel(profile, mesh_info(mesh, profile.devices_per_node))
 
 
 def test_cost_prices_bf16_dots_at_bf16_rate(mlp_case):
@@ -344,7 +344,7 @@ def test_parallelize_trains_in_low_precision_and_records_it(tmp_path, precision,
     """`parallelize(precision=...)`: a sharded GPT step with bf16 or fp16 contractions
     follows the f32 single-device step to that precision, and the plan file replays."""
     import autopar
-    from autopar.models import gpt
+    from autopar.examples.models import gpt
 
     cfg = gpt.GPTConfig(hidden=64, heads=4, seq=32, vocab=256, layers=2)
     ts = gpt.make_train_step(cfg)

@@ -1,4 +1,4 @@
-"""Rematerialization (`autopar.remat`): a scanned layer loop's residuals recomputed
+"""Rematerialization (`autopar.passes.remat`): a scanned layer loop's residuals recomputed
 in the backward scan instead of stored by the forward one."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from jax.sharding import Mesh
 
 import cost_models
 from autopar.api import make_plan
-from autopar.capture import capture
-from autopar.cost import CostModel
-from autopar.ir import Graph, check_graph
+from autopar.cost.model import CostModel
+from autopar.examples.models import gpt
+from autopar.ir.capture import capture
+from autopar.ir.graph import Graph, check_graph
 from autopar.lower.jit import jit_from_plan
-from autopar.models import gpt
-from autopar.precision import graph_fn
-from autopar.remat import (
+from autopar.passes.precision import graph_fn
+from autopar.passes.remat import (
     POLICIES,
     SAVEABLE,
     Layout,
@@ -48,7 +48,7 @@ def lowered(graph: Graph, flat_args, devices: int, engine: str):
     shape = {1: (1, 1), 8: (4, 2)}[devices]
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(shape), ("data", "model"))
     profile = cost_models.load("cpu")
-    info = mesh_info(mesh, profile)
+    info = mesh_info(mesh, profile.devices_per_node)
     problem = build_problem(graph, info, CostModel(profile, info))
     plan = make_plan(problem, search(problem, engine, float("inf")), profile, mesh)
     return jit_from_plan(graph, plan, mesh)(*flat_args)

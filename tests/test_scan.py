@@ -10,8 +10,8 @@ from helpers import assert_trees_close
 from test_cli import SCHEMA, check_schema
 
 import autopar
-from autopar.capture import capture
-from autopar.models import gpt
+from autopar.examples.models import gpt
+from autopar.ir.capture import capture
 
 MESH = {"data": 2, "model": 4}
 

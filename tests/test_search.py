@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
-from autopar.models import gpt
+from autopar.examples.models import gpt
 
 ENGINES = ["recursive", "dp", "ilp", "data", "fsdp", "propagate"]
 
@@ -82,7 +82,7 @@ def test_plan_files_are_byte_identical(tmp_path):
         paths.append(tmp_path / f"p{i}.json")
         step.plan(*abstract).save(paths[-1])
     assert paths[0].read_bytes() == paths[1].read_bytes()
-    assert json.loads(paths[0].read_text())["format"] == "autopar.plan/1"
+    assert json.loads(paths[0].read_text())["format"] == "autopar.plan.plan/1"
 
 
 def test_exact_engines_agree_and_beat_the_greedy_ones():
@@ -128,13 +128,13 @@ def _problem(fn, args, mesh):
     from jax.sharding import AbstractMesh
 
     import cost_models
-    from autopar.capture import capture
-    from autopar.cost import CostModel
+    from autopar.cost.model import CostModel
+    from autopar.ir.capture import capture
     from autopar.search.problem import build_problem
     from autopar.sharding import mesh_info
 
     profile = cost_models.load("cpu")
-    info = mesh_info(AbstractMesh(tuple(mesh.values()), tuple(mesh)), profile)
+    info = mesh_info(AbstractMesh(tuple(mesh.values()), tuple(mesh)), profile.devices_per_node)
     return build_problem(capture(fn, args), info, CostModel(profile, info))
 
 
@@ -242,8 +242,8 @@ def test_polish_sums_the_classifier_gradient_in_the_combined_all_reduce(monkeypa
     all-reduces combined, summing it there costs only its bytes. The polish finds that,
     and the compiled program has no all-gather left."""
     import autopar.search as search_pkg
-    from autopar.hlo import parse_collectives
-    from autopar.models import vit
+    from autopar.examples.models import vit
+    from autopar.tools.hlo import parse_collectives
 
     cfg = vit.ViTConfig(
         image=224, patch=16, hidden=768, layers=2, heads=12, mlp=3072, classes=1000,

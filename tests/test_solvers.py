@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from autopar.search.costgraph import CostGraph
-from autopar.search.dp import solve_dp
-from autopar.search.ilp import solve_ilp
+from autopar.search.solvers.costgraph import CostGraph
+from autopar.search.solvers.dp import solve_dp
+from autopar.search.solvers.ilp import solve_ilp
 
 RTOL = 1e-9
 

@@ -1,4 +1,4 @@
-"""autopar.search.stages: the stage DP against brute force, the memory budget's
+"""benchmarks.stages: the stage DP against brute force, the memory budget's
 effect on the choices, determinism, and pricing a tiny GPT's pieces."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import cost_models
-from autopar.models import gpt
-from autopar.search import stages as PL
+from autopar.examples.models import gpt
 from benchmarks import baselines
+from benchmarks import stages as PL
 
 
 def _compositions(total: int, parts: int):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import autopar
-from autopar.models import moe, vit
-from autopar.models import wide_resnet as wrn
+from autopar.examples.models import moe, vit
+from autopar.examples.models import wide_resnet as wrn
 
 STEPS = 2
 MESH = {"data": 2, "model": 4}

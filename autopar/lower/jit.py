@@ -22,19 +22,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.ir import Graph, Node
+from autopar.ir.graph import Graph, Node
+from autopar.ir.ops import CONTRACTIONS
 from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
-from autopar.pipeline import Fused, PipelinedScans
-from autopar.plan import BodyRecord, Plan
-from autopar.precision import upcast_operands
-from autopar.search.evaluate import settle_partials
+from autopar.passes.pipeline import Fused, PipelinedScans
+from autopar.passes.precision import upcast_operands
+from autopar.plan.plan import BodyRecord, Plan
 from autopar.sharding import Spec
 from autopar.strategies.linear import LOCAL_OPS
+from autopar.strategies.settle import settle_partials
 
 # Contractions run per device exactly as planned, in `shard_map`: left to XLA's
 # partitioner, one may be split its own way (e.g. a GPT's output-embedding gradient
 # all-gathered a 3.2 GB operand where the plan sums a 200 MB result).
-EXACT_OPS = frozenset({"dot_general", "conv_general_dilated"})
+EXACT_OPS = CONTRACTIONS
 
 
 def interpret(

@@ -35,22 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from autopar.ir import Graph, Node
-from autopar.pipeline import SAME, SUM, Fused, Label, ScanLabels
-
-
-def cut(x, dim: int, m: int, lead: int = 0):
-    """[.., B, ..] -> micro-batches stacked at position `lead`: [.., M, .., B/M, ..]."""
-    shape = x.shape
-    x = x.reshape(*shape[:dim], shape[dim] // m, m, *shape[dim + 1 :])
-    return jnp.moveaxis(x, dim + 1, lead)
-
-
-def uncut(x, dim: int, lead: int = 0):
-    """Inverse of `cut`: `dim` indexes the array once the micro-batch dim is removed."""
-    x = jnp.moveaxis(x, lead, dim + 1)
-    shape = x.shape
-    return x.reshape(*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2 :])
+from autopar.ir.graph import Graph, Node
+from autopar.passes.microbatch import cut, uncut
+from autopar.passes.pipeline import SAME, SUM, Fused, Label, ScanLabels
 
 
 def _at(x, lab: Label, mc, xs: bool):

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from autopar.cost.model import Cost
 from autopar.errors import MemoryBudgetError, format_bytes
-from autopar.progress import log
 from autopar.search import engines
-from autopar.search.evaluate import Cost, evaluate
+from autopar.search.evaluate import evaluate
 from autopar.search.polish import polish
 from autopar.search.problem import Problem
+
+log = logging.getLogger("autopar")  # shown by `autopar.tools.progress`
 
 # What the exact solvers prove, by engine name, for the plan file (`search_info`).
 SolverInfo = dict[str, object]
 
 
 def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
-    from autopar.search.dp import _forest_descent
     from autopar.search.layers import solve_dp_layered  # repeated layers solved once
+    from autopar.search.solvers.dp import _forest_descent
 
     g = _pin(problem, pinned)
     sol = solve_dp_layered(problem, g, pinned)
@@ -37,7 +40,7 @@ def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[i
 
 
 def _ilp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
-    from autopar.search.ilp import solve_ilp
+    from autopar.search.solvers.ilp import solve_ilp
 
     warm = engines.recursive(problem, pinned)
     sol = solve_ilp(_pin(problem, pinned), time_limit=ILP_TIME_LIMIT_S, warm_start=warm)

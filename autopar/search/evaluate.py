@@ -3,50 +3,15 @@ communication, collectives by mesh axis and kind, and per-device peak memory."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.cost import FUSED_OPS, Collective
-from autopar.ir import Graph
+from autopar.cost.model import FUSED_OPS, Collective, Cost
+from autopar.ir.graph import Graph
 from autopar.search.problem import Problem
 from autopar.sharding import Spec
-
-
-@dataclass(frozen=True)
-class Cost:
-    compute_s: float
-    comm_s: float
-    peak_memory_bytes: int
-    argument_bytes: int
-    comm_bytes: dict[str, int] = field(default_factory=dict)  # "kind@axes" -> bytes
-
-    @property
-    def step_s(self) -> float:
-        """No-overlap step time: compute plus communication."""
-        return self.compute_s + self.comm_s
-
-    def to_json(self) -> dict:
-        return {
-            "compute_s": self.compute_s,
-            "comm_s": self.comm_s,
-            "step_s": self.step_s,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "argument_bytes": self.argument_bytes,
-            "comm_bytes": dict(sorted(self.comm_bytes.items())),
-        }
-
-    @staticmethod
-    def from_json(d: dict) -> Cost:
-        return Cost(
-            d["compute_s"],
-            d["comm_s"],
-            int(d["peak_memory_bytes"]),
-            int(d.get("argument_bytes", 0)),
-            dict(d.get("comm_bytes", {})),
-        )
+from autopar.strategies.settle import settle_partials
 
 
 def total_time(problem: Problem, choice: Sequence[int]) -> float:
@@ -196,33 +161,6 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
         by[key] = by.get(key, 0) + c.bytes
     peak, args = peak_memory(problem, choice)
     return Cost(compute, comm, peak, args, by)
-
-
-def settle_partials(
-    graph: Graph,
-    op_in_specs: Sequence[Sequence[Spec]],
-    op_out_specs: Sequence[Sequence[Spec]],
-    output_specs: Sequence[Spec],
-) -> dict[int, Spec]:
-    """Where the lowering sums each partial value: right where it is produced, into
-    the spec most of its uses want (the first such use on a tie). A partial sum cannot
-    be written as a sharding constraint, and left unconstrained XLA may partition the
-    producing contraction its own way; summing at once also frees the full-size
-    partial (e.g. a weight gradient before its reduce-scatter). A value some use takes
-    as the same partial sum (a linear op passing it through) stays partial: its
-    settled spec is its own. value id -> spec."""
-    wants: dict[int, Counter[Spec]] = {}
-    for node, specs in zip(graph.nodes, op_in_specs):
-        for v, sp in zip(dict.fromkeys(node.inputs), specs):
-            wants.setdefault(v, Counter())[sp] += 1
-    for v, sp in zip(graph.outputs, output_specs):
-        wants.setdefault(v, Counter())[sp] += 1
-    out: dict[int, Spec] = {}
-    for node, specs in zip(graph.nodes, op_out_specs):
-        for v, sp in zip(node.outputs, specs):
-            if sp.partial and wants.get(v):
-                out[v] = sp if sp in wants[v] else wants[v].most_common(1)[0][0]
-    return out
 
 
 def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]:

@@ -76,9 +76,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.search.costgraph import CostGraph, Solution
-from autopar.search.dp import solve_dp
 from autopar.search.problem import Problem
+from autopar.search.solvers.costgraph import CostGraph, Solution
+from autopar.search.solvers.dp import solve_dp
 
 __all__ = ["Layers", "find_layers", "quotient", "solve_dp_layered"]
 

@@ -18,12 +18,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from autopar.accumulate import is_accumulation
-from autopar.cost import FUSED_OPS, CostModel, compute_dtype, node_flops
+from autopar.cost.model import FUSED_OPS, CostModel, compute_dtype, node_flops
 from autopar.errors import MemoryBudgetError
-from autopar.ir import Graph, TensorType
-from autopar.pipeline import SUM, Pipeline, PipelinedScans, stage_layers, sub_mesh
-from autopar.search.costgraph import CostGraph
+from autopar.ir.graph import Graph, TensorType
+from autopar.passes.accumulate import is_accumulation
+from autopar.passes.pipeline import SUM, Pipeline, PipelinedScans, stage_layers, sub_mesh
+from autopar.search.solvers.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
 from autopar.strategies import (
     Factor,

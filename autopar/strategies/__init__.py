@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autopar.ir import Graph, Node
+from autopar.ir.graph import Graph, Node
 from autopar.sharding import MeshInfo, Spec
 
 

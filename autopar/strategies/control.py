@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.ir import Graph, Node
+from autopar.ir.graph import Graph, Node
 from autopar.sharding import Spec
 from autopar.strategies import Fixed, register, replicated_rule
 
@@ -21,7 +21,7 @@ def sharding_constraint_rule(node: Node, graph: Graph) -> Fixed:
 @register("while", "cond")
 def control_flow_rule(node: Node, graph: Graph) -> Fixed:
     """`while` runs replicated; so does a `cond` where its branches are not searched
-    (the micro-batch check, `autopar.microbatch`, asks every op's rule)."""
+    (the micro-batch check, `autopar.passes.microbatch`, asks every op's rule)."""
     return replicated_rule(
         node,
         graph,

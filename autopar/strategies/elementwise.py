@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.ir import Graph, Node
+from autopar.ir.graph import Graph, Node
 from autopar.strategies import Factor, FactorRule, register
 
 ELEMENTWISE = [

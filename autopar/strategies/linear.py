@@ -24,7 +24,8 @@ import itertools
 
 import jax.numpy as jnp
 
-from autopar.ir import Graph, Node
+from autopar.ir.graph import Graph, Node
+from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import MeshInfo, Spec
 
 PARTIAL = -1  # `Strategy.assignment` entry: the axis carries a passed-through partial sum
@@ -49,7 +50,7 @@ LINEAR: dict[str, tuple[tuple[int, ...], ...]] = {
     "mul": ((0,), (1,)),
     "div": ((0,),),
 }
-LOCAL_OPS = frozenset(LINEAR) | {"dot_general", "conv_general_dilated"}
+LOCAL_OPS = frozenset(LINEAR) | CONTRACTIONS
 
 
 def _linear_groups(node: Node, graph: Graph) -> tuple[tuple[int, ...], ...]:

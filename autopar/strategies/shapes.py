@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.ir import Graph, Node
+from autopar.ir.graph import Graph, Node
 from autopar.strategies import Factor, FactorRule, register
 
 

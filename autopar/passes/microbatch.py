@@ -8,7 +8,7 @@ registry has a strategy for it that needs no communication on that axis (a whole
 value may be sliced for free); `separate` propagates such strategies through the
 graph. Only sums count as Partial here: a reduction whose pending value is a max
 (`reduce_max` over the batch) mixes micro-batches, except the float16 range
-scales of `autopar.precision`: computed per micro-batch, a scale can only differ
+scales of `autopar.passes.precision`: computed per micro-batch, a scale can only differ
 in which tiny elements it lets reach float16's subnormals, so they run per
 micro-batch.
 """
@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopar.ir import Graph, Node
-from autopar.precision import is_range_scale
+import jax.numpy as jnp
+
+from autopar.ir.graph import Graph, Node
+from autopar.ir.ops import CONTRACTIONS
+from autopar.passes.precision import is_range_scale
 from autopar.sharding import MeshInfo, Spec
 
 AXIS = "mb"
 # ops whose Partial output over a reduced dim is a pending *sum*
-_SUMS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
+_SUMS = CONTRACTIONS | {"reduce_sum"}
 
 
 def virtual_mesh(microbatches: int) -> MeshInfo:
@@ -107,3 +110,17 @@ def separate(
         )
         have.update(zip(node.outputs, best.out_specs))
     return have, first_bad
+
+
+def cut(x, dim: int, m: int, lead: int = 0):
+    """[.., B, ..] -> micro-batches stacked at position `lead`: [.., M, .., B/M, ..]."""
+    shape = x.shape
+    x = x.reshape(*shape[:dim], shape[dim] // m, m, *shape[dim + 1 :])
+    return jnp.moveaxis(x, dim + 1, lead)
+
+
+def uncut(x, dim: int, lead: int = 0):
+    """Inverse of `cut`: `dim` indexes the array once the micro-batch dim is removed."""
+    x = jnp.moveaxis(x, lead, dim + 1)
+    shape = x.shape
+    return x.reshape(*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2 :])

@@ -26,7 +26,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from autopar.search.costgraph import CostGraph, Solution
+from autopar.search.solvers.costgraph import CostGraph, Solution
 
 __all__ = ["solve_ilp"]
 

@@ -22,7 +22,7 @@ minimizing the predicted step time subject to per-device memory <= budget.
 **Per-layer prices** (:class:`LayerCosts`, :func:`price_gpt_layers`) come from autopar's
 own cost model: autopar plans (``engine="dp"``, Megatron tensor-parallel specs pinned on
 the parameters and the batch, :func:`megatron_specs`) of single-layer pieces of
-``autopar.models.gpt`` on the mesh ``{data: 1, model: t}`` at micro-batch ``b``, with
+``autopar.examples.models.gpt`` on the mesh ``{data: 1, model: t}`` at micro-batch ``b``, with
 ``L1`` = one layer and ``L0`` = no layer (embedding, final LayerNorm, logits, loss):
 
 * ``fb_s  = grad(L1) - grad(L0)``, ``fwd_s = fwd(L1) - fwd(L0)`` (full recompute);
@@ -93,7 +93,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from autopar.cost import CostModel
+from autopar.cost.model import CostModel
 from autopar.sharding import MeshInfo
 from cost_models import ClusterProfile
 
@@ -106,7 +106,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 @dataclass(frozen=True)
 class GPTShape:
-    """A GPT (``autopar.models.gpt``) as the stage search sees it; ``batch`` is global."""
+    """A GPT (``autopar.examples.models.gpt``) as the stage search sees it; ``batch`` is global."""
 
     layers: int
     hidden: int
@@ -134,7 +134,7 @@ class GPTShape:
 
     @staticmethod
     def from_args(state: Any, batch: Any, heads: int) -> GPTShape:
-        """From an ``autopar.models.gpt`` train state and batch (arrays or
+        """From an ``autopar.examples.models.gpt`` train state and batch (arrays or
         ShapeDtypeStructs; layers unrolled ``h_<i>`` or stacked under ``nn.scan``).
         ``heads`` is not in the shapes: pass the model's."""
         params = state["params"]
@@ -156,7 +156,7 @@ class GPTShape:
 
     def config(self, layers: int, micro: int):
         """The ``GPTConfig`` of a ``layers``-layer piece at micro-batch ``micro``."""
-        from autopar.models import gpt
+        from autopar.examples.models import gpt
 
         return gpt.GPTConfig(
             vocab=self.vocab,
@@ -203,12 +203,12 @@ def _split(shape: Sequence[int], dim: int, n: int) -> PartitionSpec:
 
 
 def megatron_specs(args: tuple[Any, Any], mesh_shape: dict[str, int]) -> tuple[Any, Any]:
-    """Megatron-LM's tensor-parallel layout of an ``autopar.models.gpt`` train state and
+    """Megatron-LM's tensor-parallel layout of an ``autopar.examples.models.gpt`` train state and
     batch ``args = (state, batch)``: q/k/v/c_fc column-split on ``model``, o/c_proj
     kernels row-split, the token embedding vocab-split, the rest replicated (optimizer
     moments follow their parameter); the batch on ``data``. Returns PartitionSpec pytrees
     (the same layout as ``benchmarks.baselines``' ``megatron``)."""
-    from autopar.capture import path_str
+    from autopar.ir.capture import path_str
 
     state, batch = args
     n = mesh_shape.get("model", 1)
@@ -244,7 +244,7 @@ SpecsFn = Callable[[tuple[Any, Any], dict[str, int]], tuple[Any, Any]]
 
 def _piece_fns(cfg):
     """(train step, loss(params, batch), value_and_grad(params, batch), state, batch)."""
-    from autopar.models import gpt
+    from autopar.examples.models import gpt
 
     ts = gpt.make_train_step(cfg)
     state, batch = gpt.abstract_args(cfg)
@@ -284,7 +284,7 @@ def piece_plans(cfg: Any, tp: int, profile: ClusterProfile, specs: SpecsFn = meg
 @functools.cache
 def attention_core_lines() -> tuple[str, int, int]:
     """(file name, first line, last line) of ``gpt.SelfAttention``'s core: QK^T .. AV."""
-    from autopar.models import gpt
+    from autopar.examples.models import gpt
 
     lines, start = inspect.getsourcelines(gpt.SelfAttention.__call__)
     first = next(i for i, t in enumerate(lines) if '"bqhd,bkhd->bhqk"' in t)
@@ -348,7 +348,7 @@ def residual_bytes(plan, fn: Callable, args: Sequence[Any]) -> tuple[float, floa
     """(all, attention core) bytes per device of the values ``fn = value_and_grad(...)``
     keeps for its backward: produced before the loss and used after it, at the plan's
     output specs (``plan`` is autopar's plan of ``fn`` on ``args``)."""
-    from autopar.capture import capture
+    from autopar.ir.capture import capture
 
     g = capture(fn, args)
     turn = next(n.id for n in g.nodes if g.outputs[0] in n.outputs)
@@ -849,7 +849,7 @@ def search_gpt(
     space: SearchSpace = SearchSpace(),  # noqa: B008 - frozen
     pricer: LayerPricer | None = None,
 ) -> StagePlan:
-    """:func:`search_stages` for an ``autopar.models.gpt`` model, layers priced by
+    """:func:`search_stages` for an ``autopar.examples.models.gpt`` model, layers priced by
     :func:`gpt_pricer` unless ``pricer`` is given (pass one to reuse its cache)."""
     return search_stages(
         pricer or gpt_pricer(shape, profile),

@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from autopar.models.common import (
+from autopar.examples.models.common import (
     Batch,
     PyTree,
     TrainStep,
@@ -118,7 +118,7 @@ class WideResNet(nn.Module):
 
 
 def make_batch(config: WideResNetConfig, seed: int) -> Batch:
-    """Position-dependent images and labels (:func:`autopar.models.common.image_batch`)."""
+    """Position-dependent images and labels (:func:`autopar.examples.models.common.image_batch`)."""
     return image_batch(config, seed)
 
 

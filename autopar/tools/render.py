@@ -3,7 +3,7 @@
 The picture has two parts:
 
 * **Layers** (left): the model's layers in program order, grouped the way
-  `autopar inspect --by layer` groups them (`autopar.inspection.layer_of_path` /
+  `autopar inspect --by layer` groups them (`autopar.tools.inspection.layer_of_path` /
   `layer_of_op`). Each box is filled with the colour of the layer's most common
   contraction strategy and carries a strip coloured by how its parameters are
   split (which mesh axes shard most of their bytes). Consecutive layers whose
@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.errors import AutoparError, format_bytes
-from autopar.inspection import (
+from autopar.plan.plan import Plan, TensorRecord
+from autopar.sharding import Spec
+from autopar.tools.inspection import (
     _LAYER_RE,
     CONTRACTIONS,
     format_seconds,
@@ -39,8 +41,6 @@ from autopar.inspection import (
     local_bytes,
     shape_text,
 )
-from autopar.plan import Plan, TensorRecord
-from autopar.sharding import Spec
 
 FORMATS = ("png", "svg", "pdf")
 MAX_BOXES = 40  # merge similar layers beyond this many boxes

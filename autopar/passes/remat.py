@@ -38,7 +38,7 @@ the function's inputs, outputs and node ids, and appends new values after the
 old ones (a dropped residual's value id is left without a producer). Each
 modified scan's `num_consts` (and `linear`, if present) is resized, its body's
 paths renumbered, and its `jaxpr` retraced from the new body, as
-`autopar.precision` does, so binding the node computes what `Node.body` says.
+`autopar.passes.precision` does, so binding the node computes what `Node.body` says.
 The rewritten forward scan also drops the `ys` nothing reads, and its body the ops
 only dropped values needed.
 
@@ -47,7 +47,7 @@ unchanged); loops captured as `while`; residuals read as a backward *const*
 (the whole stack) rather than per layer. Recomputed ops are assumed pure and
 deterministic (a random op keyed by its inputs is; an effectful one is not).
 `remat_report` prices the change: stored residual bytes before/after and the
-backward FLOPs added (`autopar.cost.node_flops`); `choose_policy` picks the
+backward FLOPs added (`autopar.cost.model.node_flops`); `choose_policy` picks the
 cheapest policy whose residuals fit a byte budget.
 """
 
@@ -59,13 +59,14 @@ from typing import Any
 
 import jax
 
-from autopar.cost import node_flops
+from autopar.cost.model import node_flops
 from autopar.errors import format_bytes
-from autopar.ir import Graph, Node, TensorType, check_graph
-from autopar.precision import graph_fn
+from autopar.ir.graph import Graph, Node, TensorType, check_graph
+from autopar.ir.ops import CONTRACTIONS
+from autopar.passes.precision import graph_fn
 
 POLICIES = ("none", "dots", "selective", "full")  # from most to least memory
-SAVEABLE = frozenset({"dot_general", "conv_general_dilated"})
+SAVEABLE = CONTRACTIONS
 
 
 # --- the scan's interface --------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Example workloads for the command line: `autopar search autopar/examples.py:gpt_small`.
+"""Example workloads for the command line: `autopar search autopar/examples/examples.py:gpt_small`.
 
 Every factory returns an `autopar.Workload` whose arguments are
 `jax.ShapeDtypeStruct`s (from each model's `abstract_args`), so even the
@@ -10,7 +10,7 @@ Small (fast to plan, for tests and trying things out): `gpt_small`, `mlp_small`,
 `cnn_small`, `embedding_small`. GPT suite (the Alpa benchmark shapes, seq 1024,
 vocab 51200, global batch 1024, bfloat16): `gpt_1_3b`, `gpt_2_6b`, `gpt_6_7b`;
 and `gpt3_175b` (GPT-3: 96 layers, hidden 12288, 96 heads, seq 2048, batch 1536).
-`gpt(...)` builds any other GPT: `autopar search 'autopar/examples.py:gpt(hidden=256, layers=4)'`.
+`gpt(...)` builds any other GPT: `autopar search 'autopar/examples/examples.py:gpt(hidden=256, layers=4)'`.
 
 The batch is the global batch of one step: the train step has no gradient
 accumulation or rematerialization, so at the published batch sizes the
@@ -26,7 +26,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from autopar.workload import Workload
+from autopar.tools.workload import Workload
 
 __all__ = [
     "SUITE",
@@ -70,8 +70,8 @@ def gpt(
     name: str = "",
     scan_layers: bool = False,
 ) -> Workload:
-    """A GPT-2 style decoder's AdamW train step (`autopar.models.gpt`)."""
-    from autopar.models import gpt as m
+    """A GPT-2 style decoder's AdamW train step (`autopar.examples.models.gpt`)."""
+    from autopar.examples.models import gpt as m
 
     cfg = m.GPTConfig(
         vocab=vocab,
@@ -137,24 +137,24 @@ def gpt3_175b(batch: int = 1536) -> Workload:
 
 
 def mlp_small() -> Workload:
-    """A 2-hidden-layer MLP regressor (`autopar.models.mlp` defaults)."""
-    from autopar.models import mlp as m
+    """A 2-hidden-layer MLP regressor (`autopar.examples.models.mlp` defaults)."""
+    from autopar.examples.models import mlp as m
 
     cfg = m.MLPConfig()
     return _workload(m, cfg, "mlp_small")
 
 
 def cnn_small() -> Workload:
-    """A 2-conv CNN with batch norm and pooling (`autopar.models.cnn` defaults)."""
-    from autopar.models import cnn as m
+    """A 2-conv CNN with batch norm and pooling (`autopar.examples.models.cnn` defaults)."""
+    from autopar.examples.models import cnn as m
 
     cfg = m.CNNConfig()
     return _workload(m, cfg, "cnn_small")
 
 
 def embedding_small() -> Workload:
-    """An embedding-bag classifier (`autopar.models.embedding` defaults)."""
-    from autopar.models import embedding as m
+    """An embedding-bag classifier (`autopar.examples.models.embedding` defaults)."""
+    from autopar.examples.models import embedding as m
 
     cfg = m.EmbeddingConfig()
     return _workload(m, cfg, "embedding_small")
@@ -188,8 +188,8 @@ def moe(
     dtype: Any = "float32",
     name: str = "",
 ) -> Workload:
-    """A GShard MoE transformer's AdamW train step (`autopar.models.moe`)."""
-    from autopar.models import moe as m
+    """A GShard MoE transformer's AdamW train step (`autopar.examples.models.moe`)."""
+    from autopar.examples.models import moe as m
 
     cfg = m.MoEConfig(
         vocab=vocab,
@@ -246,8 +246,8 @@ def vit(
     dtype: Any = "float32",
     name: str = "",
 ) -> Workload:
-    """A Vision Transformer's AdamW train step (`autopar.models.vit`)."""
-    from autopar.models import vit as m
+    """A Vision Transformer's AdamW train step (`autopar.examples.models.vit`)."""
+    from autopar.examples.models import vit as m
 
     cfg = m.ViTConfig(
         image=image,
@@ -297,8 +297,8 @@ def wide_resnet(
     dtype: Any = "float32",
     name: str = "",
 ) -> Workload:
-    """A Wide-ResNet's AdamW train step (`autopar.models.wide_resnet`)."""
-    from autopar.models import wide_resnet as m
+    """A Wide-ResNet's AdamW train step (`autopar.examples.models.wide_resnet`)."""
+    from autopar.examples.models import wide_resnet as m
 
     cfg = m.WideResNetConfig(
         image=image,
@@ -322,7 +322,7 @@ def wide_resnet_small() -> Workload:
 
 def _alpa_wrn(filters: int, width: int, batch: int, name: str) -> Workload:
     # Alpa's suite: 224x224x3 images, 1024 classes, 50 layers.
-    from autopar.models.wide_resnet import STAGES_50
+    from autopar.examples.models.wide_resnet import STAGES_50
 
     return wide_resnet(filters, width, STAGES_50, 224, 1024, batch, "bfloat16", name)
 

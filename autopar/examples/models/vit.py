@@ -17,7 +17,7 @@ Parameter paths (block ``i``)::
     params/ln_f/{scale,bias}
     params/head/{kernel,bias}            [hidden, classes]
 
-The attention and MLP names match ``autopar.models.gpt`` so the same path rules (e.g. a
+The attention and MLP names match ``autopar.examples.models.gpt`` so the same path rules (e.g. a
 Megatron column/row split) apply to both.
 """
 
@@ -33,8 +33,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from autopar.models import gpt
-from autopar.models.common import Batch, PyTree, TrainStep, abstract_args_of, simple_train_step
+from autopar.examples.models import gpt
+from autopar.examples.models.common import (
+    Batch,
+    PyTree,
+    TrainStep,
+    abstract_args_of,
+    simple_train_step,
+)
 
 _INIT_STD = 0.02
 

@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar import _compat
 from autopar.errors import CaptureError
-from autopar.ir import Graph, Node, TensorType, check_graph
+from autopar.ir import _compat
+from autopar.ir.graph import Graph, Node, TensorType, check_graph
 
 # primitive name -> name of the param that holds the callee jaxpr
 INLINE_CALLS: dict[str, str] = {
@@ -329,7 +329,7 @@ def append_traced(
     """Trace `fn` on the types of values `in_ids` and append its ops to a graph under
     construction (`values`, `nodes` and `consts` are extended in place), each with
     `name_stack` and `source`; the value ids of `fn`'s results. For graph passes
-    that insert small computations (`autopar.precision`'s float16 range scales)."""
+    that insert small computations (`autopar.passes.precision`'s float16 range scales)."""
     closed = _traced(fn, tuple((values[v].shape, values[v].dtype) for v in in_ids))
     b = _Builder()
     b.values, b.nodes, b.consts = values, nodes, consts

@@ -21,7 +21,7 @@ Parameter paths (layer ``i``; odd layers are MoE, even layers dense)::
     params/wte/embedding                 [vocab, hidden]
     params/wpe                           [seq, hidden]
     params/h_i/ln_1/{scale,bias}
-    params/h_i/attn/{q,k,v,o}/{kernel,bias}     (same as autopar.models.gpt)
+    params/h_i/attn/{q,k,v,o}/{kernel,bias}     (same as autopar.examples.models.gpt)
     params/h_i/ln_2/{scale,bias}
     params/h_i/mlp/{c_fc,c_proj}/{kernel,bias}  (dense layers)
     params/h_i/moe/wg                    [hidden, experts]
@@ -42,8 +42,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from autopar.models import gpt
-from autopar.models.common import Batch, PyTree, TrainStep, abstract_args_of, simple_train_step
+from autopar.examples.models import gpt
+from autopar.examples.models.common import (
+    Batch,
+    PyTree,
+    TrainStep,
+    abstract_args_of,
+    simple_train_step,
+)
 
 _INIT_STD = 0.02
 

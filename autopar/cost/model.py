@@ -5,7 +5,7 @@ collective  latency + factor(n) x bytes / (link bw x efficiency), with nccl-test
             bus-bandwidth factors: all-reduce 2(n-1)/n, all-gather, reduce-scatter
             and all-to-all (n-1)/n. `bytes` is the full-size per-device buffer
             (all-reduce: the buffer; all-gather: the result; reduce-scatter: the
-            input; all-to-all: the buffer), the same convention `autopar.hlo` reads.
+            input; all-to-all: the buffer), the same convention `autopar.tools.hlo` reads.
             Several mesh axes at once use the slowest link among them.
 reshard     the collectives that turn one Spec into another (`reshard`).
 """
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 import numpy as np
 
-from autopar.ir import Graph, Node, TensorType
+from autopar.ir.graph import Graph, Node, TensorType
+from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import Axes, MeshInfo, Spec
 from autopar.strategies.elementwise import ELEMENTWISE
 from cost_models import ClusterProfile
@@ -156,7 +157,7 @@ def compute_dtype(node: Node, graph: Graph) -> np.dtype:
     """The dtype a node computes in, which picks its FLOP rate (`flops_for`): for a
     contraction its operands' (bfloat16 operands accumulating into float32 run at the
     bfloat16 rate), else its first result's."""
-    if node.op in ("dot_general", "conv_general_dilated"):
+    if node.op in CONTRACTIONS:
         return np.dtype(jnp.promote_types(*(graph.values[v].dtype for v in node.inputs)))
     return graph.values[node.outputs[0]].dtype if node.outputs else np.dtype(np.float32)
 
@@ -176,3 +177,37 @@ def node_flops(node: Node, graph: Graph) -> float:
         return 2.0 * outs[0].size * rhs.size / max(o, 1) / dilation
     ins = [graph.values[v].size for v in node.inputs]
     return float(max([t.size for t in outs] + ins + [1]))
+
+
+@dataclass(frozen=True)
+class Cost:
+    compute_s: float
+    comm_s: float
+    peak_memory_bytes: int
+    argument_bytes: int
+    comm_bytes: dict[str, int] = field(default_factory=dict)  # "kind@axes" -> bytes
+
+    @property
+    def step_s(self) -> float:
+        """No-overlap step time: compute plus communication."""
+        return self.compute_s + self.comm_s
+
+    def to_json(self) -> dict:
+        return {
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "step_s": self.step_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "argument_bytes": self.argument_bytes,
+            "comm_bytes": dict(sorted(self.comm_bytes.items())),
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> Cost:
+        return Cost(
+            d["compute_s"],
+            d["comm_s"],
+            int(d["peak_memory_bytes"]),
+            int(d.get("argument_bytes", 0)),
+            dict(d.get("comm_bytes", {})),
+        )

@@ -29,7 +29,7 @@ reduction per operand (a scalar all-reduce where `x` is sharded), which the
 search prices like any other op. The reductions are tagged (`RANGE_SCOPE` in
 their name stack) so that micro-batch loops may compute them per micro-batch:
 a micro-batch's scale differs from the whole batch's only in which tiny
-elements reach float16's subnormal range (`autopar.microbatch`).
+elements reach float16's subnormal range (`autopar.passes.microbatch`).
 
 Scan bodies (`Node.body`) and cond branches (`Node.branches`) are converted
 recursively. Their inputs and outputs keep their types, so the node's interface
@@ -49,12 +49,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from autopar.capture import append_traced
-from autopar.cost import node_flops
+from autopar.cost.model import node_flops
 from autopar.errors import format_bytes
-from autopar.ir import Graph, Node, check_graph
+from autopar.ir.capture import append_traced
+from autopar.ir.graph import Graph, Node, check_graph
+from autopar.ir.ops import CONTRACTIONS
 
-CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 MASTER_DTYPE = np.dtype(np.float32)
 F16 = np.dtype(jnp.float16)
 SUPPORTED = (np.dtype(jnp.bfloat16), F16)

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from autopar.search.costgraph import CostGraph, Solution
+from autopar.search.solvers.costgraph import CostGraph, Solution
 
 __all__ = ["solve_dp"]
 

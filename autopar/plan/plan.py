@@ -1,4 +1,4 @@
-"""`autopar.Plan`: the result of a search, and the plan file (`autopar.plan/1`, JSON)."""
+"""`autopar.Plan`: the result of a search, and the plan file (`autopar.plan.plan/1`, JSON)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar.cost.model import Cost
 from autopar.errors import PlanError, format_bytes
-from autopar.ir import Graph
-from autopar.search.evaluate import Cost
+from autopar.ir.graph import Graph
+from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import MeshInfo, Spec
 
-FORMAT = "autopar.plan/1"
+FORMAT = "autopar.plan.plan/1"
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,11 @@ class Plan:
     compiled_memory_bytes: int | None = None  # XLA's figure, when the plan was compiled to check it
     search_info: dict = field(default_factory=dict)  # per engine: optimal, gap (dp / ilp)
     # pipelined scans: stages, microbatches, schedule, axis, and per scan op its key and
-    # the layer range of every stage (`autopar.pipeline`); None when not pipelined
+    # the layer range of every stage (`autopar.passes.pipeline`); None when not pipelined
     pipeline: dict | None = None
-    # "bfloat16": contractions compute in it over float32 master weights (`autopar.precision`)
+    # "bfloat16": contractions compute in it over float32 master weights (`autopar.passes.precision`)
     precision: str | None = None
-    # micro-batches of the gradient accumulation loop (`autopar.accumulate`), or None
+    # micro-batches of the gradient accumulation loop (`autopar.passes.accumulate`), or None
     grad_accumulation: int | None = None
     # the rematerialization policy applied before search ("dots", "selective", "full"), or None
     remat: str | None = None
@@ -378,7 +379,7 @@ class Plan:
         return "\n".join(lines)
 
 
-_SHOWN = ("dot_general", "conv_general_dilated", "gather", "scatter-add")
+_SHOWN = (*sorted(CONTRACTIONS), "gather", "scatter-add")
 
 
 def _op_lines(ops, indent: str) -> list[str]:

@@ -9,7 +9,7 @@ of a few repetitions after a warm-up run that also compiles it):
   and one write of every byte);
 * **collectives**: all-reduce (`psum`), all-gather, reduce-scatter (`psum_scatter`)
   and all-to-all over every mesh axis, in `jax.shard_map`, at a few message sizes.
-  Bytes follow the cost model's convention (`autopar.cost`): the full-size
+  Bytes follow the cost model's convention (`autopar.cost.model`): the full-size
   per-device buffer (all-reduce: the buffer; all-gather: the result;
   reduce-scatter: the input; all-to-all: the buffer).
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.cost import BUS_FACTOR
+from autopar.cost.model import BUS_FACTOR
 from autopar.errors import MeshError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")

@@ -1,6 +1,6 @@
 """`python -m autopar demo` (`make demo`): shard a small GPT over 8 simulated CPU devices.
 
-Builds the GPT from `autopar.models.gpt`, lets `autopar.parallelize` search a sharding
+Builds the GPT from `autopar.examples.models.gpt`, lets `autopar.parallelize` search a sharding
 plan for its AdamW train step on a `data x model` mesh, prints the plan, trains a few
 steps and checks every loss against the single-device `jax.jit` reference.
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_platforms", "cpu")
 
     import autopar
-    from autopar.models import gpt
+    from autopar.examples.models import gpt
     from autopar.search import ENGINES
 
     engines = ("auto", *ENGINES)

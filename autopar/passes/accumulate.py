@@ -1,7 +1,7 @@
 """Gradient accumulation: the batch-dependent part of a step as a loop over micro-batches.
 
 `accumulate(graph, micro, batch_inputs, M)` rewrites a captured step so that
-everything that can run micro-batch by micro-batch (`autopar.microbatch.separate`:
+everything that can run micro-batch by micro-batch (`autopar.passes.microbatch.separate`:
 the forward and backward passes up to the weight gradients) runs in a `scan` over
 `M` micro-batches, and the rest (the optimizer update, anything that needs the
 whole batch) runs once after it on the accumulated values:
@@ -34,10 +34,10 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
-from autopar.capture import capture
 from autopar.errors import MeshError
-from autopar.ir import Graph, Node
-from autopar.microbatch import separate, split_spec
+from autopar.ir.capture import capture
+from autopar.ir.graph import Graph, Node
+from autopar.passes.microbatch import cut, separate, split_spec, uncut
 from autopar.sharding import Spec
 
 SCOPE = "grad_accumulation"  # name scope of the loop, how the search recognizes it
@@ -120,8 +120,6 @@ def accumulate(
 
 
 def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Callable:
-    from autopar.lower.pipeline import cut, uncut
-
     loop_nodes = [n for n in graph.nodes if n.outputs and where[n.outputs[0]] == "loop"]
     consts = {
         v: graph.consts[v] if graph.values[v] == micro.values[v] else c

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from autopar.models.common import (
+from autopar.examples.models.common import (
     Batch,
     PyTree,
     TrainStep,

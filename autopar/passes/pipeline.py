@@ -22,7 +22,7 @@ output (`ScanLabels`):
   over the batch (a weight gradient), accumulated over micro-batches;
 * ``SAME``   a value the batch does not touch (weights, their per-layer slices).
 
-The labels are checked against the body (`_check_separable`, `autopar.microbatch`):
+The labels are checked against the body (`_check_separable`, `autopar.passes.microbatch`):
 every op must run per micro-batch without communication, a batch-free output may only
 come from a *sum* over the batch, and a body with batch statistics inside is refused.
 """
@@ -36,8 +36,8 @@ from typing import Any
 import jax
 
 from autopar.errors import MeshError
-from autopar.ir import Graph, Node, TensorType
-from autopar.microbatch import fits, separate, split_spec, sum_spec
+from autopar.ir.graph import Graph, Node, TensorType
+from autopar.passes.microbatch import fits, separate, split_spec, sum_spec
 from autopar.sharding import MeshInfo, Spec
 
 SUM = "sum"
@@ -232,7 +232,7 @@ def _check_separable(
 ) -> None:
     """Refuse a body that mixes micro-batches (e.g. a batch mean fed back into the
     activations), which would silently compute something else per micro-batch: every
-    op must run per micro-batch (`autopar.microbatch.separate`), and the outputs must
+    op must run per micro-batch (`autopar.passes.microbatch.separate`), and the outputs must
     come out as labelled: batched ones split the same way, sums as Partial sums,
     batch-free ones whole."""
 

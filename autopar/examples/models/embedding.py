@@ -14,7 +14,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from autopar.models.common import Batch, PyTree, TrainStep, abstract_args_of, simple_train_step
+from autopar.examples.models.common import (
+    Batch,
+    PyTree,
+    TrainStep,
+    abstract_args_of,
+    simple_train_step,
+)
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.errors import PlanError, format_bytes
-from autopar.plan import OpRecord, Plan, TensorRecord
+from autopar.ir.ops import CONTRACTIONS
+from autopar.plan.plan import OpRecord, Plan, TensorRecord
 from autopar.sharding import MeshInfo, Spec
 
 # Path components that hold a model's arrays rather than name a part of the model.
 _CONTAINERS = {"params", "opt_state", "batch_stats", "mu", "nu", "count", "state", "inner_state"}
 _LAYER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)*?_?\d+$")
 _PICTURE_CELLS = 16
-CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 
 # ---------------------------------------------------------------------------- formatting

@@ -13,7 +13,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from autopar.models.common import Batch, PyTree, TrainStep, abstract_args_of, simple_train_step
+from autopar.examples.models.common import (
+    Batch,
+    PyTree,
+    TrainStep,
+    abstract_args_of,
+    simple_train_step,
+)
 
 
 @dataclass(frozen=True)
