@@ -6,7 +6,15 @@ Trace a function, search a sharding for every op with a cost model, run it as
 
 from autopar import checkpoint, distributed
 from autopar.api import Parallelized, parallelize
-from autopar.errors import AutoparError, CaptureError, MemoryBudgetError, MeshError, PlanError
+from autopar.errors import (
+    AutoparError,
+    CaptureError,
+    MemoryBudgetError,
+    MeshError,
+    MicrobatchError,
+    PipelineError,
+    PlanError,
+)
 from autopar.meshes import make_mesh
 from autopar.plan.plan import Plan
 from autopar.tools.workload import Workload
@@ -16,7 +24,9 @@ __all__ = [
     "CaptureError",
     "MemoryBudgetError",
     "MeshError",
+    "MicrobatchError",
     "Parallelized",
+    "PipelineError",
     "Plan",
     "PlanError",
     "Workload",

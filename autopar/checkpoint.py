@@ -26,13 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
-from autopar.errors import AutoparError
+from autopar.errors import CheckpointError
 from autopar.ir.capture import path_str
 from autopar.plan.plan import Plan
-
-
-class CheckpointError(AutoparError):
-    """A checkpoint is missing, or does not match the state or shardings asked for."""
 
 
 def _manager(path: str | os.PathLike, *, create: bool, max_to_keep: int | None = None):

@@ -32,14 +32,14 @@ AUTOPAR_DEBUG=1 (or pass --debug) for the traceback instead.
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import re
 import sys
 import time
 
-from autopar.errors import AutoparError, format_bytes
+from autopar.errors import AutoparError, UsageError
+from autopar.tools.verify import one_line
 
 PROG = "autopar"
 THREE_AXES = ("data", "model", "expert")
@@ -61,10 +61,6 @@ _UNITS = {
     "g": 1e9,
     "t": 1e12,
 }
-
-
-class UsageError(AutoparError):
-    """Bad command-line input."""
 
 
 # ---------------------------------------------------------------------------- parsing
@@ -206,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
         "(compute; communication by mesh axis and collective kind; memory), the candidates "
         "the search compared, and warnings.",
     )
-    i.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan.plan/1 JSON)")
+    i.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan/1 JSON)")
     i.add_argument("--format", "-f", choices=formats, default="table")
     i.add_argument("--by", choices=("param", "op", "layer"), default="param")
     i.set_defaults(func=cmd_inspect)
@@ -267,7 +263,7 @@ def _parser() -> argparse.ArgumentParser:
         "most common contraction strategy and by how its parameters are split, and the largest "
         "parameters as rectangles cut into one tile per shard along every sharded dimension.",
     )
-    r.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan.plan/1 JSON)")
+    r.add_argument("plan", metavar="PLAN", help="plan file (autopar.plan/1 JSON)")
     r.add_argument(
         "--out",
         "-o",
@@ -328,19 +324,16 @@ def prepare_backend(num_devices: int) -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def prepare_search_backend(num_devices: int) -> None:
+    """Simulated devices to plan for a `num_devices` mesh: all of them up to
+    MAX_SIMULATED, else 8 (larger meshes are planned on an abstract mesh)."""
+    prepare_backend(num_devices if num_devices <= MAX_SIMULATED else 8)
+
+
 def _load_plan(path: str):
     from autopar.plan.plan import Plan
 
     return Plan.load(path)
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(s.strip() for s in str(e).strip().splitlines() if s.strip())
-    return text or type(e).__name__
-
-
-def _mesh_text(mesh: dict[str, int]) -> str:
-    return " x ".join(f"{a}={s}" for a, s in mesh.items())
 
 
 # ---------------------------------------------------------------------------- commands
@@ -350,7 +343,7 @@ def cmd_search(args) -> int:
     mesh = parse_mesh(args.mesh)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     n = math.prod(mesh.values())
-    prepare_backend(n if n <= MAX_SIMULATED else 8)
+    prepare_search_backend(n)
     import cost_models
 
     profile = cost_models.load(args.cluster)
@@ -412,7 +405,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from autopar.tools.inspection import render_inspect
+    from autopar.tools.inspect import render_inspect
 
     plan = _load_plan(args.plan)
     print(render_inspect(plan, args.format, args.by))
@@ -420,7 +413,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from autopar.tools.inspection import diff_plans, render_diff
+    from autopar.tools.inspect import diff_plans, render_diff
 
     a, b = _load_plan(args.a), _load_plan(args.b)
     print(
@@ -431,180 +424,25 @@ def cmd_diff(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from autopar.tools import inspection as insp
+    from autopar.tools.inspect import explain
 
     plan = _load_plan(args.plan)
-    hits = insp.find_ops(plan, args.op)
-    if len(hits) > 12:
-        raise insp.PlanError(
-            f"{args.op!r} matches {len(hits)} ops; give an op key (see `autopar inspect {args.plan} --by op`)"
-        )
-    dirs = [os.getcwd()]
-    problem = None
-    if args.target:
-        problem, dirs = _rebuild_problem(plan, args.target, dirs)
-    for n, i in enumerate(hits):
-        if n:
-            print()
-        print("\n".join(insp.explain_op(plan, i, dirs, problem.graph if problem else None)))
-        if problem is not None:
-            alts, notes = insp.explain_alternatives(problem, plan, i)
-            print("\n".join(insp.render_alternatives(alts, plan.engine)))
-            for note in notes:
-                print(f"  note: {note}")
-    if problem is None:
-        print("\n(pass --target TARGET to price every alternative strategy for this op)")
+    explain(plan, args.plan, args.op, args.target, prepare_backend=prepare_search_backend)
     return 0
-
-
-def _rebuild_problem(plan, target: str, dirs: list[str]):
-    """Trace TARGET, check it is the plan's function, and rebuild its search problem."""
-    import cost_models
-    from autopar.api import bind_plan
-    from autopar.cost.model import CostModel
-    from autopar.ir.capture import capture
-    from autopar.search.problem import build_problem
-    from autopar.tools.workload import load_target
-
-    wl = load_target(target)
-    kw = {}
-    if "mesh" in inspect.signature(capture).parameters:
-        # Bare PartitionSpecs in the function's own sharding constraints need a mesh.
-        n = plan.mesh.num_devices
-        prepare_backend(n if n <= MAX_SIMULATED else 8)
-        from autopar import make_mesh
-
-        kw["mesh"] = make_mesh(plan.mesh.shape)
-    graph = capture(wl.fn, wl.args, wl.static_argnums, **kw)
-    bind_plan(plan, graph, plan.mesh, None)  # raises PlanError naming what differs
-    profile = cost_models.ClusterProfile.from_dict(plan.cluster)
-    problem = build_problem(graph, plan.mesh, CostModel(profile, plan.mesh))
-    code = getattr(wl.fn, "__code__", None)
-    if code is not None:
-        dirs = [*dirs, os.path.dirname(code.co_filename)]
-    return problem, dirs
 
 
 def cmd_verify(args) -> int:
+    from autopar.tools.verify import verify
+
     plan = _load_plan(args.plan)
-    mesh = plan.mesh.shape
-    n = plan.mesh.num_devices
-    prepare_backend(n)
-    import jax
-
-    have = len(jax.devices())
-    if have < n:
-        raise UsageError(
-            f"verify compiles for all {n} devices of the plan's mesh {_mesh_text(mesh)} but only {have} "
-            f"are available (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}); "
-            f"set XLA_FLAGS=--xla_force_host_platform_device_count={n}"
-        )
-    import autopar
-    import cost_models
-    from autopar.tools.hlo import parse_collectives, summarize
-    from autopar.tools.inspection import comm_key
-    from autopar.tools.workload import load_target
-
-    wl = load_target(args.target)
-    step = autopar.parallelize(
-        wl.fn,
-        mesh=mesh,
-        cluster=cost_models.ClusterProfile.from_dict(plan.cluster),
-        plan=args.plan,
-        static_argnums=wl.static_argnums,
-        donate_argnums=wl.donate_argnums,
+    return verify(
+        plan,
+        args.plan,
+        args.target,
         allow_partial=args.allow_partial,
+        numerics=args.numerics,
+        prepare_backend=prepare_backend,
     )
-    t0 = time.perf_counter()
-    lowered = step.lower(*wl.args)  # PlanError if the plan is not for this function
-    try:
-        compiled = lowered.compile()
-    except Exception as e:  # noqa: BLE001 - a verification failure, reported
-        print(
-            f"{PROG} verify: FAILED: the planned program does not compile: {_one_line(e)}",
-            file=sys.stderr,
-        )
-        return 1
-    seconds = time.perf_counter() - t0
-    colls = parse_collectives(compiled.as_text(), step.mesh)
-    got = summarize(colls)
-    print(
-        f"verify {args.plan} against {wl.name or args.target}: compiled for mesh {_mesh_text(mesh)} "
-        f"on {n} {jax.devices()[0].platform.upper()} devices in {seconds:.1f} s: OK"
-    )
-
-    predicted: dict[tuple[str, tuple[str, ...]], int] = {}
-    for k, b in plan.cost.comm_bytes.items():
-        predicted[comm_key(k)] = predicted.get(comm_key(k), 0) + int(b)
-    compiled_b: dict[tuple[str, tuple[str, ...] | None], int] = dict(got)
-    keys = sorted(set(predicted) | set(compiled_b), key=lambda k: (k[0], k[1] is None, k[1] or ()))
-    rows = []
-    for k in keys:
-        p, c = predicted.get(k), compiled_b.get(k)
-        axes = ",".join(k[1]) if k[1] is not None else "(no mesh axes)"
-        ratio = f"{c / p:.2f}x" if p and c is not None else ""
-        rows.append(
-            (
-                k[0],
-                axes,
-                format_bytes(p) if p is not None else "-",
-                format_bytes(c) if c is not None else "-",
-                ratio,
-            )
-        )
-    print("\ncommunication per step (bytes per device of each collective's full-size side):")
-    head = ("collective", "mesh axes", "predicted", "compiled", "compiled/predicted")
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)
-    ]
-    print("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    if not rows:
-        print("  (no collectives predicted or compiled)")
-    total_p, total_c = sum(predicted.values()), sum(compiled_b.values())
-    print(
-        f"  total: predicted {format_bytes(total_p)}, compiled {format_bytes(total_c)} "
-        f"in {len(colls)} collectives ({sum(c.in_loop for c in colls)} inside loops, counted once)"
-    )
-    by_axes: dict[str, list[int]] = {}
-    for (_, axes), b in predicted.items():
-        by_axes.setdefault(",".join(axes), [0, 0])[0] += b
-    for (_, axes), b in compiled_b.items():
-        by_axes.setdefault(",".join(axes) if axes is not None else "?", [0, 0])[1] += b
-    print(
-        "  by mesh axes (predicted -> compiled): "
-        + ", ".join(
-            f"{a or '-'} {format_bytes(p)} -> {format_bytes(c)}"
-            for a, (p, c) in sorted(by_axes.items())
-        )
-    )
-    print(
-        "  note: XLA's CPU compiler emits an all-reduce (then a slice) where the plan has a "
-        "reduce-scatter; compare totals per mesh axis."
-    )
-
-    ma = compiled.memory_analysis()
-    print("\nmemory per device:")
-    if ma is None:
-        print("  (the compiler reports no memory analysis on this platform)")
-    else:
-        arg, out = int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes)
-        temp, alias = int(ma.temp_size_in_bytes), int(ma.alias_size_in_bytes)
-        total = arg + out + temp - alias
-        c = plan.cost
-        print(
-            f"  predicted peak     {format_bytes(c.peak_memory_bytes)} (arguments {format_bytes(c.argument_bytes)})"
-        )
-        print(
-            f"  compiled           {format_bytes(total)} = arguments {format_bytes(arg)} + outputs {format_bytes(out)} "
-            f"+ temporaries {format_bytes(temp)} - aliased (donated) {format_bytes(alias)}"
-        )
-        if c.peak_memory_bytes:
-            print(f"  compiled/predicted {total / c.peak_memory_bytes:.2f}x")
-    if args.numerics:
-        return _verify_numerics(wl, mesh, args.plan)
-    return 0
 
 
 def cmd_render(args) -> int:
@@ -638,50 +476,6 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-NUMERICS_RTOL = 1e-5  # scalar outputs (losses)
-NUMERICS_GLOBAL_RTOL = 1e-4  # all outputs together: ||sharded - jit|| / ||jit||
-
-
-def _verify_numerics(wl, mesh: dict[str, int], plan_path: str) -> int:
-    """Run the planned program and `jax.jit` on the workload's concrete arguments."""
-    import jax
-    import numpy as np
-
-    import autopar
-
-    if wl.make_args is None:
-        raise UsageError(
-            "--numerics needs concrete arguments: the TARGET's Workload has no make_args"
-        )
-    args = wl.make_args(0)
-    ref = jax.tree.leaves(jax.jit(wl.fn, static_argnums=wl.static_argnums)(*args))
-    # No donation here: the reference and the sharded run read the same arguments.
-    step = autopar.parallelize(wl.fn, mesh=mesh, plan=plan_path, static_argnums=wl.static_argnums)
-    got = jax.tree.leaves(step(*args))
-    num = den = 0.0
-    worst, scalars_ok = (0.0, -1), True
-    print("\nnumerics (the planned program vs jax.jit on make_args(0)):")
-    for k, (a, b) in enumerate(zip(got, ref)):
-        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        d = float(np.max(np.abs(a64 - b64))) if a64.size else 0.0
-        num += float(np.sum((a64 - b64) ** 2))
-        den += float(np.sum(b64**2))
-        worst = max(worst, (d, k))
-        if a64.ndim == 0:
-            same = bool(np.allclose(a64, b64, rtol=NUMERICS_RTOL, atol=0))
-            scalars_ok &= same
-            print(
-                f"  output {k}: {float(a64):.8g} vs {float(b64):.8g} {'ok' if same else 'MISMATCH'}"
-            )
-    rel = (num**0.5) / (den**0.5) if den else num**0.5
-    ok = scalars_ok and rel <= NUMERICS_GLOBAL_RTOL and len(got) == len(ref)
-    print(
-        f"  all {len(ref)} outputs: relative L2 error {rel:.2e} (limit {NUMERICS_GLOBAL_RTOL:g}), "
-        f"largest |difference| {worst[0]:.2e} (output {worst[1]}): {'MATCH' if ok else 'MISMATCH'}"
-    )
-    return 0 if ok else 1
-
-
 COMMANDS = ("search", "inspect", "diff", "explain", "verify", "render", "calibrate", "demo")
 
 
@@ -709,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     except (AutoparError, ValueError, OSError, ImportError) as e:
         if debug:
             raise
-        print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{PROG} {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)

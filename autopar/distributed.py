@@ -29,12 +29,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.errors import AutoparError, PlanError
+from autopar.errors import DistributedError, PlanError
 from autopar.plan.plan import Plan
-
-
-class DistributedError(AutoparError):
-    """The multi-process runtime could not start, or processes disagree."""
 
 
 def initialize(

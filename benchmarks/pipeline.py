@@ -6,7 +6,7 @@ GPT-3 175B (96 layers, hidden 12288, 96 heads, seq 2048, vocab 51200, global bat
 * ``auto``: :func:`benchmarks.stages.search_gpt` over stages, per-stage
   ``data x model`` sub-mesh (tensor parallel inside a node), micro-batch size 1/2/4,
   1F1B / GPipe, per-stage remat none / selective / full and ZeRO 0-3 (the terms and
-  the DP: the module docstring of ``autopar/search/stages.py``);
+  the DP: the module docstrings of ``benchmarks/stages.py`` and ``stage_model.py``);
 * ``megatron``: the Megatron-LM configuration (TP 8 x PP 8 x DP 16, 1F1B, micro-batch
   1, 12 layers per stage, no ZeRO) with full and with selective recompute, priced by the
   same cost model (:func:`benchmarks.stages.evaluate`);
@@ -40,10 +40,11 @@ import jax.numpy as jnp  # noqa: E402
 import autopar  # noqa: E402
 import cost_models  # noqa: E402
 from benchmarks import published  # noqa: E402
+from benchmarks import stage_model as SM  # noqa: E402
 from benchmarks import stages as PL  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GPT3 = PL.GPTShape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, batch=1536)
+GPT3 = SM.GPTShape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, batch=1536)
 DEVICES = 1024
 MEGATRON = PL.Config(
     stages=8, data=16, model=8, micro_batch=1, micro_batches=96, schedule="1f1b", zero=0
@@ -59,7 +60,7 @@ def published_reference() -> dict:
     flops3 = published.megatron_flops(s.batch, s.seq, s.layers, s.hidden, s.vocab)
     step = flops3 / (MEGATRON_TFLOPS * 1e12 * DEVICES)
     k = next(a for a in published.ANCHORS if a.name == "korthikanti-175B")
-    kf = PL.model_flops(k.batch, k.seq, k.layers, k.hidden, k.vocab)
+    kf = SM.model_flops(k.batch, k.seq, k.layers, k.hidden, k.vocab)
     return {
         "megatron_sc21_1024gpu": {
             "tflops_per_gpu_eq3": MEGATRON_TFLOPS,
@@ -115,7 +116,7 @@ def _sweep(pricer, prof) -> list[dict]:
 
 def run(profile_name: str = "a100-80g") -> dict:
     prof = cost_models.load(profile_name)
-    pricer = PL.gpt_pricer(GPT3, prof)
+    pricer = SM.gpt_pricer(GPT3, prof)
     t0 = time.perf_counter()
     auto = PL.search_gpt(GPT3, DEVICES, prof, pricer=pricer)
     cold = time.perf_counter() - t0
@@ -154,7 +155,7 @@ def run(profile_name: str = "a100-80g") -> dict:
     }
     fitted, eff = _fitted_profile(prof)
     if fitted is not None:
-        fpricer = PL.gpt_pricer(GPT3, fitted)
+        fpricer = SM.gpt_pricer(GPT3, fitted)
         fa = PL.search_gpt(GPT3, DEVICES, fitted, pricer=fpricer)
         out["fitted"] = {
             "efficiency": eff,
@@ -199,7 +200,7 @@ def parallelize_auto(
     )
     plan = step.plan(*args)
     seconds = time.perf_counter() - t0
-    flops = PL.model_flops(GPT3.batch, GPT3.seq, GPT3.layers, GPT3.hidden, GPT3.vocab)
+    flops = SM.model_flops(GPT3.batch, GPT3.seq, GPT3.layers, GPT3.hidden, GPT3.vocab)
     peak = cost_models.load(profile_name).flops_for(jnp.bfloat16)
     return {
         "remat": plan.remat or "none",

@@ -10,7 +10,7 @@ from helpers import assert_trees_close, replay_from_file, run_steps
 
 import autopar
 from autopar.api import compiled_memory
-from autopar.errors import AutoparError
+from autopar.errors import MicrobatchError
 from autopar.examples.models import gpt
 
 MESH = {"data": 2, "model": 4}
@@ -83,7 +83,7 @@ def test_plan_file_round_trips_and_replays(tmp_path):
 def test_bad_requests_say_what_to_do():
     ts = gpt.make_train_step(CFG)
     args = gpt.abstract_args(CFG)
-    with pytest.raises(AutoparError, match="divisible by 3"):
+    with pytest.raises(MicrobatchError, match="divisible by 3"):
         autopar.parallelize(ts.step, mesh=MESH, cluster=CLUSTER, grad_accumulation=3).plan(*args)
-    with pytest.raises(AutoparError, match="do not combine"):
+    with pytest.raises(MicrobatchError, match="do not combine"):
         autopar.parallelize(ts.step, mesh=MESH, grad_accumulation=2, pipeline_stages=2)

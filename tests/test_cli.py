@@ -19,7 +19,7 @@ from helpers import bad_input, ok, run_cli
 import autopar
 from autopar import cli
 from autopar.examples import examples
-from autopar.tools import inspection as insp
+from autopar.tools import inspect as insp
 from autopar.tools.workload import TargetError, Workload, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def test_search_writes_a_plan_that_matches_the_schema(plans):
 def test_schema_checker_catches_mistakes(plans):
     d, _ = plans
     plan = json.loads((d / "mlp.json").read_text())
-    plan["format"] = "autopar.plan.plan/2"
+    plan["format"] = "autopar.plan/2"
     del plan["ops"][0]["key"]
     plan["inputs"][0]["spec"] = [3]
     plan["cost"]["comm_bytes"]["teleport@data"] = 1
@@ -450,10 +450,10 @@ def test_corrupted_plan_file(plans, tmp_path):
     p = tmp_path / "cut.json"
     p.write_text((d / "mlp.json").read_text()[:500])
     bad_input(run("inspect", str(p)), "not valid JSON")
-    p.write_text(json.dumps({"format": "autopar.plan.plan/1", "mesh": {}}))
+    p.write_text(json.dumps({"format": "autopar.plan/1", "mesh": {}}))
     bad_input(run("diff", str(p), str(d / "mlp.json")), "malformed")
     p.write_text(json.dumps({"format": "something/else"}))
-    bad_input(run("explain", str(p), "add#0"), "not an autopar.plan.plan/1 file")
+    bad_input(run("explain", str(p), "add#0"), "not an autopar.plan/1 file")
 
 
 @pytest.mark.parametrize(
@@ -516,7 +516,7 @@ def test_parse_bytes():
 
 def test_load_target_forms():
     a = load_target("autopar.examples:mlp_small")
-    b = load_target(str(ROOT / "autopar" / "examples.py") + ":mlp_small")
+    b = load_target(str(ROOT / "autopar" / "examples" / "examples.py") + ":mlp_small")
     assert isinstance(a, Workload) and a.name == b.name == "mlp_small"
     assert a.fn.__code__ is not None and a.donate_argnums == (0,)
     g = load_target("autopar.examples:gpt(hidden=16, layers=1, heads=2, seq=8, vocab=32, batch=4)")

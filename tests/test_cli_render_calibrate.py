@@ -72,7 +72,7 @@ def test_render_bad_input(small_plan, tmp_path, capsys):
     assert "not valid JSON" in in_process(capsys, "render", str(broken))
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"format": "something/9"}))
-    assert "autopar.plan.plan/1" in in_process(capsys, "render", str(other))
+    assert "autopar.plan/1" in in_process(capsys, "render", str(other))
     line = in_process(capsys, "render", str(small_plan), "--out", str(tmp_path / "x.jpg"))
     assert ".png, .svg" in line
     line = in_process(capsys, "render", str(small_plan), "-o", str(tmp_path / "no" / "x.png"))

@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_trees_close, replay_from_file, run_steps
 
 import autopar
-from autopar.errors import MeshError
+from autopar.errors import MicrobatchError, PipelineError
 from autopar.examples.models import gpt
 
 MESH = {"stage": 2, "data": 2, "model": 2}
@@ -139,16 +139,16 @@ def test_microbatch_count_is_chosen_by_the_cost_model():
 def test_bad_pipeline_requests_say_what_to_do():
     ts = gpt.make_train_step(_cfg(scan=False))
     args = gpt.abstract_args(_cfg(scan=False))
-    with pytest.raises(MeshError, match="put the layers under a scan"):
+    with pytest.raises(PipelineError, match="put the layers under a scan"):
         autopar.parallelize(ts.step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2).plan(*args)
-    with pytest.raises(MeshError, match="needs a mesh axis 'stage' of size 2"):
+    with pytest.raises(PipelineError, match="needs a mesh axis 'stage' of size 2"):
         autopar.parallelize(
             ts.step, mesh={"data": 2, "model": 4}, cluster=CLUSTER, pipeline_stages=2
         ).plan(*args)
     scan = gpt.make_train_step(_cfg())
-    with pytest.raises(MeshError, match="pipeline_schedule='zb'"):
+    with pytest.raises(PipelineError, match="pipeline_schedule='zb'"):
         autopar.parallelize(scan.step, mesh=MESH, pipeline_stages=2, pipeline_schedule="zb")
-    with pytest.raises(MeshError, match="does not split into 3 micro-batches"):
+    with pytest.raises(MicrobatchError, match="does not split into 3 micro-batches"):
         autopar.parallelize(
             scan.step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=3
         ).plan(*gpt.abstract_args(_cfg()))
@@ -169,7 +169,7 @@ def test_a_loop_that_mixes_the_batch_is_refused():
     w = jax.ShapeDtypeStruct((4, 16, 16), jnp.float32)
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
     par = autopar.parallelize(step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=2)
-    with pytest.raises(MeshError, match="mixes the batch"):
+    with pytest.raises(PipelineError, match="mixes the batch"):
         par.plan(w, x)
 
 
@@ -192,7 +192,7 @@ def test_a_head_that_mixes_the_batch_falls_back_to_gpipe():
     strict = autopar.parallelize(
         step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, pipeline_schedule="1f1b"
     )
-    with pytest.raises(MeshError, match="1f1b.*cannot run micro-batch by micro-batch"):
+    with pytest.raises(PipelineError, match="1f1b.*cannot run micro-batch by micro-batch"):
         strict.plan(w, x)
     par = autopar.parallelize(step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2)
     assert par.plan(w, x).pipeline["schedule"] == "gpipe"
@@ -234,7 +234,7 @@ def test_auto_stage_count_keeps_the_fastest_plan():
         ts.step, mesh={"stage": 2, "model": 4}, cluster=CLUSTER, pipeline_stages=2
     ).plan(*args)
     assert plan.cost.step_s <= two.cost.step_s
-    with pytest.raises(MeshError, match="device count"):
+    with pytest.raises(PipelineError, match="device count"):
         autopar.parallelize(ts.step, mesh=MESH, pipeline_stages="auto")
 
 
@@ -242,19 +242,19 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch):
     """`search.problem.step_floor` (all FLOPs at the peak rate, a pipeline's fill and
     drain included) is below the price of every (mesh, micro-batch count) tried; on an
     abstract mesh a try whose floor is above the best price found is not searched."""
-    import autopar.api as api
+    import autopar.compile.driver as driver
 
     ts = gpt.make_train_step(_cfg(layers=8))
     args = (jax.eval_shape(ts.init, 0), jax.eval_shape(ts.batch, 0))  # 16 devices: abstract
     floors: dict[tuple, float] = {}
-    real = api.step_floor
+    real = driver.step_floor
 
     def record(graph, devices, profile, pipelined=None):
         f = real(graph, devices, profile, pipelined)
         floors[(pipelined.pipe.stages, pipelined.pipe.microbatches) if pipelined else None] = f
         return f
 
-    monkeypatch.setattr(api, "step_floor", record)
+    monkeypatch.setattr(driver, "step_floor", record)
     plan = autopar.parallelize(ts.step, mesh=16, cluster=CLUSTER, pipeline_stages="auto").plan(
         *args
     )
@@ -267,7 +267,7 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch):
 
     # floors that rule out all but one try: only that one is searched
     count = iter(range(1000))
-    monkeypatch.setattr(api, "step_floor", lambda *a, **k: 0.0 if next(count) == 0 else 1e9)
+    monkeypatch.setattr(driver, "step_floor", lambda *a, **k: 0.0 if next(count) == 0 else 1e9)
     one = autopar.parallelize(ts.step, mesh=16, cluster=CLUSTER, pipeline_stages="auto").plan(*args)
     (skipped,) = [w for w in one.warnings if "tries not searched" in w]
     assert skipped.startswith(f"{len(prices) - 1} of {len(prices)} ")

@@ -82,7 +82,7 @@ def test_plan_files_are_byte_identical(tmp_path):
         paths.append(tmp_path / f"p{i}.json")
         step.plan(*abstract).save(paths[-1])
     assert paths[0].read_bytes() == paths[1].read_bytes()
-    assert json.loads(paths[0].read_text())["format"] == "autopar.plan.plan/1"
+    assert json.loads(paths[0].read_text())["format"] == "autopar.plan/1"
 
 
 def test_exact_engines_agree_and_beat_the_greedy_ones():

@@ -1,4 +1,4 @@
-"""benchmarks.stages: the stage DP against brute force, the memory budget's
+"""benchmarks.stages and .stage_model: the stage DP against brute force, the memory budget's
 effect on the choices, determinism, and pricing a tiny GPT's pieces."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import cost_models
 from autopar.examples.models import gpt
 from benchmarks import baselines
+from benchmarks import stage_model as SM
 from benchmarks import stages as PL
 
 
@@ -63,7 +64,7 @@ def test_stage_dp_equals_brute_force(seed):
 
 
 # A synthetic model: 16 layers, each 1 ms fwd+bwd and 1 GB of kept activations.
-COSTS = PL.LayerCosts(
+COSTS = SM.LayerCosts(
     tp=1,
     micro=1,
     fb_s=3e-3,
@@ -175,7 +176,7 @@ def test_megatron_specs_match_baselines():
     cfg = gpt.GPTConfig(layers=2, hidden=64, heads=4, seq=16, vocab=128, batch_size=4)
     args = gpt.abstract_args(cfg)
     mesh = {"data": 2, "model": 4}
-    ours = PL.megatron_specs(args, mesh)
+    ours = SM.megatron_specs(args, mesh)
     theirs = baselines.specs(baselines.BASELINES["megatron"], args, mesh)
     assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)
     assert jax.tree_util.tree_leaves(ours) == jax.tree_util.tree_leaves(theirs)
@@ -186,13 +187,13 @@ def test_shape_from_args(scan):
     cfg = gpt.GPTConfig(
         layers=3, hidden=64, heads=4, seq=16, vocab=128, batch_size=4, scan_layers=scan
     )
-    assert PL.GPTShape.from_args(*gpt.abstract_args(cfg), heads=4) == PL.GPTShape.from_config(cfg)
+    assert SM.GPTShape.from_args(*gpt.abstract_args(cfg), heads=4) == SM.GPTShape.from_config(cfg)
 
 
 def test_prices_a_tiny_gpt():
     prof = cost_models.load("a100-80g")
-    shape = PL.GPTShape(layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)
-    c = PL.price_gpt_layers(shape, 2, 1, prof)
+    shape = SM.GPTShape(layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=8)
+    c = SM.price_gpt_layers(shape, 2, 1, prof)
     assert c.fb_s > c.fwd_s > c.selective_s > 0 and c.head_fb_s > 0
     assert c.act_bytes > c.core_act_bytes > 0 and c.act_bytes > c.input_bytes
     assert c.param_bytes > 0 and c.opt_bytes == pytest.approx(2 * c.param_bytes, rel=0.01)

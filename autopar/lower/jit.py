@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autopar.ir.eval import bind_node, run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.ir.ops import CONTRACTIONS
 from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
@@ -48,7 +49,12 @@ def interpret(
     """A function of the flat args that computes `graph` under `plan`'s shardings.
     `pin_inputs` constrains the args to their specs on entry (a scan body's, whose
     carry and slices come in however the loop left them). The scans in `pipelined`
-    run as pipelines over its stage axis."""
+    run as pipelines over its stage axis.
+
+    The loop is its own, not `autopar.ir.eval.evaluate`'s: an operand is read in the
+    layout its node's path wants (per device as planned, or whole), a result is laid
+    out as it is made, and a 1F1B region runs its nodes as one unit, out of the
+    captured order. Each node binds through `bind` (`autopar.ir.eval.bind_node`)."""
     in_specs = {v: r.spec for v, r in zip(graph.inputs, plan.inputs)}
     settled = settle_partials(
         graph,
@@ -230,7 +236,6 @@ def interpret(
             else:
                 invals = [read(v, s.without_partial()) for v, s in zip(node.inputs, rec.in_specs)]
                 outs, haves = bind(node, invals, manual=bool(manual)), [None] * len(node.outputs)
-                outs = outs if node.primitive.multiple_results else [outs]
             store(node, outs, haves)
         return tuple(read(v, r.spec) for v, r in zip(graph.outputs, plan.outputs))
 
@@ -298,16 +303,17 @@ def _run_head(fz: Fused, env: dict, specs: dict[int, Spec]) -> dict:
     has it (the plan's specs are free of the stage axis) where its dims divide."""
     mesh = jax.sharding.get_abstract_mesh()
     env = dict(env)
-    for n in fz.micro_nodes:
-        ins = [env[v] if v in env else jnp.asarray(fz.micro_consts[v]) for v in n.inputs]
+
+    def laid_out(n: Node, ins: list) -> list:
         outs = bind(n, ins, manual=True)
-        outs = outs if n.primitive.multiple_results else [outs]
-        for v, x in zip(n.outputs, outs):
+        for i, (v, x) in enumerate(zip(n.outputs, outs)):
             sp = specs.get(v)
             if sp is not None and sp.dims and _divides(x.shape, sp, mesh):
-                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, sp.to_pspec()))
-            env[v] = x
-    return env
+                outs[i] = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, sp.to_pspec()))
+        return outs
+
+    read = lambda v: env[v] if v in env else jnp.asarray(fz.micro_consts[v])
+    return run_nodes(fz.micro_nodes, read, env, laid_out)
 
 
 def _divides(shape, spec: Spec, mesh) -> bool:
@@ -382,8 +388,7 @@ def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals, casts=()) -> l
     def body(*xs):
         xs = [x[0] if s.partial else x for x, s in zip(xs, rec.in_specs)]
         outs = bind(node, xs, local_shapes[0])
-        outs = list(outs) if node.primitive.multiple_results else [outs]
-        cast = [bind(c, [outs[0]], local_shapes[0]) for c in casts]
+        cast = [bind(c, [outs[0]], local_shapes[0])[0] for c in casts]
         return (*(o[None] if s.partial else o for o, s in zip(outs, rec.out_specs)), *cast)
 
     ins = [_stacked(s) if s.partial else s.to_pspec() for s in rec.in_specs]
@@ -392,10 +397,11 @@ def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals, casts=()) -> l
     return list(smap(body, ins, outs)(*invals))
 
 
-def bind(node, invals, local_shape: tuple[int, ...] | None = None, manual: bool = False):
-    """Apply a captured node's primitive, as `jax.core.eval_jaxpr` does; inside
-    `shard_map`, shape parameters are the per-device `local_shape` (or, in a `manual`
-    region whose values keep their global shape, only the traced shardings go)."""
+def bind(node, invals, local_shape: tuple[int, ...] | None = None, manual: bool = False) -> list:
+    """Apply a captured node's primitive (`autopar.ir.eval.bind_node`: its results as a
+    list); inside `shard_map`, shape parameters are the per-device `local_shape` (or, in
+    a `manual` region whose values keep their global shape, only the traced shardings
+    go)."""
     params = dict(node.params)
     if local_shape is not None or manual:
         # Shardings traced under the user's mesh name global layouts; per device there
@@ -409,8 +415,7 @@ def bind(node, invals, local_shape: tuple[int, ...] | None = None, manual: bool 
         params["new_sizes"] = local_shape
     if jax.default_backend() == "cpu":  # no bf16 x bf16 = f32 dot kernel there
         invals = upcast_operands(node, invals)
-    params = node.primitive.get_bind_params(params)
-    return node.primitive.bind(*invals, **params)
+    return bind_node(node, invals, params)
 
 
 def jit_from_plan(

@@ -34,8 +34,9 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
-from autopar.errors import MeshError
+from autopar.errors import MicrobatchError
 from autopar.ir.capture import capture
+from autopar.ir.eval import run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.passes.microbatch import cut, separate, split_spec, uncut
 from autopar.sharding import Spec
@@ -56,7 +57,7 @@ def accumulate(
     if [n.op for n in graph.nodes] != [n.op for n in micro.nodes] or len(graph.values) != len(
         micro.values
     ):
-        raise MeshError(
+        raise MicrobatchError(
             f"{graph.name} is a different computation at the micro-batch size "
             f"({len(graph.nodes)} vs {len(micro.nodes)} ops); gradient accumulation needs a "
             "step whose ops do not depend on the batch size (try fewer micro-batches)"
@@ -97,12 +98,12 @@ def accumulate(
     pieces = [v for v in needed_after if not have[v].partial and have[v].used_axes]
     lost = [v for v in needed_after if v not in sums and v not in pieces]
     if lost:
-        raise MeshError(
+        raise MicrobatchError(
             f"{graph.name}: gradient accumulation cannot hand {graph.values[lost[0]]} from the "
             "micro-batch loop to the rest of the step"
         )
     if not any(where[n.outputs[0]] == "loop" for n in graph.nodes if n.outputs):
-        raise MeshError(f"{graph.name}: nothing in the step depends on the batch arguments")
+        raise MicrobatchError(f"{graph.name}: nothing in the step depends on the batch arguments")
 
     fn = _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have)
     args = [
@@ -120,7 +121,12 @@ def accumulate(
 
 
 def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Callable:
-    loop_nodes = [n for n in graph.nodes if n.outputs and where[n.outputs[0]] == "loop"]
+    pre, loop_nodes, post = (
+        [n for n in graph.nodes if n.outputs and where[n.outputs[0]] == place]
+        for place in ("pre", "loop", "post")
+    )
+    # in the loop, the micro-batch trace's ops (its shape params) make the full trace's values
+    micro_loop = [replace(micro.nodes[n.id], outputs=n.outputs) for n in loop_nodes]
     consts = {
         v: graph.consts[v] if graph.values[v] == micro.values[v] else c
         for v, c in micro.consts.items()
@@ -128,25 +134,17 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
     batched = [graph.inputs[i] for i in sorted(batch_inputs)]
     piece_dim = {v: next(d for d, a in enumerate(have[v].dims) if a) for v in pieces}
 
-    def run(node: Node, read) -> list:
-        params = node.primitive.get_bind_params(dict(node.params))
-        out = node.primitive.bind(*[read(v) for v in node.inputs], **params)
-        return out if node.primitive.multiple_results else [out]
-
     def fn(*flat):
         env: dict[int, object] = dict(zip(graph.inputs, flat))
         read = lambda v: env[v] if v in env else jnp.asarray(graph.consts[v])
-        for node in graph.nodes:
-            if where.get(node.outputs[0] if node.outputs else -1) == "pre":
-                env.update(zip(node.outputs, run(node, read)))
+        run_nodes(pre, read, env)
 
         def step(carry, xs):
             local = dict(zip(batched, xs))
             lread = lambda v: (
                 local[v] if v in local else env[v] if v in env else jnp.asarray(consts[v])
             )
-            for node in loop_nodes:
-                local.update(zip(node.outputs, run(micro.nodes[node.id], lread)))
+            run_nodes(micro_loop, lread, local)
             return [c + local[v] for c, v in zip(carry, sums)], [local[v] for v in pieces]
 
         init = [jnp.zeros(graph.values[v].shape, graph.values[v].dtype) for v in sums]
@@ -154,9 +152,7 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
             total, ys = jax.lax.scan(step, init, [cut(env[v], 0, M) for v in batched])
         env.update(zip(sums, total))
         env.update((v, uncut(y, piece_dim[v])) for v, y in zip(pieces, ys))
-        for node in graph.nodes:
-            if node.outputs and where[node.outputs[0]] == "post":
-                env.update(zip(node.outputs, run(node, read)))
+        run_nodes(post, read, env)
         return [read(v) for v in graph.outputs]
 
     return fn

@@ -35,7 +35,7 @@ from typing import Any
 
 import jax
 
-from autopar.errors import MeshError
+from autopar.errors import MicrobatchError, PipelineError
 from autopar.ir.graph import Graph, Node, TensorType
 from autopar.passes.microbatch import fits, separate, split_spec, sum_spec
 from autopar.sharding import MeshInfo, Spec
@@ -117,17 +117,17 @@ class PipelinedScans:
 
 def check_pipeline(pipe: Pipeline, mesh: MeshInfo) -> None:
     if pipe.schedule not in SCHEDULES:
-        raise MeshError(
+        raise PipelineError(
             f"pipeline schedule {pipe.schedule!r} is not implemented; choose one of {SCHEDULES}"
         )
     if pipe.axis not in mesh.axis_names or mesh.size(pipe.axis) != pipe.stages:
-        raise MeshError(
+        raise PipelineError(
             f"pipeline_stages={pipe.stages} needs a mesh axis {pipe.axis!r} of size {pipe.stages}; "
             f"the mesh is {mesh.shape}. Add it, e.g. mesh={{'{pipe.axis}': {pipe.stages}, "
             f"'data': ..., 'model': ...}}"
         )
     if pipe.microbatches < 1:
-        raise MeshError(f"microbatches must be >= 1, got {pipe.microbatches}")
+        raise MicrobatchError(f"microbatches must be >= 1, got {pipe.microbatches}")
 
 
 def pipelined_scans(graph: Graph, pipe: Pipeline) -> tuple[int, ...]:
@@ -167,7 +167,7 @@ def micro_args(
     except the leaves at positions `keep` (state the function returns updated: a stack
     of 8 layers' weights is not a batch of 8)."""
     if batch % microbatches:
-        raise MeshError(
+        raise MicrobatchError(
             f"{fn_name}: the batch of {batch} does not split into {microbatches} micro-batches; "
             "pick a micro-batch count that divides it"
         )
@@ -186,7 +186,7 @@ def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanL
     """Label the loop's inputs and outputs by comparing the two captures' bodies."""
     fb, mb = full.body, micro.body
     if [n.op for n in fb.nodes] != [n.op for n in mb.nodes] or len(fb.values) != len(mb.values):
-        raise MeshError(
+        raise PipelineError(
             f"the scan at {where} is a different computation at the micro-batch size "
             f"({len(fb.nodes)} vs {len(mb.nodes)} ops); pipelining needs a loop body whose "
             "ops do not depend on the batch size"
@@ -199,7 +199,7 @@ def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanL
             return SAME
         if len(a) == len(b) and len(diff) == 1 and a[diff[0]] == b[diff[0]] * microbatches:
             return diff[0]
-        raise MeshError(
+        raise PipelineError(
             f"the scan at {where}: {what} is {list(a)} at the full batch but {list(b)} per "
             f"micro-batch; autopar can only cut the batch along one dim"
         )
@@ -218,7 +218,7 @@ def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanL
     n_c, n_k = full.params["num_consts"], full.params["num_carry"]
     carry_in, carry_out = ins[n_c : n_c + n_k], outs[:n_k]
     if carry_in != carry_out or any(not isinstance(lab, int) for lab in carry_in):
-        raise MeshError(
+        raise PipelineError(
             f"the scan at {where} carries values that are not cut along the batch "
             f"(labels in {carry_in}, out {carry_out}); only a loop whose carry is the batched "
             "activation can be pipelined"
@@ -247,7 +247,7 @@ def _check_separable(
     )
     if bad is not None:
         shown = ", ".join(f"{body.values[v]} {have.get(v, '?')}" for v in bad.inputs)
-        raise MeshError(
+        raise PipelineError(
             f"the scan at {where} cannot run micro-batch by micro-batch: its body's "
             f"{bad.op} at {bad.key} mixes the batch ({shown}); pipelining needs a loop "
             "whose steps treat every example separately (no batch statistics inside)"
@@ -256,7 +256,7 @@ def _check_separable(
         want = spec(v, lab)
         got = have.get(v, Spec.replicated(body.values[v].rank))
         if got != want and not (lab != SUM and fits(want, got)):
-            raise MeshError(
+            raise PipelineError(
                 f"the scan at {where}: a loop output {body.values[v]} comes out {got} per "
                 f"micro-batch where {want} was expected; this loop cannot be pipelined"
             )
@@ -300,7 +300,7 @@ def descendants(graph: Graph, start: int) -> set[int]:
 def fuse(graph: Graph, micro: Graph, scans: Mapping[int, tuple[Graph, ScanLabels]], M: int):
     """The 1F1B regions of `graph`: each forward pipelined loop with the reversed one
     that reads its `ys` (saved activations), and the per-micro-batch ops between them.
-    Raises MeshError, naming the op, where the step does not split that way."""
+    Raises PipelineError, naming the op, where the step does not split that way."""
     out = []
     for f in sorted(scans):
         F = graph.nodes[f]
@@ -315,7 +315,7 @@ def fuse(graph: Graph, micro: Graph, scans: Mapping[int, tuple[Graph, ScanLabels
         if backs:  # else a forward-only loop (no gradient): GPipe it
             out.append(_region(graph, micro, F, graph.nodes[backs[0]], scans[f][1], M))
     if len(out) > 1:
-        raise MeshError(
+        raise PipelineError(
             f"1F1B fuses one forward/backward loop pair; this step has {len(out)}. "
             "Use pipeline_schedule='gpipe'"
         )
@@ -335,7 +335,7 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
 
     def label(v: int) -> Label:
         if v in ys:
-            raise MeshError(
+            raise PipelineError(
                 f"1F1B: the loop at {F.key} hands its saved activations to "
                 f"{graph.nodes[producer[v]].key} as well as to the backward loop; "
                 "use pipeline_schedule='gpipe'"
@@ -348,7 +348,7 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
             return SAME
         if len(diff) == 1 and a[diff[0]] == m[diff[0]] * M:
             return diff[0]
-        raise MeshError(f"1F1B: {graph.values[v]} does not cut into {M} micro-batches")
+        raise PipelineError(f"1F1B: {graph.values[v]} does not cut into {M} micro-batches")
 
     ins = [(v, label(v)) for v in ext]
     specs = [
@@ -368,13 +368,13 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
         if p is None or p not in after_f or p == F.id and v in ys:
             continue
         if p not in head_ids:
-            raise MeshError(
+            raise PipelineError(
                 f"1F1B: the backward loop at {B.key} reads {graph.values[v]} from "
                 f"{graph.nodes[p].key}, which cannot run micro-batch by micro-batch; "
                 "use pipeline_schedule='gpipe'"
             )
         if not n_cb <= i < n_cb + n_kb:
-            raise MeshError(
+            raise PipelineError(
                 f"1F1B: the backward loop at {B.key} reads {graph.values[v]} from the ops "
                 "between the loops other than as its carry; use pipeline_schedule='gpipe'"
             )
@@ -392,7 +392,7 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
             elif sp.used_axes:
                 outs.append((v, next(d for d, a in enumerate(sp.dims) if a)))
             else:
-                raise MeshError(
+                raise PipelineError(
                     f"1F1B: {graph.values[v]} from {n.key} is the same for every "
                     "micro-batch; use pipeline_schedule='gpipe'"
                 )

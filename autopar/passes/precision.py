@@ -52,6 +52,7 @@ from jax import lax
 from autopar.cost.model import node_flops
 from autopar.errors import format_bytes
 from autopar.ir.capture import append_traced
+from autopar.ir.eval import bind_node, retrace
 from autopar.ir.graph import Graph, Node, check_graph
 from autopar.ir.ops import CONTRACTIONS
 
@@ -215,32 +216,23 @@ def _retraced(old, graph: Graph, upcast: bool):
 
 
 def graph_fn(graph: Graph, *, upcast_contractions: bool = False) -> Callable[..., tuple]:
-    """A function of the flat inputs that evaluates `graph` op by op (as
-    `jax.core.eval_jaxpr` does; a scan binds its `jaxpr` param), unsharded.
+    """A function of the flat inputs that evaluates `graph` op by op, unsharded
+    (`autopar.ir.eval.retrace`: a scan binds its `jaxpr` param).
 
     `upcast_contractions` runs converted contractions on float32 copies of their
     operands (`upcast_operands`): the same products, for XLA:CPU, whose unfused dot
     kernel rejects bfloat16 x bfloat16 -> float32."""
+    return retrace(graph, _bind_upcast if upcast_contractions else bind_node)
 
-    def run(*flat_args):
-        env: dict[int, Any] = dict(zip(graph.inputs, flat_args, strict=True))
-        read = lambda v: graph.consts[v] if v in graph.consts else env[v]
-        for node in graph.nodes:
-            params = dict(node.params)
-            if node.body is not None and upcast_contractions:
-                params = _with_body_jaxpr(params, node.body, upcast=True)
-            if node.branches is not None and upcast_contractions:
-                params = _with_branch_jaxprs(params, node.branches, upcast=True)
-            invals = [read(v) for v in node.inputs]
-            if upcast_contractions:
-                invals = upcast_operands(node, invals)
-            params = node.primitive.get_bind_params(params)
-            outs = node.primitive.bind(*invals, **params)
-            outs = outs if node.primitive.multiple_results else [outs]
-            env.update(zip(node.outputs, outs, strict=True))
-        return tuple(read(v) for v in graph.outputs)
 
-    return run
+def _bind_upcast(node: Node, invals: list) -> list:
+    """`node` bound on `upcast_operands`, its scan body (cond branches) retraced so."""
+    params = dict(node.params)
+    if node.body is not None:
+        params = _with_body_jaxpr(params, node.body, upcast=True)
+    if node.branches is not None:
+        params = _with_branch_jaxprs(params, node.branches, upcast=True)
+    return bind_node(node, upcast_operands(node, invals), params)
 
 
 def upcast_operands(node: Node, invals: list) -> list:

@@ -37,8 +37,8 @@ The result computes the same numbers (the same ops on the same values), keeps
 the function's inputs, outputs and node ids, and appends new values after the
 old ones (a dropped residual's value id is left without a producer). Each
 modified scan's `num_consts` (and `linear`, if present) is resized, its body's
-paths renumbered, and its `jaxpr` retraced from the new body, as
-`autopar.passes.precision` does, so binding the node computes what `Node.body` says.
+paths renumbered, and its `jaxpr` retraced from the new body (`autopar.ir.eval.retrace`,
+as `autopar.passes.precision` does), so binding the node computes what `Node.body` says.
 The rewritten forward scan also drops the `ys` nothing reads, and its body the ops
 only dropped values needed.
 
@@ -61,9 +61,9 @@ import jax
 
 from autopar.cost.model import node_flops
 from autopar.errors import format_bytes
+from autopar.ir.eval import retrace
 from autopar.ir.graph import Graph, Node, TensorType, check_graph
 from autopar.ir.ops import CONTRACTIONS
-from autopar.passes.precision import graph_fn
 
 POLICIES = ("none", "dots", "selective", "full")  # from most to least memory
 SAVEABLE = CONTRACTIONS
@@ -429,7 +429,7 @@ def _retraced(node: Node, body: Graph, weak: Sequence[bool]) -> dict[str, Any]:
         jax.ShapeDtypeStruct(body.values[v].shape, body.values[v].dtype, weak_type=w)
         for v, w in zip(body.inputs, weak, strict=True)
     ]
-    new = jax.make_jaxpr(graph_fn(body))(*args)
+    new = jax.make_jaxpr(retrace(body))(*args)
     got = [(tuple(a.shape), a.dtype) for a in new.out_avals]
     want = [(body.values[v].shape, body.values[v].dtype) for v in body.outputs]
     if got != want:

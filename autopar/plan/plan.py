@@ -1,4 +1,4 @@
-"""`autopar.Plan`: the result of a search, and the plan file (`autopar.plan.plan/1`, JSON)."""
+"""`autopar.Plan`: the result of a search, and the plan file (`autopar.plan/1`, JSON)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from autopar.ir.graph import Graph
 from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import MeshInfo, Spec
 
-FORMAT = "autopar.plan.plan/1"
+FORMAT = "autopar.plan/1"
 
 
 @dataclass(frozen=True)

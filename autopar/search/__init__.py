@@ -1,23 +1,24 @@
-"""Engines and the driver that picks among them under a memory budget."""
+"""Engines and the driver that picks among them under a memory budget.
+
+The driver searches a built `Problem`; it imports neither `search.nested` nor
+`search.problem`, which sit above it (building a problem searches its scan bodies
+and cond branches with this driver)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
 
 from autopar.cost.model import Cost
 from autopar.errors import MemoryBudgetError, format_bytes
 from autopar.search import engines
+from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
 from autopar.search.polish import polish
-from autopar.search.problem import Problem
+from autopar.search.result import SearchResult, SolverInfo
 
 log = logging.getLogger("autopar")  # shown by `autopar.tools.progress`
-
-# What the exact solvers prove, by engine name, for the plan file (`search_info`).
-SolverInfo = dict[str, object]
 
 
 def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
@@ -77,22 +78,6 @@ ENGINES: dict[str, Engine] = {
     "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }
 AUTO_ENGINES = ("recursive", "dp", "data", "fsdp")
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    choice: tuple[int, ...]
-    engine: str  # what produced the choice, e.g. "recursive" or "recursive+zero3"
-    cost: Cost
-    seconds: float
-    candidates: dict[str, Cost]
-    ranked: tuple[tuple[str, tuple[int, ...], Cost], ...] = ()  # every fitting plan, best first
-    solver_info: dict[str, SolverInfo] = field(default_factory=dict)  # optimality / gap per engine
-
-    def pick(self, name: str) -> SearchResult:
-        """The same search, answered with the ranked plan `name` instead of the best."""
-        _, choice, cost = next(r for r in self.ranked if r[0] == name)
-        return replace(self, choice=choice, engine=name, cost=cost)
 
 
 def search(

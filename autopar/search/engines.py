@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from autopar.search.problem import Problem, batch_like_body_inputs
+from autopar.search.build import Problem, batch_like_body_inputs
 from autopar.sharding import axis_order_slow_first
 
 # MindSpore D-Rec weighs the cost of replicating a parameter (a batch cut) by
@@ -26,7 +26,7 @@ _TIER = {
 }
 
 
-def _tables(problem: Problem) -> list[list[tuple[int, np.ndarray]]]:
+def neighbour_tables(problem: Problem) -> list[list[tuple[int, np.ndarray]]]:
     """Per node v: (neighbour u, matrix indexed [s_u, s_v]) for every edge touching v."""
     n = len(problem.strategies)
     nb: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
@@ -36,7 +36,7 @@ def _tables(problem: Problem) -> list[list[tuple[int, np.ndarray]]]:
     return nb
 
 
-def _edge_sum(nb_v, choice, decided, size):
+def edge_sum(nb_v, choice, decided, size):
     """Sum over decided neighbours u of edge[s_u, :] -> a vector over v's strategies."""
     total = np.zeros(size)
     for u, m in nb_v:
@@ -50,7 +50,7 @@ def propagate(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
     takes the strategy that minimizes its own cost plus resharding against its
     neighbours decided so far. Nodes no seed reaches are decided last, in order."""
     n = len(problem.strategies)
-    nb = _tables(problem)
+    nb = neighbour_tables(problem)
     choice = [0] * n
     decided = np.zeros(n, bool)
     queue = deque()
@@ -60,7 +60,7 @@ def propagate(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
     seen = decided.copy()
 
     def decide(v):
-        score = problem.node_time[v] + _edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
+        score = problem.node_time[v] + edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
         choice[v], decided[v] = int(np.argmin(score)), True
 
     for start in [*range(n)]:
@@ -85,14 +85,14 @@ def refine(
 ) -> list[int]:
     """Iterated conditional modes: each free node moves to its best strategy given
     all neighbours. Never increases the total cost."""
-    nb = _tables(problem)
+    nb = neighbour_tables(problem)
     every = np.ones(len(choice), bool)
     for _ in range(sweeps):
         changed = False
         for v in range(len(choice)):
             if v in pinned or len(problem.strategies[v]) == 1:
                 continue
-            score = problem.node_time[v] + _edge_sum(
+            score = problem.node_time[v] + edge_sum(
                 nb[v], choice, every, len(problem.strategies[v])
             )
             best = int(np.argmin(score))
@@ -122,7 +122,7 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 8)
     mesh = problem.mesh
     g, n_in = problem.graph, problem.num_inputs
     n = len(problem.strategies)
-    nb = _tables(problem)
+    nb = neighbour_tables(problem)
     axes = [mesh.axis_names.index(a) for a in axis_order_slow_first(mesh)]
     none = tuple([None] * len(mesh.axis_names))
     lookup = [{s.assignment: i for i, s in enumerate(st)} for st in problem.strategies]
@@ -151,7 +151,7 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 8)
                 for i in cands
                 if problem.strategies[v][i].assignment[ai : ai + 1] in ((), (None,))
             ] or cands
-        edge = _edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
+        edge = edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
         scores = [problem.node_time[v][i] + penalty(v, i, ai) + edge[i] for i in cands]
         choice[v] = cands[int(np.argmin(scores))]
         decided[v] = True

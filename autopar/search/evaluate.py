@@ -9,7 +9,7 @@ import numpy as np
 
 from autopar.cost.model import FUSED_OPS, Collective, Cost
 from autopar.ir.graph import Graph
-from autopar.search.problem import Problem
+from autopar.search.build import Problem
 from autopar.sharding import Spec
 from autopar.strategies.settle import settle_partials
 
@@ -167,7 +167,7 @@ def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]
     """Values XLA never writes to memory: made by an elementwise or shape op (FUSED_OPS)
     for exactly one such op to read, in the layout it is made in, and not returned. They
     live inside one fused kernel; the compute model already prices them so
-    (`problem._hbm_traffic`, which also counts values read by several fused ops as
+    (`build._hbm_traffic`, which also counts values read by several fused ops as
     never written). Counting those here as well made the prediction fall 8-30% below
     XLA's for float32 GPT, ViT and Wide-ResNet steps; XLA materializes many of them."""
     returned = set(g.outputs)

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.search.problem import Problem
+from autopar.search.build import Problem
 from autopar.search.solvers.costgraph import CostGraph, Solution
 from autopar.search.solvers.dp import solve_dp
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
+from autopar.search.build import Problem
 from autopar.search.evaluate import COMBINABLE, output_spec, step_seconds
-from autopar.search.problem import Problem
 
 MAX_ROUNDS = 4
 MAX_TRIALS = 200  # full re-pricings per plan, each a walk over the whole graph

@@ -12,6 +12,9 @@ every placement of mesh axes on factors, DTensor's einsum-strategy idea:
   axes, to be summed later (the edge pays all-reduce or reduce-scatter);
 * a dim with no factor (`None`) must be replicated.
 
+`FactorRule.einsum("bmk,bkn->bmn", lhs_shape, rhs_shape)` writes a rule whose
+every dim has a factor as that string.
+
 Each mesh axis goes to at most one factor; a factor may take several axes.
 Unknown primitives get the replicated strategy and a warning.
 """
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+import string
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autopar.ir.graph import Graph, Node
@@ -41,6 +45,59 @@ class FactorRule:
     factors: tuple[Factor, ...]
     in_dims: tuple[tuple[int | None, ...], ...]
     out_dims: tuple[tuple[int | None, ...], ...]
+
+    @classmethod
+    def einsum(cls, spec: str, *shapes: Sequence[int]) -> FactorRule:
+        """The rule written as DTensor writes it, e.g. ``"bmk,bkn->bmn"``: one term per
+        operand and per result, one letter per dim, each letter one factor; a letter in
+        no result is contracted (sharding it leaves the results Partial). `shapes` are
+        the operands' shapes, then optionally the results' (needed for a letter only
+        results name). Spaces are ignored; an empty left side names no operand (an op
+        with no inputs), an empty result term a scalar. Every dim has a factor (no
+        `None`), and a letter appears at most once per term.
+
+        Factors are numbered as the results name them, left to right, then the
+        contracted letters alphabetically (a-z, then A-Z), so the strategies come out
+        in a fixed order. Raises ValueError on a malformed `spec` or shapes that do not
+        fit it."""
+        text = "".join(spec.split())
+        if text.count("->") != 1:
+            raise ValueError(f"einsum rule {spec!r}: needs exactly one '->'")
+        lhs, rhs = text.split("->")
+        ins = lhs.split(",") if lhs else []
+        outs = rhs.split(",")
+        for term in (*ins, *outs):
+            bad = sorted({c for c in term if c not in _LETTERS})
+            if bad:
+                raise ValueError(f"einsum rule {spec!r}: {bad} are not letters (a-z, A-Z)")
+            if len(set(term)) != len(term):
+                raise ValueError(f"einsum rule {spec!r}: term {term!r} repeats a letter")
+        if len(shapes) not in (len(ins), len(ins) + len(outs)):
+            raise ValueError(
+                f"einsum rule {spec!r}: {len(shapes)} shapes for {len(ins)} operands "
+                f"and {len(outs)} results (give the operands', then optionally the results')"
+            )
+        size: dict[str, int] = {}
+        for term, shape in zip((*ins, *outs), shapes):
+            if len(term) != len(shape):
+                raise ValueError(f"einsum rule {spec!r}: term {term!r} for a shape {tuple(shape)}")
+            for c, n in zip(term, shape):
+                if size.setdefault(c, int(n)) != n:
+                    raise ValueError(f"einsum rule {spec!r}: {c!r} is {size[c]} and {n}")
+        kept = list(dict.fromkeys("".join(outs)))
+        unsized = [c for c in kept if c not in size]
+        if unsized:
+            raise ValueError(f"einsum rule {spec!r}: no shape gives the size of {unsized}")
+        summed = sorted({c for term in ins for c in term} - set(kept), key=_LETTERS.index)
+        order = {c: i for i, c in enumerate(kept + summed)}
+        return cls(
+            tuple(Factor(size[c], reduce=c in summed, name=c) for c in order),
+            tuple(tuple(order[c] for c in term) for term in ins),
+            tuple(tuple(order[c] for c in term) for term in outs),
+        )
+
+
+_LETTERS = string.ascii_letters  # einsum letters, in the order contracted ones are numbered
 
 
 @dataclass(frozen=True)

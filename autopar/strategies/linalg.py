@@ -2,33 +2,34 @@
 
 from __future__ import annotations
 
+import string
+
 from autopar.ir.graph import Graph, Node
 from autopar.strategies import Factor, FactorRule, register
 
 
 @register("dot_general")
 def dot_general_rule(node: Node, graph: Graph) -> FactorRule:
-    """`b m k, b k n -> b m n`: batch and free dims shard freely, `k` leaves a Partial sum."""
+    """`b m k, b k n -> b m n`: batch and free dims shard freely, `k` leaves a Partial sum.
+    Written as the einsum of the dimension numbers: batch dims, then the free dims of
+    each operand in order, then the contracting ones, each a fresh letter."""
     lhs, rhs = (graph.values[v] for v in node.inputs)
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-    factors: list[Factor] = []
-    ld: list[int | None] = [None] * lhs.rank
-    rd: list[int | None] = [None] * rhs.rank
-    out: list[int] = []
+    letters = iter(string.ascii_letters)
+    ls, rs = [""] * lhs.rank, [""] * rhs.rank
+    out = []
     for a, b in zip(lb, rb):
-        ld[a] = rd[b] = len(factors)
-        out.append(len(factors))
-        factors.append(Factor(lhs.shape[a], name="b"))
-    for t, d, used in ((lhs, ld, set(lc) | set(lb)), (rhs, rd, set(rc) | set(rb))):
-        for i in range(t.rank):
+        ls[a] = rs[b] = next(letters)
+        out.append(ls[a])
+    for term, used in ((ls, {*lc, *lb}), (rs, {*rc, *rb})):
+        for i in range(len(term)):
             if i not in used:
-                d[i] = len(factors)
-                out.append(len(factors))
-                factors.append(Factor(t.shape[i], name="m" if d is ld else "n"))
-    for a, b in zip(lc, rc):
-        ld[a] = rd[b] = len(factors)
-        factors.append(Factor(lhs.shape[a], reduce=True, name="k"))
-    return FactorRule(tuple(factors), (tuple(ld), tuple(rd)), (tuple(out),))
+                term[i] = next(letters)
+                out.append(term[i])
+    for a, b in zip(lc, rc):  # fresh letters in order: numbered in this order
+        ls[a] = rs[b] = next(letters)
+    spec = f"{''.join(ls)},{''.join(rs)}->{''.join(out)}"
+    return FactorRule.einsum(spec, lhs.shape, rhs.shape)
 
 
 @register("conv_general_dilated")

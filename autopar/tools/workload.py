@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from autopar.errors import AutoparError
+from autopar.errors import TargetError
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,6 @@ class Workload:
         if not self.name:
             name = getattr(self.fn, "__qualname__", None) or getattr(self.fn, "__name__", "")
             object.__setattr__(self, "name", str(name))
-
-
-class TargetError(AutoparError):
-    """A TARGET (`file.py:factory` / `module:factory`) could not be loaded."""
 
 
 _TARGET_RE = re.compile(

@@ -1,0 +1,31 @@
+"""The compile layer: `driver` (the remat x mesh x pipeline tries for one call, the
+re-captures for accumulation and pipelines, the compile check) and `plans` (plans made
+from search results, loaded plans bound to a trace)."""
+
+from autopar.compile.driver import (
+    Call,
+    Compiled,
+    Infeasible,
+    Options,
+    compile_step,
+    compiled_memory,
+    info_str,
+    lowered,
+)
+from autopar.compile.plans import bind_plan, make_plan, plan_mismatch, reusable_specs, user_pins
+
+__all__ = [
+    "Call",
+    "Compiled",
+    "Infeasible",
+    "Options",
+    "bind_plan",
+    "compile_step",
+    "compiled_memory",
+    "info_str",
+    "lowered",
+    "make_plan",
+    "plan_mismatch",
+    "reusable_specs",
+    "user_pins",
+]

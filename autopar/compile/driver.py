@@ -1,0 +1,567 @@
+"""The driver: one call's function and arguments to a plan and its `jax.jit`.
+
+`compile_step` traces the function, runs the passes (mixed precision, remat, gradient
+accumulation), prices every (remat policy, mesh, pipeline) the options allow, searches
+each, makes the plan of the fastest and, when that plan comes close to the memory
+budget, compiles it once on the mesh to check it (the liveness estimate does not see
+XLA's own temporaries). An option that gives no plan comes back as an `Infeasible`
+value carrying the user's error (turned into a value once, where a pass or the search
+raises it), so the tries move on by looking at values; when it was the only option,
+that error is raised. Plans are made and bound in `compile.plans`."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import jax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+
+import cost_models
+from autopar.compile.plans import (
+    attach,
+    make_plan,
+    plan_mismatch,
+    reusable_specs,
+    spec_pins,
+    user_pins,
+)
+from autopar.cost.model import CostModel
+from autopar.errors import (
+    AutoparError,
+    MemoryBudgetError,
+    MeshError,
+    MicrobatchError,
+    PipelineError,
+    PlanError,
+    format_bytes,
+)
+from autopar.ir.capture import abstractify_tree, capture, fn_name
+from autopar.ir.graph import Graph
+from autopar.lower.jit import jit_from_plan
+from autopar.passes.accumulate import accumulate
+from autopar.passes.pipeline import (
+    Pipeline,
+    PipelinedScans,
+    batch_size,
+    check_pipeline,
+    fuse,
+    micro_args,
+    pipelined_scans,
+    scan_labels,
+    with_full_consts,
+)
+from autopar.passes.precision import describe as describe_precision
+from autopar.passes.precision import mixed_precision
+from autopar.passes.remat import POLICIES as REMAT_POLICIES
+from autopar.passes.remat import remat, remat_report
+from autopar.plan.plan import Plan, TensorRecord
+from autopar.search import search
+from autopar.search.problem import Problem, build_problem, find_aliases, step_floor
+from autopar.sharding import Spec, mesh_info
+
+# Plans predicted to use more than this fraction of the budget are compiled once on
+# the mesh (when it has devices) and judged by XLA's memory analysis, because the
+# liveness estimate does not see XLA's own temporaries.
+COMPILE_CHECK_FRACTION = 0.7
+log = logging.getLogger("autopar")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What `parallelize` was asked, validated once (`api.Parallelized`)."""
+
+    fn: Callable
+    keywords: tuple[str, ...]  # keyword-only parameters, traced after the positional ones
+    profile: cost_models.ClusterProfile
+    meshes: tuple[Mesh | AbstractMesh, ...]  # one, or the candidates of mesh search
+    engine: str
+    memory_budget: float
+    static_argnums: tuple[int, ...]
+    donate_argnums: tuple[int, ...]
+    in_specs: Any
+    allow_partial: bool
+    pipeline_stages: int | str | None
+    microbatches: int | None
+    pipeline_schedule: str | None
+    given_plan: Plan | None
+    precision: str | None
+    grad_accumulation: int | None
+    remat: str | None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call's arguments as the driver reads them (`api.Parallelized` binds them)."""
+
+    args: tuple  # positional, then the keyword-only ones
+    static: tuple[int, ...]  # positions of the static ones
+    donate: tuple[int, ...]  # flat positions of the donated leaves
+    in_specs: Any  # `in_specs=` for every non-static argument, or None
+
+    @property
+    def dyn(self) -> tuple:
+        return tuple(a for i, a in enumerate(self.args) if i not in self.static)
+
+    @property
+    def flat(self) -> list:
+        return jax.tree_util.tree_leaves(self.dyn)
+
+
+@dataclass
+class Compiled:
+    """One argument signature's plan and program: what `Parallelized` caches."""
+
+    graph: Graph
+    plan: Plan
+    problem: Problem | None
+    jitted: Any
+    mesh: Mesh | AbstractMesh
+    # some option (mesh shape, pipeline, engine) was turned away or reshaped by the
+    # memory budget: more rematerialization might let a faster one fit
+    memory_bound: bool = False
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    """Why an option (a remat policy, a mesh, a pipeline, a micro-batch count) gives no
+    plan: the error the user gets when it was the only one to try."""
+
+    error: AutoparError
+
+    @property
+    def why(self) -> str:
+        return self.error.message
+
+    @property
+    def memory(self) -> bool:
+        return isinstance(self.error, MemoryBudgetError)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What the search of every try found: the plans ranked by step time (step_s, mesh
+    index, engine name, mesh, problem, result, pipeline), why the tries left out have
+    none, how many tries there were and how many were skipped, and whether the memory
+    budget turned one away."""
+
+    ranked: list
+    failures: list[str]
+    tries: int
+    skipped: int
+    memory_bound: bool
+
+
+def _applies(fn: Callable[..., T], *args) -> T | Infeasible:
+    """`fn(*args)` of a pass that raises the user's error where a pipeline or a
+    micro-batch count does not fit the step (naming the op): that error as a value."""
+    try:
+        return fn(*args)
+    except (PipelineError, MicrobatchError) as e:
+        return Infeasible(e)
+
+
+def _searched(problem: Problem, engine: str, budget: float, pins: dict[int, int]):
+    """`search`, or the MemoryBudgetError it raises when no plan fits, as a value."""
+    try:
+        return search(problem, engine, budget, pins)
+    except MemoryBudgetError as e:
+        return Infeasible(e)
+
+
+def compile_step(options: Options, call: Call) -> Compiled:
+    """The plan and `jax.jit` for this call. With `remat="auto"`, each policy in turn
+    from the least recompute, keeping the fastest plan that fits."""
+    if options.remat != "auto":
+        got = _Driver(options, call, options.remat).compile()
+        if isinstance(got, Infeasible):
+            raise got.error
+        return got
+    tried, best = [], None
+    for policy in REMAT_POLICIES:  # most memory, least recompute first
+        got = _Driver(options, call, policy).compile()
+        if isinstance(got, Infeasible):
+            tried.append(f"remat={policy}: {got.why.splitlines()[0]}")
+            continue
+        tried.append(f"remat={policy}: {got.plan.cost.step_s * 1e3:.4g} ms")
+        if best is None or got.plan.cost.step_s < best.plan.cost.step_s:
+            best = got
+        if not got.memory_bound:  # nothing held back by memory: more remat only adds work
+            break
+    if best is not None:
+        note = "remat='auto' tried " + "; ".join(tried)
+        return replace(best, plan=replace(best.plan, warnings=(*best.plan.warnings, note)))
+    raise MemoryBudgetError(
+        f"{fn_name(options.fn)}: no rematerialization policy fits the budget:\n  "
+        + "\n  ".join(tried)
+    )
+
+
+class _Driver:
+    """One remat policy's tries for one call."""
+
+    def __init__(self, options: Options, call: Call, remat_policy: str | None):
+        self.o, self.call, self.remat_policy = options, call, remat_policy
+        self.single = len(options.meshes) == 1
+        self.name = fn_name(options.fn)
+
+    def _capture(self, args: tuple, mesh=None) -> Graph:
+        """Trace the function on `args` under `mesh` (default: the mesh, when there is
+        only one)."""
+        o = self.o
+        mesh = mesh if mesh is not None else o.meshes[0] if self.single else None
+        return capture(o.fn, args, self.call.static, mesh, o.keywords)
+
+    def _info(self, mesh):
+        return mesh_info(mesh, self.o.profile.devices_per_node)
+
+    def _prepare(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
+        """The passes every trace goes through before search: mixed precision, remat.
+        Returns the graph and the notes for the plan."""
+        notes: tuple[str, ...] = ()
+        if self.o.precision is not None:
+            notes += describe_precision(graph, self.o.precision).notes()
+            graph = mixed_precision(graph, self.o.precision)
+        if self.remat_policy not in (None, "none"):
+            before, graph = graph, remat(graph, self.remat_policy)
+            notes += remat_report(before, graph, self.remat_policy).notes()
+        return graph, notes
+
+    def compile(self) -> Compiled | Infeasible:
+        """The fastest plan over the meshes and pipelines, compiled; Infeasible when
+        nothing fits the memory budget (more remat may help). Raises the user's other
+        errors, and any error of the only option there is."""
+        o = self.o
+        log.info("tracing %s", self.name)
+        graph, notes = self._prepare(self._capture(self.call.args))
+        if o.grad_accumulation and o.grad_accumulation > 1:
+            graph = self._accumulated(graph)
+        reused: dict[int, Spec] = {}
+        if o.given_plan is not None:
+            mesh = _mesh_for_plan(o.meshes, o.given_plan)
+            mismatch = plan_mismatch(o.given_plan, graph, self._info(mesh))
+            if mismatch is None:
+                return self._replay(graph, attach(o.given_plan, graph, mesh), mesh)
+            if not o.allow_partial:
+                raise PlanError(mismatch)
+            reused = reusable_specs(o.given_plan, graph, self._info(mesh))
+        found = self._search(graph, reused)
+        if isinstance(found, Infeasible):
+            return found
+        if o.pipeline_stages == "auto":
+            notes += (_pipeline_tries(found.ranked, found.failures),)
+        if found.skipped:
+            notes += (
+                f"{found.skipped} of {found.tries} (mesh, micro-batch count) tries not searched: "
+                "all their FLOPs at the profile's peak rate already take longer than the "
+                "best plan found (`search.problem.step_floor`)",
+            )
+        lead = ()  # the plan's first warning
+        if o.given_plan is not None:
+            lead = (
+                f"partial reuse of a plan for {o.given_plan.function or '?'}: kept the specs "
+                f"of {len(reused)} of {len(graph.inputs)} arguments whose path, shape and dtype "
+                "match; searched everything else afresh",
+            )
+        return self._first_that_fits(graph, found, notes, lead)
+
+    def _tries(self, graph: Graph) -> tuple[list, list[str]]:
+        """Every (mesh index, mesh, pipeline) to search, and why the meshes left out
+        have none. Raises the error of the only mesh when it has none."""
+        tries, failures = [], []
+        for k, mesh in enumerate(self.o.meshes):
+            pipes = self._pipelines(graph, mesh)
+            if isinstance(pipes, Infeasible):
+                if self.single:
+                    raise pipes.error
+                failures.append(f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}: {pipes.why}")
+                continue
+            tries += [(k, mesh, p) for p in pipes]
+        return tries, failures
+
+    def _search(self, graph: Graph, reused: dict[int, Spec]) -> _Found | Infeasible:
+        """Search every try, cheapest floor first; on an abstract mesh (no compile check
+        can turn plans away afterwards) a try whose floor is above the best price found
+        is skipped. Infeasible when no try gives a plan within the memory budget."""
+        o, call = self.o, self.call
+        tries, failures = self._tries(graph)
+        floors = [step_floor(graph, mesh.size, o.profile, p) for _, mesh, p in tries]
+        ranked, best, skipped, memory_bound = [], math.inf, 0, False
+        for i in sorted(range(len(tries)), key=lambda i: (floors[i], i)):
+            k, mesh, pipelined = tries[i]
+            if isinstance(mesh, AbstractMesh) and floors[i] >= best:
+                skipped += 1
+                continue
+            info = self._info(mesh)
+            log.info("mesh %s: pricing the strategies of %d ops", info.shape, len(graph.nodes))
+            problem = build_problem(graph, info, CostModel(o.profile, info), pipelined)
+            pins = user_pins(problem, call.dyn, call.in_specs) if call.in_specs is not None else {}
+            if isinstance(pins, MeshError):
+                result = Infeasible(pins)
+            else:
+                pins.update(spec_pins(problem, reused))
+                result = _searched(problem, o.engine, o.memory_budget, pins)
+            if isinstance(result, Infeasible):
+                if len(tries) == 1:
+                    if result.memory:
+                        return result
+                    raise result.error
+                failures.append(f"{info.shape}: {result.why.splitlines()[0]}")
+                memory_bound |= result.memory
+                continue
+            ranked += [
+                (cost.step_s, k, name, mesh, problem, result, pipelined)
+                for name, _, cost in result.ranked
+            ]
+            best = min([best] + [cost.step_s for _, _, cost in result.ranked])
+        if not ranked:
+            return Infeasible(
+                MemoryBudgetError(
+                    "no mesh shape gives a plan that fits:\n  " + "\n  ".join(failures)
+                )
+            )
+        ranked.sort(key=lambda r: r[:3])
+        return _Found(ranked, failures, len(tries), skipped, memory_bound)
+
+    def _first_that_fits(
+        self, graph: Graph, found: _Found, notes: tuple[str, ...], lead: tuple[str, ...]
+    ) -> Compiled | Infeasible:
+        """The fastest plan found, compiled once on a mesh with devices when it comes
+        close to the budget; the next one when XLA needs more than the budget."""
+        o, call = self.o, self.call
+        rejected = []
+        for _, _, name, mesh, problem, result, pipelined in found.ranked:
+            plan = make_plan(problem, result.pick(name), o.profile, mesh, pipelined)
+            plan = replace(
+                plan,
+                precision=o.precision,
+                grad_accumulation=o.grad_accumulation,
+                remat=self.remat_policy if self.remat_policy != "none" else None,
+                warnings=(*notes, *plan.warnings),
+            )
+            jitted = jit_from_plan(graph, plan, mesh, call.donate, pipelined)
+            if (
+                isinstance(mesh, Mesh)
+                and plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * o.memory_budget
+            ):
+                log.info("compiling %s to check its memory", info_str(plan))
+                compiled = compiled_memory(lowered(jitted, call.flat, plan, mesh).compile())
+                plan = replace(plan, compiled_memory_bytes=compiled)
+                if compiled > o.memory_budget:
+                    rejected.append(f"{info_str(plan)}: compiled {format_bytes(compiled)}")
+                    continue
+            if rejected:
+                plan = replace(
+                    plan,
+                    warnings=plan.warnings
+                    + tuple(f"rejected after compiling: {r}" for r in rejected),
+                )
+            plan = replace(plan, warnings=(*lead, *plan.warnings))
+            memory_bound = found.memory_bound or bool(rejected) or "+zero" in plan.engine
+            return Compiled(graph, plan, problem, jitted, mesh, memory_bound)
+        return Infeasible(
+            MemoryBudgetError(
+                f"every plan the cost model fit into {format_bytes(o.memory_budget)} needs more once compiled by XLA:\n  "
+                + "\n  ".join(rejected)
+                + "\nRaise memory_budget, use more devices, or shrink the batch."
+            )
+        )
+
+    def _replay(self, graph: Graph, plan: Plan, mesh) -> Compiled:
+        """The given plan, bound to this trace, as it is (no search)."""
+        pipelined = None
+        if plan.pipeline:
+            pipelined = self._pipelined(graph, Pipeline.from_json(plan.pipeline), mesh)
+            if isinstance(pipelined, Infeasible):
+                raise pipelined.error
+        jitted = jit_from_plan(graph, plan, mesh, self.call.donate, pipelined)
+        return Compiled(graph, plan, None, jitted, mesh)
+
+    def _accumulated(self, graph: Graph) -> Graph:
+        """`graph` with its per-micro-batch part in a loop (`autopar.passes.accumulate`); the
+        batch is the last non-static argument, cut along its leaves' leading dim."""
+        M, name, args = self.o.grad_accumulation, self.name, self.call.args
+        dyn = [i for i in range(len(args) - len(self.o.keywords)) if i not in self.call.static]
+        if not dyn:
+            raise MicrobatchError(f"{name}: grad_accumulation needs a batch argument")
+        leaves = [jax.tree_util.tree_leaves(args[i]) for i in dyn]
+        first = sum(len(x) for x in leaves[:-1])
+        batch = leaves[-1]
+        sizes = {getattr(x, "shape", (None,))[:1] for x in batch}
+        if len(sizes) != 1 or not next(iter(sizes)) or next(iter(sizes))[0] % M:
+            shapes = ", ".join(str(tuple(getattr(x, "shape", ()))) for x in batch)
+            raise MicrobatchError(
+                f"{name}: grad_accumulation={M} cuts the last argument (the batch) along its "
+                f"leading dim, but its leaves have shapes {shapes}; they need one leading size "
+                f"divisible by {M}"
+            )
+        (b,) = next(iter(sizes))
+        margs = list(args)
+        cut = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype)
+        margs[dyn[-1]] = jax.tree_util.tree_map(cut, abstractify_tree(args[dyn[-1]]))
+        log.info("tracing %s at the micro-batch size", name)
+        micro, _ = self._prepare(self._capture(tuple(margs)))
+        mesh = self.o.meshes[0] if self.single else None
+        return accumulate(graph, micro, range(first, first + len(batch)), M, mesh)
+
+    def _pipelines(self, graph: Graph, mesh) -> list[PipelinedScans | None] | Infeasible:
+        """The pipelines to try on `mesh`: none, or `pipeline_stages` with each candidate
+        micro-batch count (`microbatches`, else S, 2S and 4S where they cut the batch);
+        Infeasible when `mesh` or the step allows none."""
+        o = self.o
+        if o.pipeline_stages is None:
+            return [None]
+        S = o.pipeline_stages
+        if S == "auto":  # one candidate mesh of `pipeline_meshes`: its stage axis
+            if "stage" not in mesh.axis_names:
+                return [None]
+            S = dict(zip(mesh.axis_names, mesh.axis_sizes))["stage"]
+            if not pipelined_scans(graph, Pipeline(S, 1)):
+                return []
+        checked = _applies(check_pipeline, Pipeline(S, 1), self._info(mesh))
+        if isinstance(checked, Infeasible):
+            return checked
+        scans = pipelined_scans(graph, Pipeline(S, 1))
+        if not scans:
+            loops = [n.params["length"] for n in graph.nodes if n.body is not None]
+            return Infeasible(
+                PipelineError(
+                    f"{self.name}: pipeline_stages={S} pipelines a loop over layers, but "
+                    + (
+                        f"no scan's length ({loops}) is a multiple of {S}"
+                        if loops
+                        else "the function has none; put the layers under a scan (flax.linen.scan, "
+                        "jax.lax.scan; e.g. GPTConfig(scan_layers=True))"
+                    )
+                )
+            )
+        batch = batch_size(graph, scans)
+        counts = (
+            [o.microbatches]
+            if o.microbatches is not None
+            else [m for m in (S, 2 * S, 4 * S, 8 * S, 12 * S) if batch % m == 0] or [1]
+        )
+        out, skipped = [], []
+        for m in counts:
+            got = self._pipelined(graph, Pipeline(S, m, o.pipeline_schedule or "1f1b"), mesh)
+            if not isinstance(got, Infeasible):
+                out.append(got)
+            elif o.microbatches is not None:
+                return got
+            else:  # e.g. a batch of 1 traces to different ops
+                skipped.append(f"{m} micro-batches: {got.why}")
+        if not out:
+            return Infeasible(
+                PipelineError("no micro-batch count works:\n  " + "\n  ".join(skipped))
+            )
+        return out
+
+    def _pipelined(self, graph: Graph, pipe: Pipeline, mesh) -> PipelinedScans | Infeasible:
+        """Capture the function again at the micro-batch size and pair its scans with
+        `graph`'s pipelined ones; Infeasible where the step does not pipeline so."""
+        checked = _applies(check_pipeline, pipe, self._info(mesh))
+        if isinstance(checked, Infeasible):
+            return checked
+        scans = pipelined_scans(graph, pipe)
+        name, args, static = self.name, self.call.args, self.call.static
+        dyn, tree = jax.tree_util.tree_flatten(self.call.dyn)
+        keep = set(find_aliases(graph).values())
+        flat = _applies(micro_args, dyn, batch_size(graph, scans), pipe.microbatches, name, keep)
+        if isinstance(flat, Infeasible):
+            return flat
+        micro_dyn = iter(jax.tree_util.tree_unflatten(tree, flat))
+        margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
+        log.info("tracing %s at the micro-batch size", name)
+        micro, _ = self._prepare(self._capture(margs, mesh))
+        mscans = pipelined_scans(micro, pipe)
+        if len(mscans) != len(scans):
+            return Infeasible(
+                PipelineError(
+                    f"{name}: at the micro-batch size the function has {len(mscans)} pipelinable "
+                    f"loops instead of {len(scans)}; pipelining needs the same loops at any batch size"
+                )
+            )
+        bodies = {}
+        for i, j in zip(scans, mscans):
+            full_node, micro_node = graph.nodes[i], micro.nodes[j]
+            labels = _applies(scan_labels, full_node, micro_node, pipe.microbatches, full_node.key)
+            if isinstance(labels, Infeasible):
+                return labels
+            bodies[i] = (with_full_consts(micro_node.body, full_node.body), labels)
+        if pipe.schedule != "1f1b":
+            return PipelinedScans(pipe, bodies)
+        if scans != mscans:
+            why = f"{name}: the captures at the two batch sizes do not line up"
+        else:
+            fused = _applies(fuse, graph, micro, bodies, pipe.microbatches)
+            if isinstance(fused, Infeasible):
+                why = fused.why
+            elif not fused:
+                why = f"{name}: no forward loop is followed by its backward loop"
+            else:
+                return PipelinedScans(pipe, bodies, fused)
+        if self.o.pipeline_schedule == "1f1b":
+            return Infeasible(PipelineError(f"pipeline_schedule='1f1b': {why}"))
+        log.info("1F1B does not apply (%s); GPipe", why)
+        return PipelinedScans(replace(pipe, schedule="gpipe"), bodies)
+
+
+def _mesh_for_plan(meshes: Sequence, plan: Plan) -> Mesh | AbstractMesh:
+    for mesh in meshes:
+        if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) == (
+            plan.mesh.axis_names,
+            plan.mesh.axis_sizes,
+        ):
+            return mesh
+    return meshes[0]  # bind_plan reports the mismatch
+
+
+def _pipeline_tries(options, failures) -> str:
+    """The plan note of `pipeline_stages="auto"`: the best plan of every (mesh,
+    micro-batch count) tried, and the meshes that had none."""
+    best: dict[str, float] = {}
+    for step_s, _, _, mesh, _, _, pipelined in options:
+        shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        key = f"{shape}" + (f" M={pipelined.pipe.microbatches}" if pipelined else "")
+        best.setdefault(key, step_s)
+    tried = [f"{k} {v * 1e3:.4g} ms" for k, v in best.items()]
+    return "pipeline_stages='auto' tried (fastest first): " + "; ".join(
+        tried + list(dict.fromkeys(f.splitlines()[0] for f in failures))
+    )
+
+
+def compiled_memory(compiled) -> int:
+    """Per-device bytes XLA needs: arguments + outputs + temporaries - aliased."""
+    m = compiled.memory_analysis()
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def info_str(plan: Plan) -> str:
+    return f"{plan.engine} on {plan.mesh.shape}"
+
+
+def lowered(jitted, flat_args, plan: Plan, mesh) -> jax.stages.Lowered:
+    """`jitted` lowered for `flat_args` laid out as `plan` says (on an abstract mesh:
+    traced and lowered for GPUs, without devices)."""
+    flat = [_sds_for(x, r, mesh) for x, r in zip(flat_args, plan.inputs)]
+    if isinstance(mesh, AbstractMesh):
+        return jitted.trace(*flat).lower(lowering_platforms=("cuda",))
+    return jitted.lower(*flat)
+
+
+def _sds_for(x, rec: TensorRecord, mesh):
+    a = abstractify_tree(x)
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, rec.spec.to_pspec())
+        )
+    return a

@@ -1,0 +1,241 @@
+"""Plans from search results, and loaded plans bound to a trace: `make_plan` records a
+chosen strategy per op (scan bodies and cond branches nested), `bind_plan` checks a
+plan against the traced function, and the pins turn user-fixed or reused argument
+specs into strategy indices for the search."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from autopar.errors import MeshError, PlanError
+from autopar.ir._compat import broadcast_prefix
+from autopar.ir.graph import Graph
+from autopar.passes.pipeline import PipelinedScans, layer_ranges
+from autopar.plan.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
+from autopar.search.evaluate import output_specs
+from autopar.search.problem import Problem
+from autopar.sharding import MeshInfo, Spec
+
+
+def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int] | MeshError:
+    """Cost-graph pins for the argument specs the user fixed (`in_specs=`), or the
+    MeshError naming the spec this mesh cannot apply (the caller raises it when the
+    mesh was the only one to try)."""
+    from jax.sharding import PartitionSpec
+
+    is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
+    try:
+        flat = broadcast_prefix(in_specs, dyn_args, is_leaf=is_leaf)
+    except ValueError as e:  # jax's tree matching says why the structures differ
+        return MeshError(f"in_specs does not match the structure of the arguments: {e}")
+    g, mesh = problem.graph, problem.mesh
+    pins: dict[int, int] = {}
+    for i, pspec in enumerate(flat):
+        if pspec is None:
+            continue
+        t = g.values[g.inputs[i]]
+        unknown = [
+            a
+            for d in pspec
+            if d
+            for a in ((d,) if isinstance(d, str) else d)
+            if a not in mesh.axis_names
+        ]
+        if unknown or len(pspec) > t.rank:
+            return MeshError(
+                f"in_specs for {g.input_paths[i]} {t}: {pspec} "
+                + (
+                    f"names axes {unknown} that the mesh {mesh.shape} does not have"
+                    if unknown
+                    else f"has more entries than the array has dims ({t.rank})"
+                )
+            )
+        spec = Spec.from_pspec(pspec, t.rank)
+        match = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0] == spec]
+        if not match:
+            return MeshError(
+                f"in_specs for {g.input_paths[i]}: {pspec} cannot shard shape {list(t.shape)} on mesh {mesh.shape} "
+                "(each sharded dim must be divisible by the product of its axes' sizes). Pick axes that divide it, or None to let autopar decide."
+            )
+        pins[i] = match[0]
+    return pins
+
+
+def reusable_specs(plan: Plan, graph: Graph, mesh: MeshInfo) -> dict[int, Spec]:
+    """Input position -> the saved spec, for inputs of `graph` that `plan` also has with
+    the same path, shape and dtype, and whose spec the mesh can still apply."""
+    saved = {r.path: r for r in plan.inputs}
+    out: dict[int, Spec] = {}
+    for i, (path, v) in enumerate(zip(graph.input_paths, graph.inputs)):
+        r, t = saved.get(path), graph.values[v]
+        if r is None or (tuple(r.shape), r.dtype) != (t.shape, t.dtype.name):
+            continue
+        if all(a in mesh.axis_names for a in r.spec.used_axes):
+            out[i] = r.spec
+    return out
+
+
+def spec_pins(problem: Problem, specs: dict[int, Spec]) -> dict[int, int]:
+    """Pins for the input specs the problem's strategies can apply (the others are
+    searched)."""
+    pins = {}
+    for i, spec in specs.items():
+        match = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0] == spec]
+        if match:
+            pins[i] = match[0]
+    return pins
+
+
+def make_plan(
+    problem: Problem, result, profile, jax_mesh, pipelined: PipelinedScans | None = None
+) -> Plan:
+    g = problem.graph
+    inputs, outputs, ops = _records(problem, result.choice)
+    pipeline = None
+    if pipelined is not None:
+        keys = op_keys(g)
+        pipeline = {
+            **pipelined.pipe.to_json(),
+            "scans": [
+                {
+                    "op": keys[i],
+                    "stages": [list(r) for r in layer_ranges(g.nodes[i], pipelined.pipe)],
+                }
+                for i in pipelined.scans
+            ],
+        }
+        if pipelined.fused:
+            pipeline["fused"] = [
+                {
+                    "forward": keys[f.forward],
+                    "backward": keys[f.backward],
+                    "head": [keys[h] for h in f.head],
+                }
+                for f in pipelined.fused
+            ]
+    return Plan(
+        fingerprint=fingerprint(g),
+        mesh=problem.mesh,
+        cluster=profile.to_dict(),
+        engine=result.engine,
+        search_seconds=result.seconds,
+        inputs=inputs,
+        outputs=outputs,
+        ops=ops,
+        cost=result.cost,
+        warnings=problem.warnings,
+        candidates=result.candidates,
+        search_info=result.solver_info,
+        function=g.name,
+        in_tree=g.in_tree,
+        out_tree=g.out_tree,
+        jax_mesh=jax_mesh,
+        pipeline=pipeline,
+    )
+
+
+def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
+    """(inputs, outputs, ops) records of a choice; a scan op carries its body's, a
+    cond its branches'."""
+    g, n_in = problem.graph, problem.num_inputs
+    strat = lambda v: problem.strategies[v][choice[v]]
+    inputs = tuple(
+        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, strat(i).out_specs[0])
+        for i, (p, v) in enumerate(zip(g.input_paths, g.inputs))
+    )
+    outputs = tuple(
+        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, spec)
+        for p, v, spec in zip(g.output_paths, g.outputs, output_specs(problem, choice))
+    )
+
+    def body(n):
+        if n.id not in problem.bodies:
+            return None
+        sub, results = problem.bodies[n.id]
+        res = results[choice[n_in + n.id]]
+        return BodyRecord(res.engine, *_records(sub, res.choice), res.cost)
+
+    def branches(n):
+        if n.id not in problem.conds:
+            return None
+        subs, per_strategy = problem.conds[n.id]
+        outs = strat(n_in + n.id).out_specs
+        recs = []
+        for sub, res in zip(subs, per_strategy[choice[n_in + n.id]].results):
+            ins, have, ops = _records(sub, res.choice)
+            want = tuple(replace(r, spec=sp) for r, sp in zip(have, outs))
+            recs.append(BodyRecord(res.engine, ins, want, ops, res.cost))
+        return tuple(recs)
+
+    keys = op_keys(g)
+    ops = tuple(
+        OpRecord(
+            keys[n.id],
+            n.op,
+            n.source,
+            strat(n_in + n.id).name,
+            strat(n_in + n.id).in_specs,
+            strat(n_in + n.id).out_specs,
+            float(problem.node_time[n_in + n.id][choice[n_in + n.id]]),
+            body(n),
+            branches(n),
+        )
+        for n in g.nodes
+    )
+    return inputs, outputs, ops
+
+
+def plan_mismatch(plan: Plan, graph: Graph, mesh: MeshInfo) -> str | None:
+    """Why a loaded plan does not fit the traced function on `mesh` (the message of
+    the PlanError `bind_plan` raises), or None when it does."""
+    problems = []
+    if (plan.mesh.axis_names, plan.mesh.axis_sizes) != (mesh.axis_names, mesh.axis_sizes):
+        problems.append(
+            f"the plan is for mesh {plan.mesh.shape}, the function runs on {mesh.shape}"
+        )
+    if plan.fingerprint != fingerprint(graph):
+        have = {r.path: (r.shape, r.dtype) for r in plan.inputs}
+        want = {
+            p: (graph.values[v].shape, graph.values[v].dtype.name)
+            for p, v in zip(graph.input_paths, graph.inputs)
+        }
+        diffs = [
+            f"{p}: plan {have.get(p)} vs function {want.get(p)}"
+            for p in dict.fromkeys([*have, *want])
+            if have.get(p) != want.get(p)
+        ]
+        detail = (
+            "; ".join(diffs[:5])
+            if diffs
+            else f"same arguments but a different computation ({len(plan.ops)} ops in the plan, {len(graph.nodes)} traced)"
+        )
+        problems.append(f"the plan was made for a different function: {detail}")
+    if not problems:
+        return None
+    return (
+        f"plan for {plan.function or '?'} does not match {graph.name}: "
+        + "; ".join(problems)
+        + ". Search a new plan (omit plan=) for this function."
+    )
+
+
+def bind_plan(plan: Plan, graph: Graph, mesh: MeshInfo, jax_mesh) -> Plan:
+    """Check a loaded plan against the traced function and attach the pytrees."""
+    mismatch = plan_mismatch(plan, graph, mesh)
+    if mismatch is not None:
+        raise PlanError(mismatch)
+    return attach(plan, graph, jax_mesh)
+
+
+def attach(plan: Plan, graph: Graph, jax_mesh) -> Plan:
+    """`plan` with the traced function's pytrees and the mesh it runs on (checked
+    against it by `plan_mismatch`)."""
+    return Plan(
+        **{
+            **plan.__dict__,
+            "in_tree": graph.in_tree,
+            "out_tree": graph.out_tree,
+            "jax_mesh": jax_mesh,
+        }
+    )

@@ -1,0 +1,69 @@
+"""Evaluation of a captured graph: the one interpreter of `Graph`s.
+
+`evaluate(graph, args)` computes a graph's outputs from its flat inputs node by
+node, binding each node's primitive with its captured params, as
+`jax.core.eval_jaxpr` does for a jaxpr: constants are read as captured, and a
+`scan` (`cond`) node binds its `jaxpr` (`branches`) param, so `Node.body`
+(`Node.branches`) is not walked. A caller changes how a node is evaluated with a
+`bind` hook, `bind(node, invals) -> outvals` (a list, one value per output):
+`bind_node` is the default; mixed precision's XLA:CPU variant upcasts the operands
+of reduced-precision contractions, the jit lowering drops traced shardings, a
+pipeline's head lays each result out as the plan has it.
+
+`retrace(graph)` is the graph as a function of its flat inputs (a tuple of its
+outputs), for `jax.make_jaxpr` and `jax.jit`: a pass that rewrites a scan body or a
+cond branch retraces the node's `jaxpr` (`branches`) param from the new graph.
+`run_nodes` is the loop itself over any nodes, reader and environment, for a caller that
+evaluates a graph in pieces (gradient accumulation: before, in and after its loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from autopar.ir.graph import Graph, Node
+
+# bind(node, invals) -> outvals: how one node is evaluated on its operand values
+Bind = Callable[[Node, list[Any]], Sequence[Any]]
+
+
+def bind_node(node: Node, invals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list:
+    """`node`'s primitive applied to `invals` with its captured params (or `params`,
+    a caller's edited copy), as `jax.core.eval_jaxpr` binds an eqn; the results as a
+    list (one per output, whether or not the primitive has multiple results)."""
+    bound = node.primitive.get_bind_params(dict(node.params if params is None else params))
+    out = node.primitive.bind(*invals, **bound)
+    return list(out) if node.primitive.multiple_results else [out]
+
+
+def run_nodes(
+    nodes: Iterable[Node],
+    read: Callable[[int], Any],
+    env: dict[int, Any],
+    bind: Bind = bind_node,
+) -> dict[int, Any]:
+    """Evaluate `nodes` in order: each reads its operands with `read(value id)` and
+    stores its results in `env` (value id -> value), which `read` may consult; `env`."""
+    for node in nodes:
+        outs = bind(node, [read(v) for v in node.inputs])
+        env.update(zip(node.outputs, outs, strict=True))
+    return env
+
+
+def evaluate(graph: Graph, args: Sequence[Any], bind: Bind = bind_node) -> list:
+    """`graph`'s outputs on its flat inputs `args`, every node evaluated by `bind`."""
+    env: dict[int, Any] = dict(zip(graph.inputs, args, strict=True))
+    read = lambda v: graph.consts[v] if v in graph.consts else env[v]
+    run_nodes(graph.nodes, read, env, bind)
+    return [read(v) for v in graph.outputs]
+
+
+def retrace(graph: Graph, bind: Bind = bind_node) -> Callable[..., tuple]:
+    """A function of `graph`'s flat inputs that evaluates it (`evaluate`), its outputs
+    as a tuple: trace it (`jax.make_jaxpr`, `jax.jit`) to get the graph back as JAX."""
+
+    def run(*flat_args):
+        return tuple(evaluate(graph, flat_args, bind))
+
+    return run

@@ -1,0 +1,595 @@
+"""The search problem: a cost graph over strategy choices.
+
+Cost-graph nodes are the function's inputs (their strategies are the specs an
+argument can take) followed by the graph's ops. Edges carry resharding
+matrices; an argument whose updated value is returned (params, optimizer
+state) gets an extra edge from the op producing the new value back to the
+argument, so both keep one sharding. Every engine works on this one object.
+
+What nests inside an op (a scan's body, a cond's branches) is planned by a search
+over its own problem; `build_problem` takes that search as a hook (`NestedSearch`,
+`search.nested` the one every caller uses, through `search.problem.build_problem`),
+so this module stays below the engines and the driver that run it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import jax.numpy as jnp
+import numpy as np
+
+from autopar.cost.model import FUSED_OPS, CostModel, compute_dtype, node_flops
+from autopar.ir.graph import Graph, Node, TensorType
+from autopar.passes.pipeline import SUM, Pipeline, PipelinedScans, stage_layers, sub_mesh
+from autopar.search.result import SearchResult
+from autopar.search.solvers.costgraph import CostGraph
+from autopar.sharding import MeshInfo, Spec
+from autopar.strategies import (
+    Factor,
+    FactorRule,
+    NodeStrategies,
+    Strategy,
+    enumerate_factor_rule,
+    strategies_for,
+)
+
+
+@dataclass(frozen=True)
+class Branches:
+    """One strategy of a cond: each branch's plan, its inputs pinned to the cond's
+    operand specs; `seconds` is the costliest branch's step with the reshard of its
+    results into the cond's result specs."""
+
+    results: tuple[SearchResult, ...]  # one per branch
+    seconds: float
+
+
+# A scan's body problem and one plan of it per scan strategy; a cond's branch problems
+# and one `Branches` per cond strategy.
+ScanBody = tuple["Problem", Sequence[SearchResult]]
+CondBranches = tuple[tuple["Problem", ...], tuple[Branches, ...]]
+
+
+class NestedSearch(Protocol):
+    """The hook `build_problem` plans nested graphs with: each method returns the
+    op's strategies (one per plan of what it nests) and those plans, which
+    `build_problem` prices (a scan at `length` steps or as a pipeline, a cond at its
+    costliest branch). `search.nested.search_nested` is the one in use."""
+
+    def scan(
+        self,
+        node: Node,
+        mesh: MeshInfo,
+        cost: CostModel,
+        stage_axis: str | None = None,
+        sums: frozenset[int] = frozenset(),
+    ) -> tuple[NodeStrategies, ScanBody]: ...
+
+    def cond(
+        self, node: Node, mesh: MeshInfo, cost: CostModel
+    ) -> tuple[NodeStrategies, CondBranches]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    graph: Graph
+    mesh: MeshInfo
+    cost: CostModel
+    strategies: tuple[tuple[Strategy, ...], ...]  # per cost-graph node
+    source: dict[int, tuple[int, int]]  # value id -> (cost-graph node, output index)
+    aliases: dict[int, int]  # output position -> input position (state round trip)
+    warnings: tuple[str, ...]
+    flops: np.ndarray  # per cost-graph node, total FLOPs
+    node_time: tuple[np.ndarray, ...]
+    node_mem: tuple[np.ndarray, ...]
+    edges: dict[tuple[int, int], np.ndarray] = field(repr=False)
+    # scan node id -> (its body's problem, one body SearchResult per scan strategy)
+    bodies: dict[int, ScanBody] = field(default_factory=dict, repr=False)
+    # output positions returned as the Partial sums they are (a pipelined loop body's
+    # weight gradients, summed over micro-batches before anyone sums across devices)
+    partial_outputs: frozenset[int] = frozenset()
+    # value id -> the fraction of it alive at once (a 1F1B pipeline's saved activations
+    # and head values, which exist a few micro-batches at a time)
+    resident: dict[int, float] = field(default_factory=dict)
+    # cond node id -> (its branches' problems, one Branches per cond strategy)
+    conds: dict[int, CondBranches] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.graph.inputs)
+
+    def op_index(self, cg_node: int) -> int:
+        return cg_node - self.num_inputs
+
+    def cost_graph(self) -> CostGraph:
+        return CostGraph(self.node_time, self.node_mem, self.edges)
+
+    def neighbours(self) -> list[list[int]]:
+        nb: list[list[int]] = [[] for _ in self.strategies]
+        for u, v in self.edges:
+            nb[u].append(v)
+            nb[v].append(u)
+        return nb
+
+
+def input_strategies(t: TensorType, mesh: MeshInfo, partial: bool = False) -> tuple[Strategy, ...]:
+    """An argument may be sharded along any dims the mesh axes divide; with `partial`,
+    also be a Partial sum over any set of the axes a sharding leaves unused."""
+    rule = FactorRule(tuple(Factor(s) for s in t.shape), (), (tuple(range(t.rank)),))
+    out = enumerate_factor_rule(rule, mesh)
+    if partial and jnp.issubdtype(t.dtype, jnp.floating):
+        for s in list(out):
+            free = [a for a in mesh.axis_names if a not in s.out_specs[0].used_axes]
+            for k in range(1, len(free) + 1):
+                for axes in itertools.combinations(free, k):
+                    spec = Spec(s.out_specs[0].dims, axes)
+                    out.append(replace(s, name=str(spec), out_specs=(spec,)))
+    return tuple(out)
+
+
+def find_aliases(graph: Graph) -> dict[int, int]:
+    """Outputs that are updated versions of inputs: the same path below the argument
+    name (`state/params/w` ~ `out/0/params/w` or `out/params/w`) and the same type.
+    Unique matches only."""
+    by_rest: dict[str, list[int]] = {}
+    for i, p in enumerate(graph.input_paths):
+        by_rest.setdefault(p.partition("/")[2], []).append(i)
+    aliases: dict[int, int] = {}
+    for o, p in enumerate(graph.output_paths):
+        rest = p.partition("/")[2]
+        cands = by_rest.get(rest) or by_rest.get(rest.partition("/")[2]) or []
+        if len(cands) == 1:
+            i = cands[0]
+            if (
+                graph.values[graph.inputs[i]] == graph.values[graph.outputs[o]]
+                and i not in aliases.values()
+            ):
+                aliases[o] = i
+    return aliases
+
+
+def build_problem(
+    graph: Graph,
+    mesh: MeshInfo,
+    cost: CostModel,
+    pipelined: PipelinedScans | None = None,
+    partial_carry: bool = False,
+    partial_outputs: frozenset[int] = frozenset(),
+    *,
+    nested: NestedSearch,
+) -> Problem:
+    """The cost graph of `graph` on `mesh`, scan bodies and cond branches planned by
+    `nested`. The scans in `pipelined` have their body searched at the micro-batch
+    size on one stage's sub-mesh and are priced as a GPipe pipeline over the stage
+    axis. With `partial_carry` (the body of a gradient
+    accumulation loop), a state input that comes back as an output may also be a
+    Partial sum, kept unsummed from step to step. The outputs at `partial_outputs` may
+    be returned unsummed."""
+    piped = pipelined.scans if pipelined is not None else {}
+    head = pipelined.head_nodes() if pipelined is not None else frozenset()
+    resident = _fused_residency(graph, pipelined) if head else {}
+    carried = set(find_aliases(graph).values()) if partial_carry else set()
+    n_in = len(graph.inputs)
+    strategies: list[tuple[Strategy, ...]] = []
+    warnings: list[str] = []
+    source: dict[int, tuple[int, int]] = {}
+    flops = np.zeros(n_in + len(graph.nodes))
+    cache: dict = {}
+    for i, v in enumerate(graph.inputs):
+        t = graph.values[v]
+        key = ("input", t, i in carried)
+        if key not in cache:
+            cache[key] = input_strategies(t, mesh, partial=i in carried)
+        strategies.append(cache[key])
+        source[v] = (i, 0)
+    bodies: dict[int, ScanBody] = {}
+    conds: dict[int, CondBranches] = {}
+    for node in graph.nodes:
+        key = _node_key(node, graph) if node.body is None else None
+        ns = cache.get(key) if key is not None else None
+        if node.id in piped:
+            sub = sub_mesh(mesh, pipelined.pipe.axis)
+            micro, labels = piped[node.id]
+            n_k = node.params["num_carry"]
+            sums = frozenset(n_k + j for j, lab in enumerate(labels.outs[n_k:]) if lab == SUM)
+            ns, bodies[node.id] = nested.scan(
+                replace(node, body=micro),
+                sub,
+                CostModel(cost.profile, sub),
+                pipelined.pipe.axis,
+                sums,
+            )
+        elif node.body is not None:
+            ns, bodies[node.id] = nested.scan(node, mesh, cost)
+        elif node.branches is not None:
+            ns, conds[node.id] = nested.cond(node, mesh, cost)
+        elif ns is None:
+            ns = strategies_for(node, graph, mesh)
+            if key is not None:
+                cache[key] = ns
+        if node.id in head:  # runs on the last stage, micro-batch by micro-batch
+            axis = pipelined.pipe.axis
+            off_stage = tuple(
+                s
+                for s in ns.strategies
+                if not any(axis in sp.used_axes for sp in (*s.in_specs, *s.out_specs))
+            )
+            ns = replace(ns, strategies=off_stage or ns.strategies)
+        if ns.warning:
+            warnings.append(ns.warning)
+        strategies.append(ns.strategies)
+        for k, v in enumerate(node.outputs):
+            source[v] = (n_in + node.id, k)
+        flops[n_in + node.id] = (
+            _run_flops(node, graph) if node.branches is not None else node_flops(node, graph)
+        )
+
+    node_time, node_mem = _node_costs(
+        graph, mesh, cost, strategies, flops, carried, partial_outputs, resident
+    )
+    node_time = list(node_time)
+    for i, (_, results) in bodies.items():
+        node = graph.nodes[i]
+        if i in piped:
+            collect = i not in _inside_1f1b(graph, pipelined)
+            node_time[n_in + i] = np.array(
+                [
+                    _pipeline_seconds(node, bodies[i][0], pipelined.pipe, cost, r, collect)
+                    for r in results
+                ]
+            )
+        else:
+            node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
+    for i, (_, per_strategy) in conds.items():
+        node_time[n_in + i] = np.array([b.seconds for b in per_strategy])
+    node_time = tuple(node_time)
+    edges = _edges(graph, cost, strategies, source)
+    aliases = find_aliases(graph)
+    for o, i in aliases.items():
+        v = graph.outputs[o]
+        if v not in source or source[v][0] == i:
+            continue
+        u, k = source[v]
+        t = graph.values[v]
+        # The new value (producer u's output k) must come back in the arg's spec.
+        mat = _matrix(
+            cost,
+            t,
+            tuple(s.out_specs[k] for s in strategies[u]),
+            tuple(s.out_specs[0] for s in strategies[i]),
+            cache,
+        )
+        _add_edge(edges, u, i, mat)
+    return Problem(
+        graph,
+        mesh,
+        cost,
+        tuple(strategies),
+        source,
+        aliases,
+        tuple(dict.fromkeys(warnings)),
+        flops,
+        node_time,
+        node_mem,
+        edges,
+        bodies,
+        frozenset(partial_outputs),
+        resident,
+        conds,
+    )
+
+
+def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:
+    """In a 1F1B pipeline a stage holds the saved activations of at most 2S - 1
+    micro-batches, and the head's values one micro-batch's worth, but for the values
+    the rest of the step reads from it."""
+    M, S = pipelined.pipe.microbatches, pipelined.pipe.stages
+    out = {}
+    for fz in pipelined.fused:
+        F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
+        for v in F.outputs[F.params["num_carry"] :]:
+            if v in B.inputs:
+                out[v] = min(M, 2 * S - 1) / M
+        kept = {v for v, _ in fz.head_outs}
+        for h in fz.head:
+            out.update((v, 1 / M) for v in graph.nodes[h].outputs if v not in kept)
+    return out
+
+
+def _inside_1f1b(graph: Graph, pipelined: PipelinedScans) -> set[int]:
+    """The 1F1B forward loops whose final carry only the head reads: it never leaves
+    the pipeline."""
+    out = set()
+    for fz in pipelined.fused:
+        F, members = graph.nodes[fz.forward], fz.members()
+        carry = set(F.outputs[: F.params["num_carry"]])
+        if carry & set(graph.outputs):
+            continue
+        if all(n.id in members for n in graph.nodes if carry & set(n.inputs)):
+            out.add(fz.forward)
+    return out
+
+
+def graph_flops(graph: Graph) -> float:
+    """All FLOPs of one run of `graph`, loops at their length."""
+    return sum(_run_flops(node, graph) for node in graph.nodes)
+
+
+def _run_flops(node, graph: Graph) -> float:
+    if node.body is not None:
+        return node.params["length"] * graph_flops(node.body)
+    if node.branches is not None:  # the costliest branch
+        return max(graph_flops(b) for b in node.branches)
+    return node_flops(node, graph)
+
+
+def step_floor(
+    graph: Graph, devices: int, profile, pipelined: PipelinedScans | None = None
+) -> float:
+    """A floor under every plan's predicted step for `graph` on `devices` devices: all
+    of its FLOPs spread over every device at the profile's best FLOP rate, a pipelined
+    loop's at the micro-batch size for all `M + S - 1` slots (its fill and drain). No
+    op is priced below its FLOPs over its parallelism at its dtype's rate, and no
+    communication below zero, so a search whose floor is above a price already found
+    cannot beat it."""
+    piped = pipelined.scans if pipelined is not None else {}
+    total = 0.0
+    for node in graph.nodes:
+        if node.id in piped:  # the body at the micro-batch size, in every slot
+            pipe = pipelined.pipe
+            micro = replace(node, body=piped[node.id][0])
+            total += (pipe.microbatches + pipe.stages - 1) * _run_flops(micro, graph)
+        else:
+            total += _run_flops(node, graph)
+    return total / (max(profile.peak_flops.values()) * profile.compute_efficiency * devices)
+
+
+def _pipeline_seconds(
+    node: Node,
+    body: Problem,
+    pipe: Pipeline,
+    cost: CostModel,
+    result: SearchResult,
+    collect: bool = True,
+) -> float:
+    """Time of a pipelined scan: `M + S - 1` slots, each one micro-batch through one
+    stage's layers (`result`: one layer's plan at the micro-batch size, on the `body`
+    problem) and one collective-permute of each device's shard of the micro-batch's
+    carry to the next stage; then (`collect`) the final carry, which only the last
+    stage holds, is all-reduced over the stage axis. GPipe and 1F1B alike: 1F1B runs a
+    forward and a backward slot per tick, with ramps of forward-only and
+    backward-only slots."""
+    n_c, n_k = node.params["num_consts"], node.params["num_carry"]
+    sent = sum(
+        body.cost.local_bytes(
+            body.graph.values[body.graph.inputs[i]],
+            body.strategies[i][result.choice[i]].out_specs[0],
+        )
+        for i in range(n_c, n_c + n_k)
+    )
+    hop = cost.collective("collective-permute", (pipe.axis,), sent)
+    # the last stage's outputs reach every stage: an all-reduce of all micro-batches' carry
+    out = cost.collective("all-reduce", (pipe.axis,), sent * pipe.microbatches)
+    layers = stage_layers(node, pipe)
+    ticks = pipe.microbatches + pipe.stages - 1
+    return ticks * (layers * result.cost.step_s + hop.seconds) + out.seconds * collect
+
+
+def batch_like_body_inputs(node) -> list[int]:
+    """A loop's body inputs that are activations: those with the carry's leading
+    (batch) dim, when the first carry has one; the others are weights and the like."""
+    b = node.body
+    n_fixed = node.params["num_consts"] + node.params["num_carry"]
+    carry = [b.values[v] for v in b.inputs[n_fixed - node.params["num_carry"] : n_fixed]]
+    if not carry or not carry[0].rank:
+        return []
+    return [i for i, v in enumerate(b.inputs) if b.values[v].shape[:1] == carry[0].shape[:1]]
+
+
+def _node_key(node, graph):
+    try:
+        key = (
+            node.op,
+            tuple(graph.values[v] for v in node.inputs),
+            tuple(graph.values[v] for v in node.outputs),
+            tuple(sorted(node.params.items())),
+        )
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def _node_costs(
+    graph, mesh, cost, strategies, flops, carried=frozenset(), unsummed=frozenset(), resident=None
+):
+    n_in = len(graph.inputs)
+    times, mems = [], []
+    out_types = [[graph.values[v]] for v in graph.inputs] + [
+        [graph.values[v] for v in n.outputs] for n in graph.nodes
+    ]
+    resident = resident or {}
+    fractions = [(1.0,) for _ in graph.inputs] + [
+        tuple(resident.get(v, 1.0) for v in n.outputs) for n in graph.nodes
+    ]
+    in_types = [[] for _ in graph.inputs] + [
+        [graph.values[v] for v in n.inputs] for n in graph.nodes
+    ]
+    dtypes = [graph.values[v].dtype for v in graph.inputs] + [
+        compute_dtype(n, graph) for n in graph.nodes
+    ]
+    pending = _output_partials(graph, strategies, n_in, carried, unsummed)
+    traffic = _hbm_traffic(graph)
+    memo: dict = {}  # repeated layers: identical ops cost the same
+    for c, strats in enumerate(strategies):
+        moved = traffic[c - n_in] if c >= n_in else None
+        key = (
+            id(strats),
+            tuple(in_types[c]),
+            tuple(out_types[c]),
+            flops[c],
+            tuple(pending.get(c, ())),
+            c < n_in,
+            moved,
+            dtypes[c],
+            fractions[c],
+        )
+        if key not in memo:
+            memo[key] = _strategy_costs(
+                cost,
+                strats,
+                in_types[c],
+                out_types[c],
+                flops[c],
+                pending.get(c, ()),
+                c < n_in,
+                moved,
+                dtypes[c],
+                fractions[c],
+            )
+        times.append(memo[key][0])
+        mems.append(memo[key][1])
+    return tuple(times), tuple(mems)
+
+
+def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]] | None]:
+    """Per node, which operands it reads from and which results it writes to HBM:
+    None for all of them. XLA fuses chains of elementwise and shape ops (FUSED_OPS)
+    into one kernel, so such an op reads only operands made outside its chain (by a
+    heavy op, or arguments) and writes only results that leave it (read by a heavy
+    op, or returned); values passed along the chain never touch HBM."""
+    fused = [n.op in FUSED_OPS for n in graph.nodes]
+    producer, consumers = graph.producer, graph.consumers
+    returned = set(graph.outputs)
+    out: list = []
+    for n in graph.nodes:
+        if not fused[n.id]:
+            out.append(None)
+            continue
+        reads = tuple(not (v in producer and fused[producer[v]]) for v in n.inputs)
+        writes = tuple(
+            v in returned or any(not fused[c] for c in consumers.get(v, ())) for v in n.outputs
+        )
+        out.append((reads, writes))
+    return out
+
+
+def _strategy_costs(
+    cost,
+    strats,
+    in_types,
+    out_types,
+    flops,
+    pending,
+    is_input,
+    moved=None,
+    dtype=np.float32,
+    fractions=None,
+):
+    t_arr = np.zeros(len(strats))
+    m_arr = np.zeros(len(strats))
+    reads, writes = moved or ((True,) * len(in_types), (True,) * len(out_types))
+    for s_i, s in enumerate(strats):
+        out_bytes = [cost.local_bytes(t, sp) for t, sp in zip(out_types, s.out_specs)]
+        mem = sum(b * f for b, f in zip(out_bytes, fractions or (1.0,) * len(out_bytes)))
+        m_arr[s_i] = mem
+        if is_input:
+            continue
+        nbytes = sum(b for b, w in zip(out_bytes, writes) if w) + sum(
+            cost.local_bytes(t, sp) for t, sp, r in zip(in_types, s.in_specs, reads) if r
+        )
+        t_arr[s_i] = cost.compute_seconds(flops / s.parallel, nbytes, dtype)
+        # A partial value returned by the function must be summed before it leaves.
+        for k in pending:
+            sp = s.out_specs[k]
+            t_arr[s_i] += cost.reshard(out_types[k], sp, sp.without_partial()).seconds
+    t_arr.setflags(write=False)
+    m_arr.setflags(write=False)
+    return t_arr, m_arr
+
+
+def _output_partials(
+    graph, strategies, n_in, carried=frozenset(), unsummed=frozenset()
+) -> dict[int, list[int]]:
+    """Per producer, its outputs the function returns (a Partial one is summed before it
+    leaves), except state carried as a Partial sum (`carried` input positions) and the
+    outputs returned unsummed (`unsummed` output positions)."""
+    producer = graph.producer
+    out: dict[int, list[int]] = {}
+    kept = {graph.outputs[o] for o, i in find_aliases(graph).items() if i in carried}
+    kept |= {graph.outputs[o] for o in unsummed}
+    for v in dict.fromkeys(graph.outputs):
+        if v in kept:
+            continue
+        if v in producer:
+            node = graph.nodes[producer[v]]
+            out.setdefault(n_in + node.id, []).append(node.outputs.index(v))
+    return out
+
+
+def _edges(graph, cost, strategies, source):
+    n_in = len(graph.inputs)
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    cache: dict = {}
+    uses: dict[int, int] = {}
+    for node in graph.nodes:
+        for x in node.inputs:
+            uses[x] = uses.get(x, 0) + 1
+    for node in graph.nodes:
+        v_cg = n_in + node.id
+        for j, x in enumerate(node.inputs):
+            if x not in source:
+                continue  # constants: any slice is free
+            u, k = source[x]
+            t = graph.values[x]
+            src = tuple(s.out_specs[k] for s in strategies[u])
+            dst = tuple(s.in_specs[j] for s in strategies[v_cg])
+            _add_edge(edges, u, v_cg, _matrix(cost, t, src, dst, cache, uses[x]))
+    return edges
+
+
+def _add_edge(edges, u, v, mat):
+    if u > v:
+        u, v, mat = v, u, mat.T
+    if not mat.any():
+        edges.setdefault((u, v), np.zeros_like(mat))
+        return
+    if (u, v) in edges:
+        edges[(u, v)] = edges[(u, v)] + mat
+    else:
+        edges[(u, v)] = mat
+
+
+def _matrix(
+    cost: CostModel,
+    t: TensorType,
+    src: tuple[Spec, ...],
+    dst: tuple[Spec, ...],
+    cache,
+    uses: int = 1,
+) -> np.ndarray:
+    """[len(src), len(dst)] resharding seconds. A Partial value with `uses` uses is
+    summed once, where it is produced (`evaluate.settle_partials`), not once per use:
+    each use may instead pay its share of one all-reduce and reshard from the sum."""
+
+    def price(a: Spec, b: Spec) -> float:
+        direct = cost.reshard(t, a, b).seconds
+        if uses < 2 or not a.partial or b.partial:
+            return direct
+        whole = a.without_partial()
+        shared = cost.reshard(t, a, whole).seconds / uses + cost.reshard(t, whole, b).seconds
+        return min(direct, shared)
+
+    key = (t, src, dst, uses)
+    m = cache.get(key)
+    if m is None:
+        m = np.array([[price(a, b) for b in dst] for a in src], dtype=np.float64).reshape(
+            len(src), len(dst)
+        )
+        m.setflags(write=False)
+        cache[key] = m
+    return m

@@ -1,0 +1,223 @@
+"""The search inside an op: a scan's body and a cond's branches, each planned on its
+own problem by the driver (`search.search`); `build_problem` prices the plans found.
+
+This is the `NestedSearch` hook `search.build.build_problem` takes, so the problem
+module needs neither the driver nor the engines; `search.problem.build_problem`
+passes it by default."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import replace
+
+from autopar.cost.model import CostModel
+from autopar.errors import MemoryBudgetError
+from autopar.ir.graph import Node
+from autopar.passes.accumulate import is_accumulation
+from autopar.search import search
+from autopar.search.build import (
+    Branches,
+    CondBranches,
+    NestedSearch,
+    Problem,
+    ScanBody,
+    batch_like_body_inputs,
+    build_problem,
+)
+from autopar.search.engines import _batch_spec
+from autopar.search.evaluate import output_specs
+from autopar.search.result import SearchResult
+from autopar.sharding import MeshInfo, Spec
+from autopar.strategies import Fixed, NodeStrategies, fixed_strategy
+
+
+class SearchNested:
+    """The `NestedSearch` in use: a body or branch is built with this same hook (a scan
+    in a scan body is searched the same way) and searched by the driver."""
+
+    def scan(
+        self,
+        node: Node,
+        mesh: MeshInfo,
+        cost: CostModel,
+        stage_axis: str | None = None,
+        sums: frozenset[int] = frozenset(),
+    ) -> tuple[NodeStrategies, ScanBody]:
+        return _scan_strategy(self, node, mesh, cost, stage_axis, sums)
+
+    def cond(
+        self, node: Node, mesh: MeshInfo, cost: CostModel
+    ) -> tuple[NodeStrategies, CondBranches]:
+        return _cond_strategy(self, node, mesh, cost)
+
+
+search_nested = SearchNested()
+
+
+def _scan_strategy(
+    nested: NestedSearch,
+    node: Node,
+    mesh: MeshInfo,
+    cost: CostModel,
+    stage_axis: str | None = None,
+    sums: frozenset[int] = frozenset(),
+) -> tuple[NodeStrategies, ScanBody]:
+    """A scan's strategies: its body searched once (every engine), each distinct plan
+    found one strategy of the scan, priced at `length` steps; the outer search picks
+    the one that fits its neighbours. The body must fit the device's memory (its
+    arguments are the loop's slices, which a free search would leave replicated);
+    the carry keeps one spec from step to step through the body's alias edges.
+    Each xs/ys value is one body slice with the loop dim in front, unsplit, or split
+    over `stage_axis` when the loop is pipelined (`mesh` is then one stage's); a
+    pipelined loop's per-layer sums over the batch (body outputs `sums`) may come out
+    Partial, summed across devices once after every micro-batch went through."""
+    body = build_problem(
+        node.body,
+        mesh,
+        cost,
+        partial_carry=is_accumulation(node),
+        partial_outputs=sums,
+        nested=nested,
+    )
+    budget = cost.profile.hbm_bytes
+    result = _search_fitting(body, "auto", budget)
+    if result.cost.peak_memory_bytes > budget:  # nothing fits: neither need the others
+        budget = float("inf")
+    candidates = [result.pick(name) for name, _, _ in result.ranked]
+    # Plus the layout a loop over layers usually wants: every activation (an input
+    # with the carry's leading, batch dim) split along that dim, the rest searched.
+    n_fixed = node.params["num_consts"] + node.params["num_carry"]
+    n_carry = node.params["num_carry"]
+    batched = batch_like_body_inputs(node)
+    if batched:
+        pins = {i: _batch_first(body, i) for i in batched}
+        with contextlib.suppress(MemoryBudgetError):
+            candidates.append(replace(search(body, "dp", budget, pins), engine="dp+batch"))
+        # Per-layer weights split over one axis (Megatron-style when it is the tensor
+        # axis): a loop stores its stacked weights in the layout its body reads them,
+        # so a body that keeps them whole needs the whole stack on every device.
+        for axis, size in zip(mesh.axis_names, mesh.axis_sizes):
+            split = {
+                i: k
+                for i in range(n_fixed, body.num_inputs)
+                if i not in pins
+                for k in [_largest_dim_over(body, i, axis)]
+                if k is not None
+            }
+            if size > 1 and split:
+                with contextlib.suppress(MemoryBudgetError):
+                    r = search(body, "dp", budget, {**pins, **split})
+                    candidates.append(replace(r, engine=f"dp+weights/{axis}"))
+    lead = (stage_axis,) if stage_axis else ()
+    lift = lambda sp: Spec((lead, *sp.dims), sp.partial)
+    strategies, results, seen = [], [], set()
+    for r in candidates:
+        name = r.engine
+        ins = [body.strategies[i][r.choice[i]].out_specs[0] for i in range(body.num_inputs)]
+        outs = output_specs(body, r.choice)
+        in_specs = tuple(sp if k < n_fixed else lift(sp) for k, sp in enumerate(ins))
+        out_specs = tuple(sp if k < n_carry else lift(sp) for k, sp in enumerate(outs))
+        if (in_specs, out_specs) in seen:
+            continue
+        seen.add((in_specs, out_specs))
+        strategies.append(fixed_strategy(Fixed(in_specs, out_specs, f"scan body: {name}")))
+        results.append(r)
+    warnings = tuple(f"{w} (in the scan body at {node.key})" for w in body.warnings)
+    return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (body, results)
+
+
+def _search_fitting(problem: Problem, engine: str, budget: float, pins=None) -> SearchResult:
+    """`search` within `budget`; when no plan fits, the fastest plan at any size (a loop
+    body or branch must be planned whatever it needs; the outer search prices that)."""
+    try:
+        return search(problem, engine, budget, pins or {})
+    except MemoryBudgetError:
+        return search(problem, engine, float("inf"), pins or {})
+
+
+def _cond_strategy(
+    nested: NestedSearch, node: Node, mesh: MeshInfo, cost: CostModel
+) -> tuple[NodeStrategies, CondBranches]:
+    """A cond's strategies: interfaces (operand and result specs) that every branch is
+    searched to. The operand specs tried: the inputs of each branch's own plans (every
+    engine, the branch searched alone), every operand whole, and every operand with
+    its largest dim over one mesh axis. For each, every branch is searched (`dp`) with
+    its inputs pinned there; the results come out in the specs the costliest branch
+    leaves them in, and the other branches reshard theirs into them. A strategy is
+    priced at its costliest branch: the search does not know which one runs."""
+    probs = tuple(build_problem(b, mesh, cost, nested=nested) for b in node.branches)
+    p0, n = probs[0], len(node.inputs) - 1
+    solve = functools.partial(_search_fitting, budget=cost.profile.hbm_bytes)
+    spec_of = lambda p, choice: tuple(p.strategies[i][choice[i]].out_specs[0] for i in range(n))
+    tried: dict[tuple[Spec, ...], None] = {}
+    for p in probs:
+        for _, choice, _ in solve(p, "auto").ranked:
+            tried.setdefault(spec_of(p, choice))
+    whole = [
+        next(k for k, st in enumerate(p0.strategies[i]) if not st.out_specs[0].used_axes)
+        for i in range(n)
+    ]
+    tried.setdefault(spec_of(p0, whole))
+    for axis, size in zip(mesh.axis_names, mesh.axis_sizes):
+        split = [_largest_dim_over(p0, i, axis) for i in range(n)]
+        if size > 1 and any(k is not None for k in split):
+            tried.setdefault(spec_of(p0, [w if k is None else k for k, w in zip(split, whole)]))
+    index = [{st.out_specs[0]: k for k, st in enumerate(p0.strategies[i])} for i in range(n)]
+    head = Spec.replicated(0)  # the branch index, a scalar
+    strategies, per_strategy, seen = [], [], set()
+    for ins in tried:
+        pins = {i: index[i][sp] for i, sp in enumerate(ins)}
+        results = tuple(solve(p, "dp", pins=pins) for p in probs)
+        worst = max(range(len(probs)), key=lambda k: results[k].cost.step_s)
+        outs = tuple(output_specs(probs[worst], results[worst].choice))
+        if (ins, outs) in seen:
+            continue
+        seen.add((ins, outs))
+        seconds = max(
+            r.cost.step_s
+            + sum(
+                cost.reshard(p.graph.values[v], have, want).seconds
+                for v, have, want in zip(p.graph.outputs, output_specs(p, r.choice), outs)
+            )
+            for p, r in zip(probs, results)
+        )
+        strategies.append(
+            fixed_strategy(Fixed((head, *ins), outs, f"cond: {results[worst].engine}"))
+        )
+        per_strategy.append(Branches(results, seconds))
+    warnings = tuple(
+        f"{w} (in the cond branch {k} at {node.key})"
+        for k, p in enumerate(probs)
+        for w in p.warnings
+    )
+    return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (
+        probs,
+        tuple(per_strategy),
+    )
+
+
+def _largest_dim_over(problem: Problem, i: int, axis: str) -> int | None:
+    """Input i's strategy splitting its largest dim over `axis` alone (None if no
+    strategy does, e.g. the dim does not divide)."""
+    t = problem.graph.values[problem.graph.inputs[i]]
+    if not t.rank:
+        return None
+    d = max(range(t.rank), key=lambda k: (t.shape[k], -k))
+    want = tuple((axis,) if k == d else () for k in range(t.rank))
+    return next(
+        (k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0].dims == want), None
+    )
+
+
+def _batch_first(problem: Problem, i: int) -> int:
+    """Input i's strategy with its leading (batch) dim split over as many axes as divide
+    it, and the axes left over on its other dims (the most devices, fewest dims)."""
+    lead = problem.strategies[i][_batch_spec(problem, i)].out_specs[0].dims[0]
+    same = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0].dims[0] == lead]
+    key = lambda k: (
+        problem.strategies[i][k].parallel,
+        -sum(bool(d) for d in problem.strategies[i][k].out_specs[0].dims),
+        -k,
+    )
+    return max(same, key=key)

@@ -1,0 +1,163 @@
+"""Formatting and grouping shared by every plan report (and by `autopar render`):
+seconds and byte deltas, op and argument keys to layers and phases, per-device sizes,
+and the one-line picture of how an array is split."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from autopar.errors import format_bytes
+from autopar.plan.plan import TensorRecord
+from autopar.sharding import MeshInfo, Spec
+
+# Path components that hold a model's arrays rather than name a part of the model.
+_CONTAINERS = {"params", "opt_state", "batch_stats", "mu", "nu", "count", "state", "inner_state"}
+LAYER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)*?_?\d+$")
+_PICTURE_CELLS = 16
+
+
+# ---------------------------------------------------------------------------- formatting
+
+
+def format_seconds(s: float) -> str:
+    """`0.00123` -> `1.23 ms`: three significant digits in s, ms, µs or ns."""
+    a = abs(s)
+    if a == 0:
+        return "0 s"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if a >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"
+
+
+def format_delta_seconds(d: float) -> str:
+    return ("+" if d > 0 else "") + format_seconds(d) if d else "="
+
+
+def format_delta_bytes(d: float) -> str:
+    return ("+" if d > 0 else "-") + format_bytes(abs(d)) if d else "="
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        import jax.numpy as jnp
+
+        return jnp.dtype(dtype).itemsize
+
+
+def comm_key(key: str) -> tuple[str, tuple[str, ...]]:
+    """`"all-reduce@data,model"` -> `("all-reduce", ("data", "model"))`."""
+    kind, _, axes = key.partition("@")
+    return kind, tuple(a for a in axes.split(",") if a)
+
+
+# ---------------------------------------------------------------------------- grouping
+
+
+def layer_of_path(path: str) -> str:
+    """The part of the model an argument belongs to: `state/params/h_3/attn/q/kernel` ->
+    `h_3`, `state/opt_state/0/mu/wte/embedding` -> `wte`; arrays outside params /
+    optimizer state group under their argument's name (`batch/inputs` -> `batch`)."""
+    parts = path.split("/")
+    if not any(p in ("params", "opt_state", "batch_stats") for p in parts):
+        return parts[0]
+    rest = [p for p in parts[1:] if p not in _CONTAINERS and not p.isdigit()]
+    for p in rest[:-1]:
+        if LAYER_RE.match(p):
+            return p
+    if rest:
+        return rest[0]
+    return "(optimizer)" if "opt_state" in parts else "(other)"
+
+
+def layer_of_op(key: str) -> str:
+    """The layer an op key's name stack names: `transpose(jvp(GPT))/h_0/mlp/c_fc/dot_general#1`
+    -> `h_0`, `jvp(GPT)/wte.attend/dot_general#0` -> `wte`. Ops outside every module
+    (the loss under `jvp()`, the optimizer with no name stack) -> `(top level)`."""
+    stack = key.split("/")[:-1]
+    wrapped = [p for p in stack if "(" in p]
+    inner = re.sub(r"^.*\(|\).*$", "", wrapped[0]) if wrapped else None
+    parts = [p.split(".", 1)[0] for p in stack if "(" not in p and not p.startswith("_")]
+    for p in parts:
+        if LAYER_RE.match(p):
+            return p
+    if parts and inner != "":
+        return parts[0]
+    return inner or "(top level)"
+
+
+def phase_of_op(key: str) -> str:
+    """`forward`, `backward` (under a `transpose(...)` name stack) or `other`."""
+    head = key.split("/", 1)[0]
+    if head.startswith("transpose("):
+        return "backward"
+    if "/" in key and "(" in head:
+        return "forward"
+    return "other"
+
+
+# ---------------------------------------------------------------------------- pictures
+
+
+def split_picture(shape: Sequence[int], spec: Spec, mesh: MeshInfo) -> str:
+    """One bar per dimension: `█` for a dimension every device holds whole, else one cell
+    per shard with this device's shard `▓` and the others `░` (at most 16 cells; more
+    shards than that print as `▓░…░/256`). `R S[model]` on a 4-way model axis:
+    `█ ▓░░░`."""
+    if not shape:
+        return "·"
+    bars = []
+    for d in spec.dims[: len(shape)]:
+        k = math.prod(mesh.size(a) for a in d) if d else 1
+        if k <= 1:
+            bars.append("█")
+        elif k <= _PICTURE_CELLS:
+            bars.append("▓" + "░" * (k - 1))
+        else:
+            bars.append("▓" + "░" * (_PICTURE_CELLS - 3) + f"…/{k}")
+    return " ".join(bars)
+
+
+def spec_text(spec: Spec) -> str:
+    return str(spec)
+
+
+def local_shape(r: TensorRecord, mesh: MeshInfo) -> tuple[int, ...]:
+    return r.spec.local_shape(r.shape, mesh)
+
+
+def local_bytes(r: TensorRecord, mesh: MeshInfo) -> int:
+    return math.prod(local_shape(r, mesh)) * itemsize(r.dtype)
+
+
+def full_bytes(r: TensorRecord) -> int:
+    return math.prod(r.shape) * itemsize(r.dtype)
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+# ---------------------------------------------------------------------------- sorting
+
+
+def kind_order(path: str) -> int:
+    """Parameters first, then optimizer state, then everything else."""
+    parts = path.split("/")
+    return 0 if "params" in parts else 1 if "opt_state" in parts else 2
+
+
+def layer_order(name: str):
+    """Sort `h_2` before `h_10`; the rest alphabetically, `(top level)` last."""
+    m = re.match(r"^(.*?)(\d+)$", name)
+    if name.startswith("("):
+        return (2, name, 0)
+    if m:
+        return (0, m.group(1), int(m.group(2)))
+    return (1, name, 0)

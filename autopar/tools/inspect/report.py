@@ -1,0 +1,357 @@
+"""`autopar inspect`: a plan's costs, communication, memory, candidates, and its
+inputs, ops or layers, as JSON-able data and as tables."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from autopar.errors import format_bytes
+from autopar.ir.ops import CONTRACTIONS
+from autopar.plan.plan import Plan
+from autopar.tools.inspect.format import (
+    comm_key,
+    format_seconds,
+    full_bytes,
+    kind_order,
+    layer_of_op,
+    layer_of_path,
+    layer_order,
+    local_bytes,
+    local_shape,
+    phase_of_op,
+    shape_text,
+    split_picture,
+)
+from autopar.tools.inspect.tables import Table, render
+
+
+def header_lines(plan: Plan) -> list[str]:
+    mesh = " x ".join(f"{a}={s}" for a, s in zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
+    return [
+        f"autopar plan for {plan.function or 'function'}",
+        f"mesh {mesh} ({plan.mesh.num_devices} devices), cluster {plan.cluster.get('name', '?')}, "
+        f"engine {plan.engine}"
+        + (f" ({plan.search_seconds:.2f} s)" if plan.search_seconds else "")
+        + f", fingerprint {plan.fingerprint}",
+    ]
+
+
+def _link(plan: Plan, axes: tuple[str, ...]) -> str:
+    try:
+        return "intra-node" if plan.mesh.is_intra_node(axes) else "inter-node"
+    except (ValueError, IndexError):
+        return "?"
+
+
+def comm_breakdown(plan: Plan) -> dict:
+    """Bytes moved per step by collective, by mesh axes and by kind."""
+    by_coll, by_axes, by_kind = [], {}, {}
+    total = sum(plan.cost.comm_bytes.values())
+    for key, b in sorted(plan.cost.comm_bytes.items(), key=lambda kv: (-kv[1], kv[0])):
+        kind, axes = comm_key(key)
+        name = ",".join(axes)
+        by_coll.append(
+            {"kind": kind, "axes": list(axes), "link": _link(plan, axes), "bytes": int(b)}
+        )
+        by_axes[name] = by_axes.get(name, 0) + int(b)
+        by_kind[kind] = by_kind.get(kind, 0) + int(b)
+    return {
+        "total_bytes": int(total),
+        "collectives": by_coll,
+        "by_axes": by_axes,
+        "by_kind": by_kind,
+    }
+
+
+def layer_rows(plan: Plan) -> list[dict]:
+    rows: dict[str, dict] = {}
+
+    def row(name):
+        return rows.setdefault(
+            name,
+            {
+                "layer": name,
+                "arrays": 0,
+                "sharded_arrays": 0,
+                "bytes": 0,
+                "local_bytes": 0,
+                "ops": 0,
+                "compute_s": 0.0,
+                "contraction_strategies": {},
+            },
+        )
+
+    for r in plan.inputs:
+        d = row(layer_of_path(r.path))
+        d["arrays"] += 1
+        d["sharded_arrays"] += bool(r.spec.used_axes)
+        d["bytes"] += full_bytes(r)
+        d["local_bytes"] += local_bytes(r, plan.mesh)
+    for o in plan.ops:
+        d = row(layer_of_op(o.key))
+        d["ops"] += 1
+        d["compute_s"] += o.compute_s
+        if o.op in CONTRACTIONS:
+            c = d["contraction_strategies"]
+            c[o.strategy] = c.get(o.strategy, 0) + 1
+    return list(rows.values())
+
+
+def input_rows(plan: Plan) -> list[dict]:
+    out = []
+    for r in plan.inputs:
+        shards = r.spec.shards(plan.mesh)
+        out.append(
+            {
+                "path": r.path,
+                "layer": layer_of_path(r.path),
+                "shape": list(r.shape),
+                "dtype": r.dtype,
+                "spec": r.spec.to_json(),
+                "strategy": str(r.spec),
+                "local_shape": list(local_shape(r, plan.mesh)),
+                "bytes": full_bytes(r),
+                "local_bytes": local_bytes(r, plan.mesh),
+                "fraction": f"1/{shards}" if shards > 1 else "all",
+                "picture": split_picture(r.shape, r.spec, plan.mesh),
+            }
+        )
+    return out
+
+
+def op_rows(plan: Plan) -> list[dict]:
+    return [
+        {
+            "key": o.key,
+            "layer": layer_of_op(o.key),
+            "phase": phase_of_op(o.key),
+            "op": o.op,
+            "source": o.source,
+            "strategy": o.strategy,
+            "compute_s": o.compute_s,
+        }
+        for o in plan.ops
+    ]
+
+
+def inspect_summary(plan: Plan, by: str = "param") -> dict:
+    """JSON-able report: cost, communication, memory, candidates, layers, warnings, and
+    the `by` view (`inputs` for param, `ops` for op; `layers` is always there)."""
+    c = plan.cost
+    hbm = float(plan.cluster.get("hbm_bytes", 0) or 0)
+    inputs = input_rows(plan)
+    out = {
+        "function": plan.function,
+        "fingerprint": plan.fingerprint,
+        "mesh": plan.mesh.shape,
+        "devices": plan.mesh.num_devices,
+        "cluster": plan.cluster.get("name", "?"),
+        "engine": plan.engine,
+        "search_seconds": plan.search_seconds,
+        "cost": {
+            "compute_s": c.compute_s,
+            "comm_s": c.comm_s,
+            "step_s": c.step_s,
+        },
+        "communication": comm_breakdown(plan),
+        "memory": {
+            "peak_bytes": c.peak_memory_bytes,
+            "argument_bytes": c.argument_bytes,
+            "compiled_bytes": getattr(plan, "compiled_memory_bytes", None),
+            "hbm_bytes": hbm,
+            "peak_fraction_of_hbm": c.peak_memory_bytes / hbm if hbm else None,
+            "input_bytes_total": sum(r["bytes"] for r in inputs),
+            "input_bytes_per_device": sum(r["local_bytes"] for r in inputs),
+        },
+        "candidates": {
+            k: {
+                "compute_s": v.compute_s,
+                "comm_s": v.comm_s,
+                "step_s": v.step_s,
+                "peak_memory_bytes": v.peak_memory_bytes,
+                "chosen": k == plan.engine,
+            }
+            for k, v in plan.candidates.items()
+        },
+        "counts": {
+            "inputs": len(plan.inputs),
+            "sharded_inputs": sum(bool(r.spec.used_axes) for r in plan.inputs),
+            "outputs": len(plan.outputs),
+            "ops": len(plan.ops),
+            "ops_by_primitive": dict(sorted(Counter(o.op for o in plan.ops).items())),
+        },
+        "layers": layer_rows(plan),
+        "warnings": list(plan.warnings),
+        "by": by,
+    }
+    if by == "param":
+        out["inputs"] = inputs
+    elif by == "op":
+        out["ops"] = op_rows(plan)
+    return out
+
+
+def cost_tables(plan: Plan) -> list[Table]:
+    c = plan.cost
+    hbm = float(plan.cluster.get("hbm_bytes", 0) or 0)
+    cost = Table("cost per step (predicted, no compute/communication overlap)", ["", "value"])
+    cost.right = (1,)
+    cost.rows = [
+        ["compute", format_seconds(c.compute_s)],
+        ["communication", format_seconds(c.comm_s)],
+        ["step", format_seconds(c.step_s)],
+        [
+            "peak memory / device",
+            format_bytes(c.peak_memory_bytes)
+            + (
+                f" ({c.peak_memory_bytes / hbm * 100:.1f}% of {format_bytes(hbm)} HBM)"
+                if hbm
+                else ""
+            ),
+        ],
+        ["  of which arguments", format_bytes(c.argument_bytes)],
+    ]
+    compiled = getattr(plan, "compiled_memory_bytes", None)
+    if compiled is not None:
+        cost.rows.append(["memory compiled by XLA", format_bytes(compiled)])
+    br = comm_breakdown(plan)
+    total = br["total_bytes"] or 1
+    comm = Table(
+        "communication per step by collective (bytes per device)",
+        ["collective", "mesh axes", "link", "bytes", "share"],
+        right=(3, 4),
+    )
+    for d in br["collectives"]:
+        comm.rows.append(
+            [
+                d["kind"],
+                ",".join(d["axes"]) or "-",
+                d["link"],
+                format_bytes(d["bytes"]),
+                f"{d['bytes'] / total * 100:.1f}%",
+            ]
+        )
+    if br["collectives"]:
+        comm.notes.append(
+            "by mesh axes: "
+            + ", ".join(f"{a or '-'} {format_bytes(b)}" for a, b in br["by_axes"].items())
+        )
+        comm.notes.append(
+            "by kind: " + ", ".join(f"{k} {format_bytes(b)}" for k, b in br["by_kind"].items())
+        )
+    cands = Table(
+        "candidates (the engines tried; the fastest that fits the memory budget wins)",
+        ["engine", "step", "compute", "communication", "peak memory", ""],
+        right=(1, 2, 3, 4),
+    )
+    for k, v in plan.candidates.items():
+        cands.rows.append(
+            [
+                k,
+                format_seconds(v.step_s),
+                format_seconds(v.compute_s),
+                format_seconds(v.comm_s),
+                format_bytes(v.peak_memory_bytes),
+                "<- chosen" if k == plan.engine else "",
+            ]
+        )
+    return [cost, comm, cands]
+
+
+def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
+    tables = cost_tables(plan)
+    if by == "param":
+        rows = sorted(
+            input_rows(plan),
+            key=lambda r: (layer_order(r["layer"]), kind_order(r["path"]), r["path"]),
+        )
+        t = Table(
+            f"inputs by layer ({sum(bool(r.spec.used_axes) for r in plan.inputs)} of "
+            f"{len(plan.inputs)} sharded)",
+            ["path", "dtype", "shape", "spec", "per device", "split"],
+            groups=[r["layer"] for r in rows],
+        )
+        t.rows = [
+            [
+                r["path"],
+                r["dtype"],
+                shape_text(r["shape"]),
+                r["strategy"],
+                shape_text(r["local_shape"]),
+                r["picture"],
+            ]
+            for r in rows
+        ]
+        t.notes.append(
+            "split: one bar per dimension; █ = every device holds it whole, "
+            "▓░░░ = split 4 ways (▓ is one device's share). R = replicated, S[axes] = sharded."
+        )
+        tables.append(t)
+    elif by == "layer":
+        t = Table(
+            "layers",
+            [
+                "layer",
+                "arrays",
+                "sharded",
+                "bytes",
+                "per device",
+                "ops",
+                "compute",
+                "most common contraction strategy",
+            ],
+            right=(1, 2, 3, 4, 5, 6),
+        )
+        for d in sorted(layer_rows(plan), key=lambda d: layer_order(d["layer"])):
+            cs = d["contraction_strategies"]
+            top = max(cs.items(), key=lambda kv: kv[1]) if cs else None
+            t.rows.append(
+                [
+                    d["layer"],
+                    str(d["arrays"]),
+                    str(d["sharded_arrays"]),
+                    format_bytes(d["bytes"]),
+                    format_bytes(d["local_bytes"]),
+                    str(d["ops"]),
+                    format_seconds(d["compute_s"]),
+                    f"{top[0]} ({top[1]} of {sum(cs.values())})" if top else "",
+                ]
+            )
+        tables.append(t)
+    elif by == "op":
+        rows = op_rows(plan)
+        order = sorted(range(len(rows)), key=lambda i: (layer_order(rows[i]["layer"]), i))
+        t = Table(
+            f"ops by layer ({len(rows)})",
+            ["key", "phase", "source", "strategy", "compute"],
+            groups=[rows[i]["layer"] for i in order],
+            right=(4,),
+        )
+        t.rows = [
+            [
+                rows[i]["key"],
+                rows[i]["phase"],
+                rows[i]["source"],
+                rows[i]["strategy"],
+                format_seconds(rows[i]["compute_s"]),
+            ]
+            for i in order
+        ]
+        tables.append(t)
+    else:
+        raise ValueError(f"unknown view {by!r}; choose param, op or layer")
+    tables.append(Table("warnings", ["warning"], rows=[[w] for w in plan.warnings]))
+    return tables
+
+
+def render_inspect(plan: Plan, fmt: str = "table", by: str = "param") -> str:
+    import json
+
+    if fmt == "json":
+        return json.dumps(
+            {"plan": plan.to_json(), "summary": inspect_summary(plan, by)},
+            indent=1,
+            sort_keys=True,
+            ensure_ascii=False,
+        )
+    return render(header_lines(plan), inspect_tables(plan, by), fmt)
