@@ -4,6 +4,7 @@ binds each call's arguments, and keeps one compiled program per argument signatu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -26,7 +27,11 @@ from autopar.compile import (
     lowered,
     make_plan,
 )
-from autopar.errors import AutoparError, MeshError, MicrobatchError, PipelineError
+from autopar.compile.cache import cache_dir as _cache_dir
+from autopar.compile.progress import Progress
+from autopar.compile.progress import enabled as _progress_enabled
+from autopar.errors import AutoparError, MeshError, MicrobatchError, PipelineError, did_you_mean
+from autopar.frontends import Bound, bind, check_static_argnames, unwrap
 from autopar.ir.capture import abstractify_tree, fn_name
 from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve
 from autopar.passes.pipeline import SCHEDULES
@@ -42,11 +47,21 @@ __all__ = ["Parallelized", "bind_plan", "compiled_memory", "make_plan", "paralle
 class Parallelized:
     """What `parallelize` returns: call it like the function, or `.plan()` / `.lower()`."""
 
-    def __init__(self, fn, **options):
+    def __init__(self, fn, static_argnames: Sequence[str] | str = (), **options):
         self.fn = fn
-        self.options = _options(fn, **options)
+        # jax.jit / nnx.jit / eqx.filter_jit wrappers are unwrapped: autopar is the jit
+        target = unwrap(fn)
+        self._filtered = target.filtered
+        if target.static_argnums:
+            options["static_argnums"] = (*options.get("static_argnums", ()), *target.static_argnums)
+        self.options = _options(target.fn, **options)
+        names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+        self.static_argnames = check_static_argnames(target.fn, (*names, *target.static_argnames))
         self._cache: dict[Any, Compiled] = {}
-        functools.update_wrapper(self, fn)
+        self._programs: dict[Any, Any] = {}  # frontends.Program per cache key
+        # the name, docstring and __wrapped__ only: a wrapper's __dict__ (nnx.jit's
+        # `static_argnums=None`, say) must not overwrite autopar's own attributes
+        functools.update_wrapper(self, fn, updated=())
 
     def __getattr__(self, name: str):
         """The validated options read as attributes (`step.memory_budget`, `step.meshes`)."""
@@ -65,16 +80,16 @@ class Parallelized:
     # ---- public -------------------------------------------------------------------------
     def plan(self, *args, **kwargs) -> Plan:
         """Search (or load) the plan for these arguments. Abstract args are fine."""
-        return self._get(self._bind(args, kwargs)).plan
+        return self._get(*self._bind(args, kwargs)).plan
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """Lower the sharded program, like `jax.jit(fn).lower(*args)`."""
-        call = self._bind(args, kwargs)
-        c = self._get(call)
+        call, bound = self._bind(args, kwargs)
+        c = self._get(call, bound)
         return lowered(c.jitted, call.flat, c.plan, c.mesh)
 
     def __call__(self, *args, **kwargs):
-        call = self._bind(args, kwargs)
+        call, bound = self._bind(args, kwargs)
         if isinstance(self.options.meshes[0], AbstractMesh):
             m = self.options.meshes[0]
             raise MeshError(
@@ -83,7 +98,7 @@ class Parallelized:
                 "Use .plan() or .lower() to plan offline, or run on a machine with enough devices "
                 "(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)."
             )
-        c = self._get(call)
+        c = self._get(call, bound)
         flat = call.flat
         for x, r in zip(flat, c.plan.inputs):
             if isinstance(x, jax.Array) and x.is_deleted():
@@ -99,43 +114,28 @@ class Parallelized:
             for x, r in zip(flat, c.plan.inputs)
         ]
         outs = c.jitted(*placed)
-        return jax.tree_util.tree_unflatten(c.graph.out_tree, outs)
+        program = self._programs[(bound.key, *self._key(call))]
+        return program.finish(jax.tree_util.tree_unflatten(c.graph.out_tree, outs), bound.nodes)
 
     # ---- internals ----------------------------------------------------------------------
-    def _bind(self, args: tuple, kwargs: dict) -> Call:
-        """The arguments as autopar traces them: keyword arguments bound to their
-        positions, then the keyword-only ones in `keywords` order (defaults filled in);
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[Call, Bound]:
+        """The arguments as autopar traces them (`frontends.bind`): the positional ones,
+        then those passed by keyword; defaults the caller did not pass are not traced;
+        NNX graph nodes split into their state, Equinox modules into their arrays;
         argnums normalized, donated leaves flattened, `in_specs` covering every
         non-static argument."""
         o = self.options
-        args = self._positional(args, kwargs)
-        n_pos = len(args) - len(o.keywords)  # what argnums count
-        static = _norm(o.static_argnums, n_pos)
-        donate = _flat_donate(args, static, _norm(o.donate_argnums, n_pos))
-        n_dyn = sum(i not in static for i in range(len(args)))
-        specs, n_kw = o.in_specs, len(o.keywords)
-        # None (searched) for the keyword-only arguments when it names only the positional ones
-        if n_kw and isinstance(specs, tuple | list) and len(specs) == n_dyn - n_kw:
-            specs = (*specs, *[None] * n_kw)
-        return Call(args, static, donate, specs)
-
-    def _positional(self, args: tuple, kwargs: dict) -> tuple:
-        keywords = self.options.keywords
-        if not kwargs and not keywords:
-            return args
-        sig = inspect.signature(self.fn)
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except (TypeError, ValueError) as e:  # Python's reason, with the function named
-            raise AutoparError(f"{fn_name(self.fn)}: cannot bind the arguments: {e}") from None
-        extra = sorted(set(bound.kwargs) - set(keywords))
-        if extra:
-            raise AutoparError(
-                f"{fn_name(self.fn)}: keyword arguments {extra} would go to its **kwargs, which "
-                "autopar does not trace; give them parameters of their own or close over them"
-            )
-        kw = [bound.arguments.get(k, sig.parameters[k].default) for k in keywords]
-        return (*bound.args, *kw)
+        b = bind(
+            o.fn,
+            args,
+            kwargs,
+            static_argnums=o.static_argnums,
+            static_argnames=self.static_argnames,
+            donate_argnums=o.donate_argnums,
+            in_specs=o.in_specs,
+            filtered=self._filtered,
+        )
+        return Call(b.args, b.static, b.donate, b.in_specs), b
 
     def _key(self, call: Call):
         leaves, tree = jax.tree_util.tree_flatten(abstractify_tree(call.dyn))
@@ -148,10 +148,19 @@ class Parallelized:
         statics = tuple(_hashable(call.args[i]) for i in call.static)
         return (tree, sig, statics)
 
-    def _get(self, call: Call) -> Compiled:
-        key = self._key(call)
+    def _get(self, call: Call, bound: Bound) -> Compiled:
+        key = (bound.key, *self._key(call))
         if key not in self._cache:
-            self._cache[key] = compile_step(self.options, call)
+            # the driver traces the frontend's pure program, under the slots' names
+            self._programs[key] = bound.program
+            options = dataclasses.replace(
+                self.options, fn=bound.program, keywords=bound.program.keywords
+            )
+            if self.options.progress:
+                with Progress():
+                    self._cache[key] = compile_step(options, call)
+            else:
+                self._cache[key] = compile_step(options, call)
         return self._cache[key]
 
 
@@ -173,6 +182,9 @@ def _options(
     precision=None,
     grad_accumulation=None,
     remat=None,
+    time_limit=None,
+    progress=None,
+    cache_dir=None,
 ) -> Options:
     """`parallelize`'s options, checked and resolved (meshes, profile, a plan file,
     defaults from a given plan), in one place."""
@@ -190,8 +202,8 @@ def _options(
         )
     if pipeline_schedule not in (None, *SCHEDULES):
         raise PipelineError(
-            f"pipeline_schedule={pipeline_schedule!r}: choose None (1F1B where the step "
-            f"allows it, else GPipe) or one of {SCHEDULES}"
+            f"pipeline_schedule={pipeline_schedule!r}{did_you_mean(pipeline_schedule, SCHEDULES)}: "
+            f"choose None (1F1B where the step allows it, else GPipe) or one of {SCHEDULES}"
         )
     given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
     if precision is None and given_plan is not None:
@@ -214,9 +226,19 @@ def _options(
     if remat is None and given_plan is not None:
         remat = given_plan.remat
     if remat not in (None, "auto", *REMAT_POLICIES):
-        raise AutoparError(f"remat={remat!r}: choose None, 'auto' or one of {REMAT_POLICIES}")
+        raise AutoparError(
+            f"remat={remat!r}{did_you_mean(remat, ('auto', *REMAT_POLICIES))}: choose None, "
+            f"'auto' or one of {REMAT_POLICIES}"
+        )
     if engine != "auto" and engine not in ENGINES:
-        raise AutoparError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
+        raise AutoparError(
+            f"unknown engine {engine!r}{did_you_mean(engine, ('auto', *ENGINES))}; choose one "
+            f"of: auto, {', '.join(ENGINES)}"
+        )
+    if time_limit is not None and (
+        isinstance(time_limit, bool) or not isinstance(time_limit, int | float) or time_limit <= 0
+    ):
+        raise AutoparError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     return Options(
         fn=fn,
         keywords=_keyword_only(fn),  # traced as trailing positional arguments
@@ -235,6 +257,9 @@ def _options(
         precision=precision,
         grad_accumulation=grad_accumulation,
         remat=remat,
+        time_limit=None if time_limit is None else float(time_limit),
+        cache_dir=_cache_dir(cache_dir),
+        progress=_progress_enabled(progress),
     )
 
 
@@ -257,7 +282,10 @@ def _precision(name: str | None) -> str | None:
         return None
     aliases = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
     if name not in aliases:
-        raise AutoparError(f"precision={name!r}: choose None (as traced), 'bf16' or 'fp16'")
+        raise AutoparError(
+            f"precision={name!r}{did_you_mean(name, aliases)}: choose None (as traced), "
+            "'bf16' or 'fp16'"
+        )
     return compute_dtype_of(aliases[name]).name
 
 
@@ -269,6 +297,7 @@ def parallelize(
     engine: str = "auto",
     memory_budget: float | None = None,
     static_argnums: Sequence[int] | int = (),
+    static_argnames: Sequence[str] | str = (),
     donate_argnums: Sequence[int] | int = (),
     plan: str | os.PathLike | Plan | None = None,
     in_specs: Any = None,
@@ -279,6 +308,9 @@ def parallelize(
     precision: str | None = None,
     grad_accumulation: int | None = None,
     remat: str | None = None,
+    time_limit: float | None = None,
+    progress: bool | None = None,
+    cache_dir: str | os.PathLike | bool | None = None,
 ) -> Parallelized | Callable[[Callable], Parallelized]:
     """Automatically shard `fn` over `mesh`.
 
@@ -295,6 +327,15 @@ def parallelize(
     honours the function's own `with_sharding_constraint` calls (keyword-only
     arguments come after the positional ones there, as they are traced). Usable as
     `@parallelize(mesh=...)`.
+
+    Arguments are read as `jax.jit` reads them: `static_argnums` / `static_argnames`
+    are static, and so is a value passed by keyword with no array in it (`train=True`);
+    defaults the caller did not pass are not traced; Python scalars passed positionally
+    are traced. Flax NNX modules, optimizers and `Rngs` anywhere in the arguments are
+    traced as their state (named by its paths) and updated in place after the call, as
+    `nnx.jit` does; the non-array leaves of an `eqx.Module` are static, as
+    `eqx.filter_jit` has them (`autopar.frontends`). A function already wrapped in
+    `jax.jit`, `nnx.jit` or `eqx.filter_jit` is unwrapped.
 
     `pipeline_stages=S` runs every loop over layers (a `scan` whose length S divides,
     e.g. `flax.linen.scan`) as a pipeline over the mesh's `"stage"` axis (of size S)
@@ -329,6 +370,17 @@ def parallelize(
     keeps the fastest plan that fits `memory_budget`; it stops early once the budget
     constrained nothing (no mesh shape or pipeline turned away, no ZeRO retry), since
     then more recomputation can only add work.
+
+    `time_limit` (seconds) bounds the search: once it is reached, the best plan found
+    so far is returned, with a warning (and a plan warning) naming what was not
+    searched (mesh shapes, pipeline tries, remat policies, engines, the latency polish).
+    The try under way when the limit passes is finished, and so is the compile check.
+    `progress` shows a search that takes more than 2 s on stderr (phase, mesh try k of
+    n, elapsed; `autopar.compile.progress`); None follows `AUTOPAR_PROGRESS` (on unless
+    0). `cache_dir` keeps searched plans on disk keyed by the traced program, argument
+    types, mesh, profile and options, so a later process binds the plan instead of
+    searching (`autopar.compile.cache`); None follows `AUTOPAR_CACHE_DIR` (off when
+    unset), True is `~/.cache/autopar`, False is off.
     """
     as_tuple = lambda x: (x,) if isinstance(x, int) else tuple(x)
     kw = dict(
@@ -347,10 +399,13 @@ def parallelize(
         precision=precision,
         grad_accumulation=grad_accumulation,
         remat=remat,
+        time_limit=time_limit,
+        progress=progress,
+        cache_dir=cache_dir,
     )
     if fn is None:
-        return lambda f: Parallelized(f, **kw)
-    return Parallelized(fn, **kw)
+        return lambda f: Parallelized(f, static_argnames=static_argnames, **kw)
+    return Parallelized(fn, static_argnames=static_argnames, **kw)
 
 
 def _keyword_only(fn: Callable) -> tuple[str, ...]:
@@ -359,23 +414,6 @@ def _keyword_only(fn: Callable) -> tuple[str, ...]:
     except (TypeError, ValueError):  # builtins and some callables have no signature
         return ()
     return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY)
-
-
-def _norm(argnums: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """Argument positions as jax.jit reads them: negative ones count from the end."""
-    return tuple(i % n for i in argnums if -n <= i < n)
-
-
-def _flat_donate(args, static_argnums, donate_argnums) -> tuple[int, ...]:
-    out, pos = [], 0
-    for i, a in enumerate(args):
-        if i in static_argnums:
-            continue
-        n = len(jax.tree_util.tree_leaves(a))
-        if i in donate_argnums:
-            out.extend(range(pos, pos + n))
-        pos += n
-    return tuple(out)
 
 
 def _hashable(x):

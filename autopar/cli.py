@@ -381,9 +381,9 @@ def cmd_search(args) -> int:
         remat=args.remat,
         precision=args.precision,
     )
-    from autopar.tools.progress import Progress
+    from autopar.compile.progress import Progress
 
-    with Progress():
+    with Progress(show_after=1.0, prefix=""):
         plan = step.plan(*wl.args)
     seconds = time.perf_counter() - t0
     plan.save(args.out)

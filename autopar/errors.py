@@ -117,3 +117,19 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def did_you_mean(name: object, choices) -> str:
+    """` (did you mean 'data'?)` when `name` is a near miss of one of `choices` (by
+    `difflib.get_close_matches`, case-insensitively), else `""`: appended to a message
+    about an unknown option value or axis name."""
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    choices = [c for c in choices if isinstance(c, str)]
+    lower = {c.lower(): c for c in choices}
+    if name.lower() in lower and lower[name.lower()] != name:
+        return f" (did you mean {lower[name.lower()]!r}?)"
+    close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
+    return f" (did you mean {lower[close[0]]!r}?)" if close else ""

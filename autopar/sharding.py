@@ -108,6 +108,15 @@ class Spec:
             steps.append(Spec(tuple(map(tuple, cur))))
         return tuple(steps)
 
+    def without_trivial_axes(self, mesh: MeshInfo) -> Spec:
+        """The same layout with the mesh's size-1 axes left out: splitting over an axis
+        of size 1 splits nothing, and the strategy tables never name one."""
+        drop = {a for a in mesh.axis_names if mesh.size(a) == 1}
+        if not drop:
+            return self
+        keep = lambda axes: tuple(a for a in axes if a not in drop)
+        return Spec(tuple(keep(d) for d in self.dims), keep(self.partial))
+
     def shards(self, mesh: MeshInfo) -> int:
         return math.prod(mesh.size(a) for a in self.used_axes)
 

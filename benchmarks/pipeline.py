@@ -8,8 +8,10 @@ GPT-3 175B (96 layers, hidden 12288, 96 heads, seq 2048, vocab 51200, global bat
   1F1B / GPipe, per-stage remat none / selective / full and ZeRO 0-3 (the terms and
   the DP: the module docstrings of ``benchmarks/stages.py`` and ``stage_model.py``);
 * ``megatron``: the Megatron-LM configuration (TP 8 x PP 8 x DP 16, 1F1B, micro-batch
-  1, 12 layers per stage, no ZeRO) with full and with selective recompute, priced by the
-  same cost model (:func:`benchmarks.stages.evaluate`);
+  1, 12 layers per stage) with full and with selective recompute, priced by the same
+  cost model (:func:`benchmarks.stages.evaluate`) with the same optimizer-state options
+  ``auto`` has: the fastest of ZeRO 0-3 that fits the budget (Megatron-LM's distributed
+  optimizer is ZeRO-1); ``megatron_zero0`` keeps the plain, no-ZeRO configuration;
 * the same under the efficiency factors ``benchmarks.published`` fitted to the published
   step times (``compute+hbm``, read from ``results/published.json``), when present;
 * a plot of per-device memory against step time over remat x ZeRO (every global choice,
@@ -90,10 +92,28 @@ def _fitted_profile(prof):
     return published.with_factors(prof, **eff), eff
 
 
-def _megatron(pricer, prof, remat: str) -> PL.StagePlan:
-    c = pricer(MEGATRON.model, MEGATRON.micro_batch)
-    layers = (GPT3.layers // MEGATRON.stages,) * MEGATRON.stages
-    return PL.evaluate(c, MEGATRON, layers, (remat,) * MEGATRON.stages, prof, GPT3.flops)
+def _megatron(pricer, prof, remat: str, zero: int = 0) -> PL.StagePlan:
+    cfg = dataclasses.replace(MEGATRON, zero=zero)
+    c = pricer(cfg.model, cfg.micro_batch)
+    layers = (GPT3.layers // cfg.stages,) * cfg.stages
+    return PL.evaluate(c, cfg, layers, (remat,) * cfg.stages, prof, GPT3.flops)
+
+
+def _megatron_best(pricer, prof, remat: str) -> PL.StagePlan:
+    """Megatron's configuration with the ZeRO options `auto` searches (`PL.ZERO_STAGES`):
+    the fastest that fits the profile's memory, else the one needing the least."""
+    plans = [_megatron(pricer, prof, remat, z) for z in PL.ZERO_STAGES]
+    fitting = [p for p in plans if p.memory_bytes <= prof.hbm_bytes]
+    if fitting:
+        return min(fitting, key=lambda p: p.step_s)
+    return min(plans, key=lambda p: p.memory_bytes)
+
+
+def _megatrons(pricer, prof) -> dict:
+    return {
+        "megatron": {r: _megatron_best(pricer, prof, r).summary() for r in ("full", "selective")},
+        "megatron_zero0": {r: _megatron(pricer, prof, r).summary() for r in ("full", "selective")},
+    }
 
 
 def _sweep_row(row: dict, remat: str) -> dict:
@@ -137,7 +157,7 @@ def run(profile_name: str = "a100-80g") -> dict:
             "pricings": len({(c.config.model, c.config.micro_batch) for c in auto.candidates}),
         },
         "auto": auto.summary(),
-        "megatron": {r: _megatron(pricer, prof, r).summary() for r in ("full", "selective")},
+        **_megatrons(pricer, prof),
         "layer_costs": {
             f"tp{tp}_b{b}": dataclasses.asdict(pricer(tp, b))
             | {"korthikanti_act_bytes": korthikanti_activation_bytes(tp, b)}
@@ -160,7 +180,7 @@ def run(profile_name: str = "a100-80g") -> dict:
         out["fitted"] = {
             "efficiency": eff,
             "auto": fa.summary(),
-            "megatron": {r: _megatron(fpricer, fitted, r).summary() for r in ("full", "selective")},
+            **_megatrons(fpricer, fitted),
         }
     return out
 
@@ -263,6 +283,11 @@ def markdown(r: dict) -> str:
         _plan_row("auto", r["auto"], budget),
         _plan_row("Megatron, full recompute", r["megatron"]["full"], budget),
         _plan_row("Megatron, selective recompute", r["megatron"]["selective"], budget),
+        *(
+            _plan_row(f"Megatron, {k} recompute, no ZeRO", r["megatron_zero0"][k], budget)
+            for k in ("full", "selective")
+            if "megatron_zero0" in r
+        ),
     ]
     if "parallelize" in r:
         out += [
@@ -333,6 +358,11 @@ def markdown(r: dict) -> str:
             _plan_row("auto", f["auto"], budget),
             _plan_row("Megatron, full recompute", f["megatron"]["full"], budget),
             _plan_row("Megatron, selective recompute", f["megatron"]["selective"], budget),
+            *(
+                _plan_row(f"Megatron, {k} recompute, no ZeRO", f["megatron_zero0"][k], budget)
+                for k in ("full", "selective")
+                if "megatron_zero0" in f
+            ),
         ]
     ms, ks = pub["megatron_sc21_1024gpu"], pub["korthikanti22_64gpu"]
     out += [

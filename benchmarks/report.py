@@ -69,41 +69,64 @@ def _status(ok: bool | None) -> str:
     return "—" if ok is None else ("met" if ok else "**not met**")
 
 
+def _base_label(s: dict) -> str:
+    """The stronger baseline of a row and the lowering that made it so."""
+    b = s.get("best_baseline")
+    if b is None:
+        return "—"
+    return f"{b} ({'autopar' if s.get('best_baseline_lowering') == 'autopar' else 'GSPMD'})"
+
+
 def quality_tables(rows) -> list[str]:
     L = []
+    L.append(
+        "Every baseline's argument specs are lowered two ways: by `jax.jit`, GSPMD "
+        "choosing every other layout (the baseline as written), and by autopar, the specs "
+        "given as `in_specs=` and the rest searched by `dp` (`pinned:<baseline>`). The "
+        "*stronger baseline* of a row is the fastest baseline at the faster of its two "
+        "lowerings (table 1c). The headline is `auto`, the plan `parallelize` returns by "
+        "default, over the stronger baseline. *Best engine after compiling* is the fastest "
+        "engine plan once every engine's plan is compiled (the ILP included, which `auto` "
+        "never runs): a user gets it only by compiling them all. *Auto / best GSPMD "
+        "baseline* divides by the fastest baseline as `jax.jit` lowers it: the gap between "
+        "it and the headline is what GSPMD's layout choices cost, not plan quality.\n"
+    )
     L.append("### 1a. Summary per row\n")
     L.append(
-        "| model | devices | mesh | layers (of) | auto picked | auto step ms | best baseline | "
-        "baseline step ms | auto / best baseline | best engine / best baseline | "
-        "compute floor / best baseline | floor with least comm | target |"
+        "| model | devices | mesh | layers (of) | auto picked | auto step ms | "
+        "stronger baseline (lowering) | its step ms | **auto / stronger baseline** | "
+        "auto / best GSPMD baseline | best engine after compiling / stronger baseline | "
+        "compute floor / stronger baseline | floor with least comm | target (auto) |"
     )
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "summary" not in r:
             L.append(f"| {r['row']} | error: {r.get('error', '?')} |")
             continue
         s = r["summary"]
         tgt = TARGET_RATIO.get(r["family"], 1.0)
-        best_ratio = s.get("best_engine_ratio")
-        ok = None if best_ratio is None else best_ratio <= tgt
+        ratio = s.get("auto_ratio")
+        ok = None if ratio is None else ratio <= tgt
         mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items())
         L.append(
             f"| {r['row']} | {r['devices']} | {mesh} | {r['layers']} ({r['full_layers']}) | "
-            f"{s.get('auto_program', '—')} | {_ms(s.get('auto_s'))} | {s['best_baseline']} | "
-            f"{_ms(s['best_baseline_s'])} | {_f(s.get('auto_ratio'), 3)} | "
-            f"{_f(best_ratio, 3)} ({s.get('best_engine_program', '—')}) | "
+            f"{s.get('auto_program', '—')} | {_ms(s.get('auto_s'))} | {_base_label(s)} | "
+            f"{_ms(s['best_baseline_s'])} | **{_f(ratio, 3)}** | "
+            f"{_f(s.get('auto_ratio_gspmd'), 3)} ({s.get('best_gspmd_baseline') or '—'}) | "
+            f"{_f(s.get('best_engine_ratio'), 3)} ({s.get('best_engine_program', '—')}) | "
             f"{_f(s.get('compute_floor_ratio'), 3)} | {_f(s.get('floor_ratio'), 3)} | "
             f"≤ {tgt}: {_status(ok)} |"
         )
     L.append("")
     L.append(
         "*Compute floor*: the lowest compiled compute term of any program measured in the "
-        "row (plans and baselines), with no communication at all, over the best "
-        "baseline's step. A plan can score below it only by computing less per device "
-        "than every program measured. Where it is above the target, no plan that merely "
-        "communicates less reaches the target. *Floor with least comm* adds the least "
-        "communication time of any program measured: a plan scores below it only by "
-        "computing less, or communicating less, than every program measured.\n"
+        "row (plans, baselines and autopar's lowerings of the baselines' specs), with no "
+        "communication at all, over the stronger baseline's step. A plan can score below "
+        "it only by computing less per device than every program measured. Where it is "
+        "above the target, no plan that merely communicates less reaches the target. "
+        "*Floor with least comm* adds the least communication time of any program "
+        "measured: a plan scores below it only by computing less, or communicating less, "
+        "than every program measured.\n"
     )
     L.append("### 1b. Every plan and baseline\n")
     L.append(
@@ -115,8 +138,8 @@ def quality_tables(rows) -> list[str]:
         "Memory is per device, GiB, predicted / compiled (`memory_analysis`).\n"
     )
     L.append(
-        "| model | plan | search s | search / trace | predicted step ms | compiled step ms | "
-        "comm MiB by axes (compiled) | memory GiB | ratio to best baseline |"
+        "| model | plan | engine s | engine s / trace | predicted step ms | compiled step ms | "
+        "comm MiB by axes (compiled) | memory GiB | ratio to stronger baseline |"
     )
     L.append("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -138,6 +161,34 @@ def quality_tables(rows) -> list[str]:
                 L.append(_plan_line(r, f"pinned:{b}", e["pinned"], e["pinned"]["predicted"]))
             elif "pinned_program" in e:
                 L.append(f"| {r['row']} | pinned:{b} | = {e['pinned_program']} |")
+    L.append("")
+    L += lowering_table(rows)
+    return L
+
+
+def lowering_table(rows) -> list[str]:
+    """Table 1c: each baseline's specs lowered by GSPMD and by autopar."""
+    L = [
+        "### 1c. Each baseline, lowered two ways\n",
+        "Compiled step ms (no overlap) of each baseline's argument specs as `jax.jit` "
+        "lowers them (GSPMD completes the layouts) and as autopar lowers them (`in_specs=`, "
+        "the rest searched by `dp`; the program is `pinned:<baseline>` or the engine plan "
+        "it equals). The faster of the two is the baseline's figure in 1a.\n",
+        "| model | baseline | GSPMD ms | autopar ms (program) | GSPMD / autopar | stronger |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "summary" not in r:
+            continue
+        for b, d in r["summary"]["baseline_lowerings"].items():
+            g, a = d["gspmd_s"], d["autopar_s"]
+            both = math.isfinite(g) and math.isfinite(a)
+            best = " **(row's stronger baseline)**" if b == r["summary"]["best_baseline"] else ""
+            L.append(
+                f"| {r['row']} | {b} | {_ms(g)} | {_ms(a)} ({d['program'] or '—'}) | "
+                f"{_f(g / a, 2) + 'x' if both else '—'} | "
+                f"{'autopar' if d['stronger'] == 'autopar' else 'GSPMD'}{best} |"
+            )
     L.append("")
     return L
 
@@ -162,7 +213,7 @@ def search_tables(rows, gpt3) -> list[str]:
     engines = ["recursive", "dp", "data", "fsdp", "auto", "ilp"]
     L.append(
         "| model | devices | jaxpr eqns | trace s | "
-        + " | ".join(f"{e} s (x trace)" for e in engines)
+        + " | ".join(f"{e}: engine s / `.plan()` s (engine x trace)" for e in engines)
         + " |"
     )
     L.append("|---|---|---|---|" + "---|" * len(engines))
@@ -177,19 +228,43 @@ def search_tables(rows, gpt3) -> list[str]:
             elif "error" in v:
                 cells.append("error")
             else:
-                cells.append(f"{v['search_s']:.2f} ({v['search_trace_ratio']:.0f}x)")
+                wall = _f(v.get("plan_wall_s"))
+                cells.append(f"{v['search_s']:.2f} / {wall} ({v['search_trace_ratio']:.0f}x)")
         L.append(
             f"| {r['row']} | {r['devices']} | {r['eqns']} | {r['trace_s']:.2f} | "
             + " | ".join(cells)
             + " |"
         )
     L.append("")
+    gaps = sorted(
+        (v["plan_wall_s"] - v["search_s"], r["row"], e)
+        for r in rows
+        for e, v in r.get("engines", {}).items()
+        if "plan_wall_s" in v and "search_s" in v
+    )
+    L.append(
+        "*Engine s*: `Plan.search_seconds`, the engine (for `auto`, every engine it runs) "
+        "with the polish and the pricing of its plan, and nothing else: no capture, no "
+        "problem build. *`.plan()` s*: wall time of the `.plan()` call, what a user waits "
+        "for: capture (tracing the step), problem build (pricing every op's strategies), "
+        "the engine, the polish, and assembling the plan and its `jax.jit` (each engine is "
+        "a fresh `parallelize`, timed in the benchmark process after the row's two "
+        "traces). *Engine x trace*: engine seconds over the trace time."
+        + (
+            f" The difference, `.plan()` s - engine s, has median "
+            f"{gaps[len(gaps) // 2][0]:.2f} s over the {len(gaps)} searches, "
+            f"{gaps[0][0]:.2f} s at least, {gaps[-1][0]:.2f} s at most "
+            f"({gaps[-1][1]} {gaps[-1][2]}).\n"
+            if gaps
+            else "\n"
+        )
+    )
     if gpt3:
         L.append("### 2b. GPT-3 175B (search only, 64 devices, data 8 x model 8, batch 8)\n")
         engs = sorted({e for g in gpt3 for e in g["engines"]}, key=engines.index)
         L.append(
             "| layers (of 96) | jaxpr eqns | trace s | "
-            + " | ".join(f"{e} search s (plan wall s)" for e in engs)
+            + " | ".join(f"{e}: engine s (`.plan()` wall s)" for e in engs)
             + " | predicted step ms (memory GiB) |"
         )
         L.append("|---|---|---|" + "---|" * len(engs) + "---|")
@@ -320,11 +395,36 @@ def targets(rows) -> list[str]:
     within = lambda tol: lambda v, r: abs(v) <= tol
     # tau over n items is a ratio of integers: 8/10 arrives as 0.7999999999999999
     at_least = lambda v, r: v >= 0.8 - 1e-9
+    fam_target = lambda v, r: v <= TARGET_RATIO.get(r["family"], 1.0)
     checks = [  # (target, figure of a row's summary, met, format, measured_only)
         (
-            "best engine ≤ 1.0x best baseline (≤ 0.9x MoE, WRN)",
+            "**headline: `auto` ≤ 1.0x the stronger baseline (≤ 0.9x MoE, WRN)**; each "
+            "baseline at the faster of its GSPMD and autopar lowerings (1c)",
+            lambda s: s.get("auto_ratio"),
+            fam_target,
+            lambda v: _f(v, 3),
+            False,
+        ),
+        (
+            "`auto` ≤ 1.0x the stronger baseline, every family (no 0.9x margin)",
+            lambda s: s.get("auto_ratio"),
+            lambda v, r: v <= 1.0,
+            lambda v: _f(v, 3),
+            False,
+        ),
+        (
+            "secondary: best engine after compiling (the ILP included, which `auto` never "
+            "runs) ≤ 1.0x the stronger baseline (≤ 0.9x MoE, WRN)",
             lambda s: s.get("best_engine_ratio"),
-            lambda v, r: v <= TARGET_RATIO.get(r["family"], 1.0),
+            fam_target,
+            lambda v: _f(v, 3),
+            False,
+        ),
+        (
+            "lowering finding, not plan quality: `auto` ≤ 1.0x the best GSPMD-lowered "
+            "baseline (≤ 0.9x MoE, WRN)",
+            lambda s: s.get("auto_ratio_gspmd"),
+            fam_target,
             lambda v: _f(v, 3),
             False,
         ),
@@ -401,7 +501,9 @@ def plots(out: Path, rows, gpt3) -> list[str]:
     if ok:
         fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(ok)), 4.5))
         names = sorted(
-            {n for r in ok for n in r["programs"]} | {f"b:{b}" for r in ok for b in r["baselines"]}
+            {n for r in ok for n in r["programs"]}
+            | {f"b:{b}" for r in ok for b in r["baselines"]}
+            | {f"p:{b}" for r in ok for b in r["baselines"] if "pinned" in r["baselines"][b]}
         )
         width = 0.8 / max(len(names), 1)
         cmap = plt.get_cmap("tab20")
@@ -409,7 +511,12 @@ def plots(out: Path, rows, gpt3) -> list[str]:
             ys = []
             for r in ok:
                 best = r["summary"]["best_baseline_s"]
-                e = r["baselines"].get(n[2:]) if n.startswith("b:") else r["programs"].get(n)
+                if n.startswith("b:"):
+                    e = r["baselines"].get(n[2:])
+                elif n.startswith("p:"):
+                    e = r["baselines"].get(n[2:], {}).get("pinned")
+                else:
+                    e = r["programs"].get(n)
                 ys.append(e["priced"]["step_no_overlap_s"] / best if e and "priced" in e else 0)
             ax.bar(
                 [k + i * width for k in range(len(ok))],
@@ -417,15 +524,19 @@ def plots(out: Path, rows, gpt3) -> list[str]:
                 width,
                 label=n,
                 color=cmap(i % 20),
-                hatch="//" if n.startswith("b:") else None,
+                hatch={"b:": "//", "p:": ".."}.get(n[:2]),
             )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(ok))])
         ax.set_xticklabels([f"{r['row']}\n{r['devices']} dev" for r in ok], fontsize=8)
-        ax.set_ylabel("compiled-priced step / best baseline")
+        ax.set_ylabel("compiled-priced step / stronger baseline")
         ax.set_ylim(0, min(3, max(1.5, ax.get_ylim()[1])))
         ax.legend(fontsize=7, ncol=4)
-        ax.set_title("Plan cost vs hand-written baselines (h100-sxm, no overlap)")
+        ax.set_title(
+            "Plan cost vs hand-written baselines (h100-sxm, no overlap; "
+            "b: GSPMD lowering, p: autopar lowering)",
+            fontsize=9,
+        )
         fig.tight_layout()
         fig.savefig(out / "plan_vs_baselines.png", dpi=110)
         plt.close(fig)
@@ -548,7 +659,11 @@ METHOD = """\
   from parameter paths; GSPMD propagation decides the rest. DP and FSDP use every device
   for the batch; Megatron splits q/k/v/c_fc by column and o/c_proj by row on `model`
   (vocab-split embedding), batch on `data`; expert parallel splits the expert dim on
-  `model` (`expert`) or over all devices (`expert_all`).
+  `model` (`expert`) or over all devices (`expert_all`). Each baseline's specs are
+  also lowered by autopar (`in_specs=`, the rest searched by `dp`, `pinned:<baseline>`);
+  the report compares `auto` with the faster of the two lowerings of every baseline
+  (GSPMD's activation layouts alone cost up to 1.9x on WRN-4B), and keeps the GSPMD
+  comparison as its own column.
 """
 
 
@@ -574,6 +689,11 @@ def write(out: Path = RESULTS) -> Path:
     )
     L.append("")
     L.append("## Targets\n")
+    L.append(
+        "Plan quality is `auto` (what `parallelize` returns by default) over the stronger "
+        "baseline: each hand-written baseline at the faster of its two lowerings, GSPMD's "
+        "(`jax.jit`) and autopar's (same argument specs). See section 1.\n"
+    )
     L += targets(rows)
     L.append("## 1. Plan quality against hand-written baselines\n")
     L += quality_tables(rows)

@@ -94,22 +94,19 @@ def plan_signature(plan) -> tuple:
     )
 
 
-def predicted_flops(par, args, plan) -> float | None:
+def predicted_flops(par, args, plan) -> float:
     """Per-device FLOPs the cost model counts for ``plan`` (sum of op FLOPs / parallelism).
-    Reads the searched problem from the Parallelized cache (an internal)."""
-    try:
-        c = par._get(args)
-        problem = c.problem
-        n_in = problem.num_inputs
-        total = 0.0
-        for k, op in enumerate(plan.ops):
-            v = n_in + k
-            match = [s for s in problem.strategies[v] if s.name == op.strategy]
-            par_deg = match[0].parallel if match else 1
-            total += float(problem.flops[v]) / max(par_deg, 1)
-        return total
-    except Exception:  # noqa: BLE001 - best effort, internals may change
-        return None
+    Reads the searched problem from the Parallelized cache (an internal: if it moves,
+    this fails loudly rather than leaving the column empty)."""
+    problem = par._get(*par._bind(args, {})).problem
+    n_in = problem.num_inputs
+    total = 0.0
+    for k, op in enumerate(plan.ops):
+        v = n_in + k
+        match = [s for s in problem.strategies[v] if s.name == op.strategy]
+        par_deg = match[0].parallel if match else 1
+        total += float(problem.flops[v]) / max(par_deg, 1)
+    return total
 
 
 def compile_and_price(lower_fn, mesh, dtype) -> dict:

@@ -30,8 +30,11 @@ File layout::
     intra_link = 0.82
     inter_link = 0.8
 
-autopar prices float32 matmuls at the ``float32`` figure (no TF32);
-``tfloat32`` is recorded for callers that opt into TF32.
+autopar prices float32 matmuls at the ``tfloat32`` figure where a profile has one
+(JAX's default matmul precision runs float32 dots as TF32 on tensor cores), at
+``float32`` under precision HIGHEST or ``jax_default_matmul_precision="highest"``, and
+at ``float32`` on profiles without a ``tfloat32`` entry; see
+``autopar.cost.model.rate_dtype``. Other float32 math is priced at ``float32``.
 """
 
 from __future__ import annotations
@@ -274,8 +277,19 @@ def load(name_or_path: str | os.PathLike[str] | ClusterProfile) -> ClusterProfil
     names = available()
     if spec not in names:
         raise ValueError(
-            f"unknown cost profile {spec!r}; available: {', '.join(names)} (or a path to a .toml)"
+            f"unknown cost profile {spec!r}{_did_you_mean(spec, names)}; available: "
+            f"{', '.join(names)} (or a path to a .toml)"
         )
     resource = resources.files(__name__).joinpath(f"{spec}.toml")
     data = tomllib.loads(resource.read_text(encoding="utf-8"))
     return _from_toml(data, f"{spec}.toml (bundled)")
+
+
+def _did_you_mean(name: str, choices) -> str:
+    """` (did you mean 'h100-sxm'?)` for a near miss, else "" (as `autopar.errors.did_you_mean`;
+    inlined: cost_models imports nothing from autopar)."""
+    import difflib
+
+    lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(str(name).lower(), list(lower), n=1, cutoff=0.6)
+    return f" (did you mean {lower[close[0]]!r}?)" if close else ""

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plan", ("autopar.plan",)),
     ("lower", ("autopar.lower",)),
     ("compile", ("autopar.compile",)),
-    ("api", ("autopar.api", "autopar.checkpoint", "autopar.distributed")),
+    ("api", ("autopar.api", "autopar.checkpoint", "autopar.distributed", "autopar.frontends")),
     ("tools", ("autopar.tools",)),
     # Entry points: the command line, the public package and the examples built on it.
     ("front", ("autopar.cli", "autopar.__main__", "autopar", "autopar.examples")),

@@ -300,6 +300,11 @@ def test_layer_grouping():
     assert insp.layer_of_op("jvp()/take_along_axis/gather#0") == "(top level)"
     assert insp.layer_of_op("add#7") == "(top level)"
     assert insp.phase_of_op("transpose(jvp(GPT))/h_0/add#0") == "backward"
+    # numbered layers as transformers, NNX and dotted names spell them
+    assert insp.layer_of_path("state/params/model/layers/3/mlp/kernel") == "layers/3"
+    assert insp.layer_of_path("model/blocks/0/linear/kernel") == "blocks/0"
+    assert insp.layer_of_op("jvp(Llama)/model/layers/3/self_attn/dot_general#0") == "layers/3"
+    assert insp.layer_of_op("transpose(jvp(M))/h.3/attn/dot_general#1") == "h.3"
 
 
 # ---------------------------------------------------------------------------- diff
@@ -399,8 +404,12 @@ def test_find_ops(plans):
         insp.find_ops(plan, "dot_general")
     with pytest.raises(autopar.PlanError, match="no op matches"):
         insp.find_ops(plan, "no-such-op")
-    src = next(o.source for o in plan.ops if o.source.startswith("linear.py"))
-    assert len(insp.find_ops(plan, src)) > 1  # a source line names every op it made
+    # `source` is the model's own line, `library_source` the Flax line under it
+    assert not any(o.source.startswith("linear.py") for o in plan.ops)
+    lib = next(o for o in plan.ops if o.library_source.startswith("linear.py"))
+    assert lib.source.startswith("gpt.py:")
+    assert len(insp.find_ops(plan, lib.source)) > 1  # a source line names every op it made
+    assert len(insp.find_ops(plan, lib.library_source)) > 1  # so does a library line
 
 
 # ---------------------------------------------------------------------------- verify

@@ -5,7 +5,9 @@ the picture on a synthetic 96-layer plan."""
 from __future__ import annotations
 
 import copy
+import html
 import json
+import math
 import tomllib
 from pathlib import Path
 
@@ -191,3 +193,105 @@ def test_identical_layers_are_drawn_once(small_plan, tmp_path):
     assert sum(len(g.names) for g in groups if g.names[0].startswith("h_")) == 96
     out = render.render_plan(mixed, tmp_path / "mixed.png")
     assert out.stat().st_size > 20_000
+
+
+def test_calibrate_recovers_known_synthetic_timings(tmp_path, monkeypatch):
+    """`calibrate` on synthetic measurements (collectives that take exactly
+    alpha + bus factor x bytes / beta, known matmul and memory rates) writes a profile
+    with those figures, and the cost model then prices every measured collective at
+    the time it was measured."""
+    import jax
+    from jax.sharding import AbstractMesh
+
+    from autopar.cost import calibrate as cal
+    from autopar.cost.model import BUS_FACTOR, CostModel
+    from autopar.sharding import mesh_info
+
+    alpha, beta = 30e-6, 12e9  # s, bytes/s
+    peaks = {"float32": 2.5e12, "bfloat16": 7.5e12}
+    hbm_bw = 80e9
+    measured = []
+
+    def collective(kind, mesh, axis, nbytes, reps):
+        t = alpha + BUS_FACTOR[kind](mesh.shape[axis]) * nbytes / beta
+        measured.append((kind, axis, nbytes, t))
+        return nbytes, t
+
+    monkeypatch.setattr(cal, "matmul_flops", lambda dev, dt, s, log=None: (peaks[dt], 1024))
+    monkeypatch.setattr(cal, "memory_bandwidth", lambda dev, s, log=None: hbm_bw)
+    monkeypatch.setattr(cal, "measure_collective", collective)
+    mesh = {"data": 2, "model": 4}
+    p = cal.calibrate(str(tmp_path / "synthetic.toml"), mesh=mesh, quick=True, log=None)
+    assert len(measured) >= 2 * 4 * 2  # two axes, four kinds, several sizes
+    # written at 4 significant digits
+    assert p.intra_latency == pytest.approx(alpha, rel=1e-3)
+    assert p.intra_bandwidth == pytest.approx(beta, rel=1e-3)
+    assert p.inter_latency == pytest.approx(alpha, rel=1e-3)  # one host: copied
+    assert p.inter_bandwidth == pytest.approx(beta, rel=1e-3)
+    assert p.flops_for("float32") == pytest.approx(peaks["float32"], rel=1e-3)
+    assert p.flops_for("bfloat16") == pytest.approx(peaks["bfloat16"], rel=1e-3)
+    assert p.hbm_bandwidth == pytest.approx(hbm_bw, rel=1e-3)
+    info = mesh_info(AbstractMesh(tuple(mesh.values()), tuple(mesh)), p.devices_per_node)
+    cm = CostModel(p, info)
+    for kind, axis, nbytes, t in measured:
+        assert cm.collective(kind, (axis,), nbytes).seconds == pytest.approx(t, rel=2e-3), (
+            kind,
+            axis,
+            nbytes,
+        )
+    assert jax.device_count() == 8  # the mesh ran on the simulated devices
+
+
+def test_render_draws_the_layout_boxes_and_labels(small_plan, tmp_path):
+    """The layout of the fsdp gpt_small plan (`layer_groups`, `param_groups`) has one box
+    per layer in program order and the largest parameters split over both mesh axes;
+    the rendered picture carries every box's label, every parameter's name and spec,
+    and one tile label per shard (SVG with text kept as text)."""
+    import re
+
+    import matplotlib
+
+    plan = Plan.from_json(json.loads(small_plan.read_text()))
+    groups = render.layer_groups(plan)
+    labels = [g.label for g in groups]
+    # the batch first, then the layers in program order; the two blocks are identical
+    # (the same strategies and specs) and drawn as one box
+    assert labels[0] == "batch", labels
+    hs = [g for g in groups if g.names[0].startswith("h_")]
+    assert [n for g in hs for n in g.names] == ["h_0", "h_1"], labels
+    for g in hs:  # one box per block, or one for both when they are identical
+        assert g.label == (g.names[0] if len(g.names) == 1 else "h_0..h_1 (2 identical)")
+    h = hs[-1]
+    assert labels.index("wte") < labels.index(hs[0].label), labels
+    assert labels.index(h.label) < labels.index("ln_f"), labels
+    assert h.split == "data,model", h.split  # fsdp: parameters over both axes
+    assert h.param_local_bytes * 8 == h.param_bytes
+    params = render.param_groups(plan, 4)
+    assert len(params) == 4
+    sizes = [math.prod(p.record.shape) for p in params]
+    assert sizes == sorted(sizes, reverse=True)
+    # the two blocks' same-shaped, same-spec kernels are one group of two
+    assert (params[0].name, params[0].count) == ("h_*/mlp/c_fc/kernel", 2), params[0]
+    assert all(p.record.spec.shards(plan.mesh) == 8 for p in params), [
+        str(p.record.spec) for p in params
+    ]
+
+    out = tmp_path / "plan.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        render.render_plan(plan, out, top=4)
+    svg = out.read_text()
+    texts = [
+        html.unescape(t)
+        for t in re.findall(r"<text[^>]*>(.*?)</text>", svg, re.S)
+        for t in [re.sub(r"<[^>]+>", "", t)]
+    ]
+    body = "\n".join(texts)
+    for g in groups:
+        assert g.label in texts, (g.label, texts[:20])
+    for p in params:
+        assert any(t.startswith(p.name) for t in texts), p.name
+        assert f"spec {p.record.spec}" in body
+    # tiles: a parameter split 8 ways over (data, model) has its 8 shards labelled
+    # with their mesh coordinates, data major
+    coords = {t for t in texts if re.fullmatch(r"data \d,model \d", t)}
+    assert coords == {f"data {i},model {j}" for i in range(2) for j in range(4)}, coords

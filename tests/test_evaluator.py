@@ -33,3 +33,151 @@ def test_f32_copies_of_bf16_data_at_the_peak(tmp_path, dtype):
         assert live - less >= 512 * 256 * 4, peaks
         m = ev.measure(compiled, jax.make_mesh((1,), ("data",)), dump_dir=str(tmp_path))
         assert m.memory["less_f32_copies"] == m.memory["total"] - (live - less)
+
+
+# ------------------------------------------------- corrections on programs with a known answer
+
+
+def _mesh8():
+    return jax.make_mesh((8,), ("data",))
+
+
+def _psum(dtype):
+    """A shard_map all-reduce of a [1024, 256] block per device, in `dtype`."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh8()
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
+        )
+    )
+    x = jax.ShapeDtypeStruct((8 * 1024, 256), dtype, sharding=NamedSharding(mesh, P("data")))
+    return f.lower(x).compile(), mesh
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_bf16_collectives_are_priced_at_bf16_width(dtype):
+    """XLA:CPU runs a bf16 all-reduce in f32 (twice the bytes); the evaluator prices it at
+    the bf16 width a GPU moves: 1024 x 256 x 2 bytes. An f32 one is left as it is."""
+    compiled, mesh = _psum(dtype)
+    width = jnp.dtype(dtype).itemsize
+    m = ev.measure(compiled, mesh)
+    (c,) = m.collectives
+    assert (c.kind, c.raw_kind, c.axes) == ("all-reduce", "all-reduce", ("data",))
+    assert c.raw_bytes == 1024 * 256 * 4  # as compiled: f32 on the CPU either way
+    assert c.bytes == 1024 * 256 * width
+    assert c.upcast == (dtype == jnp.bfloat16)
+    assert m.upcast_bytes == 1024 * 256 * (4 - width)
+    raw = ev.measure(compiled, mesh, correct_bf16=False)
+    assert raw.collectives[0].bytes == 1024 * 256 * 4 and raw.upcast_bytes == 0
+
+
+def _matmul(out_spec):
+    """[512, 1024] @ [1024, 256] with the contraction split over 8 devices: partial sums
+    that are all-reduced (replicated output) or reduce-scattered (output split by rows),
+    which XLA:CPU compiles as an all-reduce and a dynamic-slice."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh8()
+    s = lambda *spec: NamedSharding(mesh, P(*spec))
+    f = jax.jit(
+        lambda a, b: a @ b,
+        in_shardings=(s(None, "data"), s("data", None)),
+        out_shardings=s(*out_spec),
+    )
+    args = (
+        jax.ShapeDtypeStruct((512, 1024), jnp.float32),
+        jax.ShapeDtypeStruct((1024, 256), jnp.float32),
+    )
+    return f.lower(*args).compile(), mesh
+
+
+def test_all_reduce_then_dynamic_slice_is_priced_as_reduce_scatter():
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.sharding import mesh_info
+
+    full = 512 * 256 * 4
+    compiled, mesh = _matmul(("data", None))
+    text = compiled.as_text()
+    assert " all-reduce(" in text and "dynamic-slice(" in text and "reduce-scatter(" not in text
+    m = ev.measure(compiled, mesh)
+    (c,) = m.collectives
+    assert (c.kind, c.raw_kind, c.bytes, c.raw_bytes) == (
+        "reduce-scatter",
+        "all-reduce",
+        full,
+        full,
+    )
+    assert m.reclassified_rs == 1
+    # priced with the reduce-scatter's bus factor (n - 1) / n, not the all-reduce's twice that
+    prof = cost_models.load("h100-sxm")
+    cm = CostModel(prof, mesh_info(mesh, prof.devices_per_node))
+    priced = ev.price(m, prof, mesh, "float32")
+    assert priced.comm_s == pytest.approx(cm.collective("reduce-scatter", ("data",), full).seconds)
+    assert priced.comm_s < cm.collective("all-reduce", ("data",), full).seconds
+
+    # the same partial sums wanted whole: an all-reduce, and it stays one
+    compiled, mesh = _matmul(())
+    m = ev.measure(compiled, mesh)
+    (c,) = m.collectives
+    assert (c.kind, c.bytes) == ("all-reduce", full) and m.reclassified_rs == 0
+
+
+def _mlp_forward(w1, w2, x):
+    return jax.nn.gelu(x @ w1) @ w2
+
+
+def _mlp_gradient(w1, w2, x):
+    loss = lambda w1, w2: jnp.mean(jnp.square(jax.nn.gelu(x @ w1) @ w2))
+    return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+
+PROGRAMS = {
+    # (function, argument shapes)
+    "chain256": (_chain, [(256, 256), (512, 256)]),
+    "chain512": (_chain, [(512, 512), (1024, 512)]),
+    "mlp_forward": (_mlp_forward, [(256, 1024), (1024, 256), (512, 256)]),
+    "mlp_gradient": (_mlp_gradient, [(256, 1024), (1024, 256), (512, 256)]),
+}
+
+
+def _peaks(name, dtype, tmp_path):
+    fn, shapes = PROGRAMS[name]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    ev.compile_lowered(jax.jit(fn).lower(*args), str(tmp_path))
+    return ev.f32_copies_at_peak(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "chain256",
+        "chain512",
+        "mlp_forward",
+        pytest.param(
+            "mlp_gradient",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known gap: on the gradient program the rule finds too few copies "
+                "(2/3 of the f32 peak instead of 1/2), so less_f32_copies is an upper bound",
+            ),
+        ),
+    ],
+)
+def test_memory_less_f32_copies_is_the_bf16_programs_own_footprint(tmp_path, name):
+    """Where the answer is known: a GPU keeps every buffer of a bf16 program at half the
+    width of the same program compiled in f32 (same ops, same schedule), so its peak is
+    exactly half the f32 program's. The bf16 program's peak less the CPU's f32 copies
+    is that. A copy is all extra when the bf16 value is in memory too; when it stands in
+    for a bf16 value a GPU would keep, half of it is (an f32 buffer is twice the bf16
+    one): the chains exercise the first case, the MLP forward the second (counting its
+    copies whole gives 0.35 of the f32 peak, not 0.5)."""
+    f32 = _peaks(name, jnp.float32, tmp_path / "f32")
+    bf16 = _peaks(name, jnp.bfloat16, tmp_path / "bf16")
+    assert f32["live_peak_less_f32_copies"] == f32["live_peak"]
+    assert bf16["live_peak"] > f32["live_peak"] / 2  # the CPU's copies are there
+    assert bf16["live_peak_less_f32_copies"] == f32["live_peak"] // 2, (f32, bf16)

@@ -129,11 +129,33 @@ def test_plan_file_round_trips_and_replays(tmp_path):
     assert replayed.pipeline == step.plan(*args).pipeline
 
 
-def test_microbatch_count_is_chosen_by_the_cost_model():
+def test_microbatch_count_is_chosen_by_the_cost_model(monkeypatch):
+    """Without `microbatches`, the driver prices the micro-batch counts that cut the
+    batch of 8 and keeps the count of the cheapest plan: the cost model's own price of
+    every count, read from the driver's ranking, picks the plan's."""
+    import autopar.compile.driver as driver
+
+    prices: dict[int, float] = {}
+    real = driver._Driver._search
+
+    def search(self, graph, reused):
+        found = real(self, graph, reused)
+        for step_s, *_, pipelined in found.ranked:
+            m = pipelined.pipe.microbatches
+            prices[m] = min(prices.get(m, math.inf), step_s)
+        return found
+
+    monkeypatch.setattr(driver._Driver, "_search", search)
     ts = gpt.make_train_step(_cfg())
     step = autopar.parallelize(ts.step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2)
     plan = step.plan(*gpt.abstract_args(_cfg()))
-    assert plan.pipeline["microbatches"] in (2, 4, 8)
+    # S and 2S (and 4S = 8, a micro-batch of one example, where it traces to the same
+    # loops) cut the batch of 8; every count the driver priced is a candidate
+    assert {2, 4} <= set(prices) <= {2, 4, 8}, prices
+    assert len(set(prices.values())) == len(prices), prices  # the counts price differently
+    best = min(prices, key=prices.get)
+    assert plan.pipeline["microbatches"] == best, (plan.pipeline["microbatches"], prices)
+    assert plan.cost.step_s == pytest.approx(prices[best], rel=1e-9)
 
 
 def test_bad_pipeline_requests_say_what_to_do():

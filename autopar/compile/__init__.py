@@ -7,12 +7,12 @@ from autopar.compile.driver import (
     Compiled,
     Infeasible,
     Options,
-    compile_step,
     compiled_memory,
     info_str,
     lowered,
 )
 from autopar.compile.plans import bind_plan, make_plan, plan_mismatch, reusable_specs, user_pins
+from autopar.compile.step import compile_step
 
 __all__ = [
     "Call",

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -21,6 +23,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 import cost_models
+from autopar.compile.clock import Clock, left_out, try_name
 from autopar.compile.plans import (
     attach,
     make_plan,
@@ -39,10 +42,10 @@ from autopar.errors import (
     PlanError,
     format_bytes,
 )
-from autopar.ir.capture import abstractify_tree, capture, fn_name
+from autopar.ir.capture import abstractify_tree, arg_names, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
-from autopar.passes.accumulate import accumulate
+from autopar.passes.accumulate import accumulate, batch_problem
 from autopar.passes.pipeline import (
     Pipeline,
     PipelinedScans,
@@ -56,7 +59,6 @@ from autopar.passes.pipeline import (
 )
 from autopar.passes.precision import describe as describe_precision
 from autopar.passes.precision import mixed_precision
-from autopar.passes.remat import POLICIES as REMAT_POLICIES
 from autopar.passes.remat import remat, remat_report
 from autopar.plan.plan import Plan, TensorRecord
 from autopar.search import search
@@ -92,6 +94,9 @@ class Options:
     precision: str | None
     grad_accumulation: int | None
     remat: str | None
+    time_limit: float | None = None  # seconds; then the best plan found so far
+    cache_dir: Any = None  # the plan cache's directory (`compile.cache`), or None: off
+    progress: bool = True  # `compile.progress` around every search (`api.Parallelized`)
 
 
 @dataclass(frozen=True)
@@ -165,49 +170,29 @@ def _applies(fn: Callable[..., T], *args) -> T | Infeasible:
         return Infeasible(e)
 
 
-def _searched(problem: Problem, engine: str, budget: float, pins: dict[int, int]):
+def _searched(problem: Problem, engine: str, budget: float, pins: dict[int, int], clock=None):
     """`search`, or the MemoryBudgetError it raises when no plan fits, as a value."""
     try:
-        return search(problem, engine, budget, pins)
+        return search(problem, engine, budget, pins, clock)
     except MemoryBudgetError as e:
         return Infeasible(e)
-
-
-def compile_step(options: Options, call: Call) -> Compiled:
-    """The plan and `jax.jit` for this call. With `remat="auto"`, each policy in turn
-    from the least recompute, keeping the fastest plan that fits."""
-    if options.remat != "auto":
-        got = _Driver(options, call, options.remat).compile()
-        if isinstance(got, Infeasible):
-            raise got.error
-        return got
-    tried, best = [], None
-    for policy in REMAT_POLICIES:  # most memory, least recompute first
-        got = _Driver(options, call, policy).compile()
-        if isinstance(got, Infeasible):
-            tried.append(f"remat={policy}: {got.why.splitlines()[0]}")
-            continue
-        tried.append(f"remat={policy}: {got.plan.cost.step_s * 1e3:.4g} ms")
-        if best is None or got.plan.cost.step_s < best.plan.cost.step_s:
-            best = got
-        if not got.memory_bound:  # nothing held back by memory: more remat only adds work
-            break
-    if best is not None:
-        note = "remat='auto' tried " + "; ".join(tried)
-        return replace(best, plan=replace(best.plan, warnings=(*best.plan.warnings, note)))
-    raise MemoryBudgetError(
-        f"{fn_name(options.fn)}: no rematerialization policy fits the budget:\n  "
-        + "\n  ".join(tried)
-    )
 
 
 class _Driver:
     """One remat policy's tries for one call."""
 
-    def __init__(self, options: Options, call: Call, remat_policy: str | None):
+    def __init__(
+        self,
+        options: Options,
+        call: Call,
+        remat_policy: str | None,
+        graph: Graph | None = None,  # the function traced on the call's arguments
+        clock: Clock | None = None,
+    ):
         self.o, self.call, self.remat_policy = options, call, remat_policy
         self.single = len(options.meshes) == 1
         self.name = fn_name(options.fn)
+        self.graph, self.clock = graph, clock or Clock()
 
     def _capture(self, args: tuple, mesh=None) -> Graph:
         """Trace the function on `args` under `mesh` (default: the mesh, when there is
@@ -236,10 +221,14 @@ class _Driver:
         nothing fits the memory budget (more remat may help). Raises the user's other
         errors, and any error of the only option there is."""
         o = self.o
-        log.info("tracing %s", self.name)
-        graph, notes = self._prepare(self._capture(self.call.args))
-        if o.grad_accumulation and o.grad_accumulation > 1:
-            graph = self._accumulated(graph)
+        if self.graph is None:
+            log.info("tracing %s", self.name)
+            with self.clock.phase("capture"):
+                self.graph = self._capture(self.call.args)
+        with self.clock.phase("passes"):
+            graph, notes = self._prepare(self.graph)
+            if o.grad_accumulation and o.grad_accumulation > 1:
+                graph = self._accumulated(graph)
         reused: dict[int, Spec] = {}
         if o.given_plan is not None:
             mesh = _mesh_for_plan(o.meshes, o.given_plan)
@@ -254,6 +243,12 @@ class _Driver:
             return found
         if o.pipeline_stages == "auto":
             notes += (_pipeline_tries(found.ranked, found.failures),)
+            stage = [m for m in o.meshes if "stage" in m.axis_names]
+            turned = [f for f in found.failures if "'stage'" in f.split("}", 1)[0]]
+            if stage and len(turned) >= len(stage):  # no pipeline could be made: say why
+                why = _no_pipeline_why(found.failures)
+                warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
+                notes += (why,)
         if found.skipped:
             notes += (
                 f"{found.skipped} of {found.tries} (mesh, micro-batch count) tries not searched: "
@@ -291,20 +286,30 @@ class _Driver:
         tries, failures = self._tries(graph)
         floors = [step_floor(graph, mesh.size, o.profile, p) for _, mesh, p in tries]
         ranked, best, skipped, memory_bound = [], math.inf, 0, False
-        for i in sorted(range(len(tries)), key=lambda i: (floors[i], i)):
+        order = sorted(range(len(tries)), key=lambda i: (floors[i], i))
+        for step, i in enumerate(order):
             k, mesh, pipelined = tries[i]
             if isinstance(mesh, AbstractMesh) and floors[i] >= best:
                 skipped += 1
                 continue
+            if ranked and self.clock.out_of_time():
+                self.clock.skip(left_out(tries, order[step:], self.remat_policy))
+                break
             info = self._info(mesh)
-            log.info("mesh %s: pricing the strategies of %d ops", info.shape, len(graph.nodes))
-            problem = build_problem(graph, info, CostModel(o.profile, info), pipelined)
+            log.info(
+                "mesh %s: pricing the strategies of %d ops",
+                try_name(info.shape, pipelined),
+                len(graph.nodes),
+                extra={"autopar_step": (step + 1, len(tries))},
+            )
+            with self.clock.phase("build"):
+                problem = build_problem(graph, info, CostModel(o.profile, info), pipelined)
             pins = user_pins(problem, call.dyn, call.in_specs) if call.in_specs is not None else {}
             if isinstance(pins, MeshError):
                 result = Infeasible(pins)
             else:
                 pins.update(spec_pins(problem, reused))
-                result = _searched(problem, o.engine, o.memory_budget, pins)
+                result = _searched(problem, o.engine, o.memory_budget, pins, self.clock)
             if isinstance(result, Infeasible):
                 if len(tries) == 1:
                     if result.memory:
@@ -335,25 +340,31 @@ class _Driver:
         o, call = self.o, self.call
         rejected = []
         for _, _, name, mesh, problem, result, pipelined in found.ranked:
-            plan = make_plan(problem, result.pick(name), o.profile, mesh, pipelined)
-            plan = replace(
-                plan,
-                precision=o.precision,
-                grad_accumulation=o.grad_accumulation,
-                remat=self.remat_policy if self.remat_policy != "none" else None,
-                warnings=(*notes, *plan.warnings),
-            )
-            jitted = jit_from_plan(graph, plan, mesh, call.donate, pipelined)
+            with self.clock.phase("plan"):
+                plan = make_plan(problem, result.pick(name), o.profile, mesh, pipelined)
+                plan = replace(
+                    plan,
+                    precision=o.precision,
+                    grad_accumulation=o.grad_accumulation,
+                    remat=self.remat_policy if self.remat_policy != "none" else None,
+                    warnings=(*notes, *plan.warnings),
+                )
+                jitted = jit_from_plan(graph, plan, mesh, call.donate, pipelined)
             if (
                 isinstance(mesh, Mesh)
                 and plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * o.memory_budget
             ):
                 log.info("compiling %s to check its memory", info_str(plan))
-                compiled = compiled_memory(lowered(jitted, call.flat, plan, mesh).compile())
+                with self.clock.phase("compile check"):
+                    compiled = compiled_memory(lowered(jitted, call.flat, plan, mesh).compile())
                 plan = replace(plan, compiled_memory_bytes=compiled)
                 if compiled > o.memory_budget:
                     rejected.append(f"{info_str(plan)}: compiled {format_bytes(compiled)}")
                     continue
+            elif plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * o.memory_budget:
+                why = offline_warning(plan, o.memory_budget)
+                warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
+                plan = replace(plan, warnings=(*plan.warnings, why))
             if rejected:
                 plan = replace(
                     plan,
@@ -378,7 +389,8 @@ class _Driver:
             pipelined = self._pipelined(graph, Pipeline.from_json(plan.pipeline), mesh)
             if isinstance(pipelined, Infeasible):
                 raise pipelined.error
-        jitted = jit_from_plan(graph, plan, mesh, self.call.donate, pipelined)
+        with self.clock.phase("plan"):
+            jitted = jit_from_plan(graph, plan, mesh, self.call.donate, pipelined)
         return Compiled(graph, plan, None, jitted, mesh)
 
     def _accumulated(self, graph: Graph) -> Graph:
@@ -391,15 +403,10 @@ class _Driver:
         leaves = [jax.tree_util.tree_leaves(args[i]) for i in dyn]
         first = sum(len(x) for x in leaves[:-1])
         batch = leaves[-1]
-        sizes = {getattr(x, "shape", (None,))[:1] for x in batch}
-        if len(sizes) != 1 or not next(iter(sizes)) or next(iter(sizes))[0] % M:
-            shapes = ", ".join(str(tuple(getattr(x, "shape", ()))) for x in batch)
-            raise MicrobatchError(
-                f"{name}: grad_accumulation={M} cuts the last argument (the batch) along its "
-                f"leading dim, but its leaves have shapes {shapes}; they need one leading size "
-                f"divisible by {M}"
-            )
-        (b,) = next(iter(sizes))
+        why = batch_problem(args[dyn[-1]], M, arg_names(self.o.fn, dyn[-1] + 1)[dyn[-1]])
+        if why:
+            raise MicrobatchError(f"{name}: {why}")
+        b = batch[0].shape[0]
         margs = list(args)
         cut = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype)
         margs[dyn[-1]] = jax.tree_util.tree_map(cut, abstractify_tree(args[dyn[-1]]))
@@ -421,7 +428,18 @@ class _Driver:
                 return [None]
             S = dict(zip(mesh.axis_names, mesh.axis_sizes))["stage"]
             if not pipelined_scans(graph, Pipeline(S, 1)):
-                return []
+                loops = [n.params["length"] for n in graph.nodes if n.body is not None]
+                return Infeasible(
+                    PipelineError(
+                        f"{S} stages: "
+                        + (
+                            f"no scan's length ({loops}) is a multiple of {S}"
+                            if loops
+                            else "no loop over layers to pipeline (a scan: flax.linen.scan, "
+                            "jax.lax.scan; e.g. GPTConfig(scan_layers=True))"
+                        )
+                    )
+                )
         checked = _applies(check_pipeline, Pipeline(S, 1), self._info(mesh))
         if isinstance(checked, Infeasible):
             return checked
@@ -534,6 +552,22 @@ def _pipeline_tries(options, failures) -> str:
     )
 
 
+def _no_pipeline_why(failures) -> str:
+    """The plan warning of `pipeline_stages="auto"` when no pipeline could be made: why
+    each mesh with a stage axis was turned away."""
+    reasons = []
+    meshes: dict[str, list[str]] = {}  # reason -> the meshes it turned away
+    for f in failures:
+        if "stage" in f:
+            shape, _, reason = " ".join(x.strip() for x in f.splitlines()).partition("}: ")
+            reason = re.sub(r"^\d+ stages: ", "", reason)
+            meshes.setdefault(reason, []).append(shape + "}")
+    reasons += [f"{', '.join(m)}: {r}" for r, m in meshes.items()]
+    return "pipeline_stages='auto' returned an unpipelined plan: " + (
+        "; ".join(reasons) or "no mesh with a 'stage' axis was tried"
+    )
+
+
 def compiled_memory(compiled) -> int:
     """Per-device bytes XLA needs: arguments + outputs + temporaries - aliased."""
     m = compiled.memory_analysis()
@@ -542,6 +576,20 @@ def compiled_memory(compiled) -> int:
         + m.output_size_in_bytes
         + m.temp_size_in_bytes
         - m.alias_size_in_bytes
+    )
+
+
+def offline_warning(plan: Plan, budget: float) -> str:
+    """The plan warning of a plan made on a mesh with no devices here (an AbstractMesh)
+    that comes close to the memory budget: it was not compile-checked."""
+    peak = plan.cost.peak_memory_bytes
+    return (
+        f"not compile-checked: planned on a mesh with no devices here ({plan.mesh.shape}, "
+        f"{plan.mesh.num_devices} devices; this machine has {len(jax.devices())}), and its "
+        f"predicted peak {format_bytes(peak)}/device is {peak / budget:.0%} of the memory "
+        f"budget {format_bytes(budget)}; XLA's own temporaries come on top of that. Check it "
+        "with `autopar verify PLAN TARGET` (compiles the plan for the whole mesh on simulated "
+        "CPU devices), or compile the same per-device shapes on a smaller mesh"
     )
 
 

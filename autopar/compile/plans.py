@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar.errors import MeshError, PlanError
+from autopar.cost.model import matmul_rates
+from autopar.errors import MeshError, PlanError, did_you_mean
 from autopar.ir._compat import broadcast_prefix
 from autopar.ir.graph import Graph
 from autopar.passes.pipeline import PipelinedScans, layer_ranges
@@ -47,11 +48,12 @@ def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int
                 f"in_specs for {g.input_paths[i]} {t}: {pspec} "
                 + (
                     f"names axes {unknown} that the mesh {mesh.shape} does not have"
+                    + did_you_mean(unknown[0], mesh.axis_names)
                     if unknown
                     else f"has more entries than the array has dims ({t.rank})"
                 )
             )
-        spec = Spec.from_pspec(pspec, t.rank)
+        spec = Spec.from_pspec(pspec, t.rank).without_trivial_axes(mesh)
         match = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0] == spec]
         if not match:
             return MeshError(
@@ -72,7 +74,7 @@ def reusable_specs(plan: Plan, graph: Graph, mesh: MeshInfo) -> dict[int, Spec]:
         if r is None or (tuple(r.shape), r.dtype) != (t.shape, t.dtype.name):
             continue
         if all(a in mesh.axis_names for a in r.spec.used_axes):
-            out[i] = r.spec
+            out[i] = r.spec.without_trivial_axes(mesh)
     return out
 
 
@@ -126,7 +128,7 @@ def make_plan(
         cost=result.cost,
         warnings=problem.warnings,
         candidates=result.candidates,
-        search_info=result.solver_info,
+        search_info={**result.solver_info, "matmul_rates": matmul_rates(g, profile)},
         function=g.name,
         in_tree=g.in_tree,
         out_tree=g.out_tree,
@@ -180,6 +182,7 @@ def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
             float(problem.node_time[n_in + n.id][choice[n_in + n.id]]),
             body(n),
             branches(n),
+            n.library_source,
         )
         for n in g.nodes
     )

@@ -154,12 +154,98 @@ FUSED_OPS = frozenset(ELEMENTWISE) | {
 
 
 def compute_dtype(node: Node, graph: Graph) -> np.dtype:
-    """The dtype a node computes in, which picks its FLOP rate (`flops_for`): for a
-    contraction its operands' (bfloat16 operands accumulating into float32 run at the
-    bfloat16 rate), else its first result's."""
+    """The dtype a node computes in: for a contraction its operands' (bfloat16 operands
+    accumulating into float32 compute in bfloat16), else its first result's. The FLOP
+    rate also depends on the matmul precision: see `rate_dtype`."""
     if node.op in CONTRACTIONS:
         return np.dtype(jnp.promote_types(*(graph.values[v].dtype for v in node.inputs)))
     return graph.values[node.outputs[0]].dtype if node.outputs else np.dtype(np.float32)
+
+
+# What a float32 contraction runs at, by precision (XLA on NVIDIA GPUs): DEFAULT and HIGH
+# use TF32 tensor cores (HIGH is bf16_3x on TPU; on GPU XLA runs it as TF32, and pricing it
+# at the tfloat32 rate is within ~1.5x of three bf16 passes either way); HIGHEST is true
+# float32. `jax_default_matmul_precision` names: see `_CONFIG_PRECISION`.
+_F32_RATE = {"DEFAULT": "tfloat32", "HIGH": "tfloat32", "HIGHEST": "float32"}
+_CONFIG_PRECISION = {
+    "highest": "float32",
+    "float32": "float32",
+    "high": "tfloat32",
+    "tensorfloat32": "tfloat32",
+    "bfloat16_3x": "tfloat32",
+    "default": "tfloat32",
+    "fastest": "tfloat32",
+    "bfloat16": "bfloat16",
+}
+
+
+def _default_f32_rate() -> str:
+    import jax
+
+    name = jax.config.jax_default_matmul_precision
+    return "tfloat32" if name is None else _CONFIG_PRECISION.get(str(name).lower(), "tfloat32")
+
+
+def _f32_rate(precision) -> str:
+    """The rate name a float32 contraction with this `precision` param runs at."""
+    if precision is None:
+        return _default_f32_rate()
+    if not isinstance(precision, tuple | list):
+        precision = (precision,)
+    names = [getattr(p, "name", str(p)).upper() for p in precision if p is not None]
+    presets = [n for n in names if n not in _F32_RATE]  # a DotAlgorithmPreset
+    if presets:
+        n = presets[0]
+        if n.startswith("F32") or n.startswith("F64") or n.endswith("_X6") or n.endswith("_X9"):
+            return "float32"
+        if n.startswith("TF32") or n.endswith("_X3"):
+            return "tfloat32"
+        if n.startswith("BF16"):
+            return "bfloat16"
+        if n.startswith("F16"):
+            return "float16"
+        return _default_f32_rate()
+    if not names or all(n == "DEFAULT" for n in names):
+        return _default_f32_rate()
+    rank = ["DEFAULT", "HIGH", "HIGHEST"]
+    return _F32_RATE[max(names, key=rank.index)]  # the higher operand precision wins
+
+
+def rate_dtype(node: Node, graph: Graph, profile: ClusterProfile) -> str | np.dtype:
+    """The dtype name whose peak (`profile.flops_for`) prices `node`'s FLOPs: its
+    `compute_dtype`, except that a float32 contraction runs at the rate its precision
+    picks (the op's `precision` param, else `jax_default_matmul_precision`): TF32 by
+    default on profiles with a `tfloat32` peak, float32 under HIGHEST / "highest"."""
+    dtype = compute_dtype(node, graph)
+    if node.op not in CONTRACTIONS or dtype != np.float32:
+        return dtype
+    rate = _f32_rate(node.params.get("precision"))
+    return rate if rate in profile.peak_flops else dtype
+
+
+def matmul_rates(graph: Graph, profile: ClusterProfile) -> dict[str, str]:
+    """Which peak each contraction dtype of `graph` is priced at, for the plan to record:
+    e.g. ``{"float32 dots": "tfloat32 (494.7 TFLOP/s)"}``. Nested graphs (scan bodies,
+    cond branches) are included."""
+    out: dict[str, str] = {}
+
+    def visit(g: Graph) -> None:
+        for n in g.nodes:
+            if n.op in CONTRACTIONS:
+                dtype = compute_dtype(n, g)
+                rate = rate_dtype(n, g, profile)
+                name = getattr(rate, "name", rate)
+                tflops = profile.flops_for(rate) / 1e12
+                out.setdefault(f"{dtype.name} dots", f"{name} ({tflops:.4g} TFLOP/s)")
+            for sub in _nested_graphs(n):
+                visit(sub)
+
+    visit(graph)
+    return dict(sorted(out.items()))
+
+
+def _nested_graphs(node: Node) -> list[Graph]:
+    return [g for g in (node.body, *(node.branches or ())) if g is not None]
 
 
 def node_flops(node: Node, graph: Graph) -> float:

@@ -37,6 +37,7 @@ __all__ = [
     "gpt_1_3b",
     "gpt_2_6b",
     "gpt_6_7b",
+    "gpt_scan_small",
     "gpt_small",
     "mlp_small",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -21,9 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar.errors import CaptureError
+from autopar.errors import CaptureError, did_you_mean
 from autopar.ir import _compat
 from autopar.ir.graph import Graph, Node, TensorType, check_graph
+
+Site = tuple[str, str]  # (user source, library source or "") of an op, `file.py:LINE`
 
 # primitive name -> name of the param that holds the callee jaxpr
 INLINE_CALLS: dict[str, str] = {
@@ -67,6 +70,11 @@ def _arg_names(fn: Callable, n: int) -> list[str]:
         else:
             names.append(f"arg{i}")
     return names
+
+
+def arg_names(fn: Callable, n: int) -> list[str]:
+    """The names of `fn`'s first `n` positional parameters (`arg{i}` where it has none)."""
+    return _arg_names(fn, n)
 
 
 def fn_name(fn: Callable) -> str:
@@ -116,9 +124,8 @@ def capture(
         shapes = ", ".join(_describe(a) for a in dyn_args)
         raise CaptureError(
             f"autopar could not trace {fn_name(fn)} on arguments ({shapes}):\n"
-            f"  {type(e).__name__}: {e}\n"
-            "Check that the function runs under jax.jit with these shapes; pass Python "
-            "scalars/configs through static_argnums."
+            f"  {type(e).__name__}: {_first_lines(e, fn, [names[i] for i in dyn_idx])}\n"
+            + trace_hint(fn, e, [args[i] for i in dyn_idx], [names[i] for i in dyn_idx])
         ) from e
 
     leaves, in_tree = jax.tree_util.tree_flatten_with_path(dyn_args)
@@ -175,11 +182,11 @@ class _Builder:
         return v
 
     def inline(
-        self, jaxpr, consts, in_ids: Sequence[int], stack: str, site: str = "<unknown>"
+        self, jaxpr, consts, in_ids: Sequence[int], stack: str, site: Site = ("<unknown>", "")
     ) -> list[int]:
-        """Append `jaxpr`'s eqns, calls inlined. `site` is the source line of the call
-        being inlined: eqns with no user frame of their own (inside library jits such as
-        `jnp.linalg.eigh`) point there instead."""
+        """Append `jaxpr`'s eqns, calls inlined. `site` is the source (user line, library
+        line) of the call being inlined: eqns with no frame of their own (inside library
+        jits such as `jnp.linalg.eigh`) point there instead."""
         env: dict[Any, int] = {}
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = self.const(c, var.aval)
@@ -207,10 +214,9 @@ class _Builder:
                 for var, v in zip(eqn.outvars, outs):
                     env[var] = v
                 continue
-            body = _scan_body(eqn, inner_stack, _source(eqn, site)) if name == "scan" else None
-            branches = (
-                _cond_branches(eqn, inner_stack, _source(eqn, site)) if name == "cond" else None
-            )
+            src = _source(eqn, site)
+            body = _scan_body(eqn, inner_stack, src) if name == "scan" else None
+            branches = _cond_branches(eqn, inner_stack, src) if name == "cond" else None
             outs = [self.new_value(var.aval) for var in eqn.outvars]
             for var, v in zip(eqn.outvars, outs):
                 if not isinstance(var, _compat.DropVar):
@@ -224,7 +230,8 @@ class _Builder:
                     primitive=eqn.primitive,
                     params=dict(eqn.params),
                     name_stack=inner_stack,
-                    source=_source(eqn, site),
+                    source=src[0],
+                    library_source=src[1],
                     body=body,
                     branches=branches,
                 )
@@ -232,7 +239,7 @@ class _Builder:
         return [read(x) for x in jaxpr.outvars]
 
 
-def _scan_body(eqn, stack: str, site: str) -> Graph:
+def _scan_body(eqn, stack: str, site: Site) -> Graph:
     """A scan's body jaxpr as a graph; paths name the loop's roles (`body/carry0` in
     and out, so the search keeps each carry in one spec, like updated state)."""
     closed = eqn.params["jaxpr"]
@@ -248,11 +255,11 @@ def _scan_body(eqn, stack: str, site: str) -> Graph:
         site,
         [f"body/{r}{k}" for r, k in zip(roles_in, k_in)],
         [f"body/{r}{k}" for r, k in zip(roles_out, k_out)],
-        f"scan body at {site}",
+        f"scan body at {site[0]}",
     )
 
 
-def _cond_branches(eqn, stack: str, site: str) -> tuple[Graph, ...]:
+def _cond_branches(eqn, stack: str, site: Site) -> tuple[Graph, ...]:
     """A cond's branches as graphs of its operands (the inputs after the branch index),
     with paths `branchK/inN` and `branchK/outN`."""
     return tuple(
@@ -262,13 +269,13 @@ def _cond_branches(eqn, stack: str, site: str) -> tuple[Graph, ...]:
             site,
             [f"branch{k}/in{i}" for i in range(len(closed.jaxpr.invars))],
             [f"branch{k}/out{i}" for i in range(len(closed.jaxpr.outvars))],
-            f"cond branch {k} at {site}",
+            f"cond branch {k} at {site[0]}",
         )
         for k, closed in enumerate(eqn.params["branches"])
     )
 
 
-def _subgraph(closed, stack: str, site: str, in_paths, out_paths, name: str) -> Graph:
+def _subgraph(closed, stack: str, site: Site, in_paths, out_paths, name: str) -> Graph:
     """A closed jaxpr called by a structured control-flow op, as a graph of its own."""
     b = _Builder()
     in_ids = [b.new_value(v.aval) for v in closed.jaxpr.invars]
@@ -287,9 +294,18 @@ def _subgraph(closed, stack: str, site: str, in_paths, out_paths, name: str) -> 
     return g
 
 
-def _source(eqn, site: str) -> str:
-    src = _compat.eqn_source(eqn)
-    return site if src == "<unknown>" else src
+def _source(eqn, site: Site) -> Site:
+    """(`file.py:LINE` of the first frame that made `eqn` outside JAX, Flax, optax,
+    transformers and autopar; the frame JAX names when that one is a library's, else
+    ""). An eqn with no frame outside JAX takes the call site's."""
+    frames = list(_compat.source_info_util.user_frames(eqn.source_info.traceback))
+    if not frames:
+        return site
+    where = lambda f: f"{f.file_name.rsplit('/', 1)[-1]}:{f.start_line}"  # noqa: E731
+    user = next((f for f in frames if not is_library_file(f.file_name)), None)
+    if user is None:  # all library: the call site's user line, when there is one
+        return (site[0], where(frames[0])) if site[0] != "<unknown>" else (where(frames[0]), "")
+    return (where(user), "" if user is frames[0] else where(frames[0]))
 
 
 def _join(a: str, b: str) -> str:
@@ -345,3 +361,188 @@ def _traced(fn: Callable, avals: tuple) -> Any:
     """`fn`'s jaxpr on arguments of these (shape, dtype)s, traced once per pair (a pass
     inserts the same small computation at every contraction of a model)."""
     return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d) for s, d in avals))
+
+
+# ---------------------------------------------------------------------------- errors and frames
+
+# Packages whose frames are not the user's: an op's `source` and an error's line skip them
+# (autopar's example models count as user code).
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "transformers", "equinox", "chex", "autopar")
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(directories of the packages in LIBRARIES and the standard library, directories
+    exempt from them)."""
+    import importlib.util
+    import os
+    import sysconfig
+
+    dirs = []
+    for name in LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for d in (spec.submodule_search_locations or ()) if spec else ():
+            dirs.append(os.path.realpath(d) + os.sep)
+    for key in ("stdlib", "platstdlib"):
+        dirs.append(os.path.realpath(sysconfig.get_paths()[key]) + os.sep)
+    here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return tuple(dirs), (os.path.join(here, "examples") + os.sep,)
+
+
+@functools.lru_cache(maxsize=4096)
+def is_library_file(filename: str) -> bool:
+    """Whether `filename` belongs to JAX, Flax, optax, transformers, autopar (not its
+    examples) or the standard library, rather than to the user."""
+    import os
+
+    if filename.startswith("<"):  # <frozen ...>, <string>: not a line the user can open
+        return not filename.startswith("<stdin") and filename != "<string>"
+    path = os.path.realpath(filename)
+    libs, exempt = _library_dirs()
+    if path.startswith(exempt):
+        return False
+    return path.startswith(libs)
+
+
+def user_frame_of(exc: BaseException):
+    """The innermost traceback frame of `exc` in the user's code (a `FrameSummary`), or
+    None."""
+    import traceback
+
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not is_library_file(f.filename):
+            return f
+    return None
+
+
+_CONCRETE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+# `argument dyn[0]['n']` / `at path dyn[0]['n']` in JAX's messages (capture traces `*dyn`)
+_ARG_RE = re.compile(r"(?:argument|at path) dyn\[(\d+)\]((?:\[[^\]]*\]|\.\w+)*)")
+
+
+def _first_lines(e: BaseException, fn: Callable, names: Sequence[str]) -> str:
+    """JAX's message without the sentences about autopar's own wrapper (`flat_fn`), the
+    arguments named as the user named them."""
+    text = re.sub(
+        r"The error occurred while tracing the function flat_fn at \S+ for \w+\. ?", "", str(e)
+    )
+    text = re.sub(r"<function capture\.<locals>\.flat_fn at 0x[0-9a-f]+>", fn_name(fn), text)
+    text = re.sub(
+        r"\bdyn\[(\d+)\]",
+        lambda m: names[int(m.group(1))] if int(m.group(1)) < len(names) else m.group(0),
+        text,
+    )
+    return "\n  ".join(ln for ln in text.splitlines() if ln.strip())
+
+
+def _unbound_linen_module(fn: Any, e: BaseException) -> bool:
+    if type(e).__module__.startswith("flax") and "Unbound" in type(e).__name__:
+        return True
+    fn = getattr(fn, "__wrapped__", fn)
+    for c in type(fn).__mro__:
+        if c.__name__ == "Module" and c.__module__.startswith("flax.linen"):
+            return getattr(fn, "scope", None) is None
+    return False
+
+
+def _leaf_at(tree: Any, sub: str) -> Any:
+    """The leaf of `tree` at a JAX key path string such as `['n']` or `[0].x`."""
+    for m in re.finditer(r"\[('?)(.*?)\1\]|\.(\w+)", sub):
+        key = m.group(3) if m.group(3) is not None else m.group(2)
+        try:
+            if m.group(3) is not None:
+                tree = getattr(tree, key)
+            elif isinstance(tree, dict):
+                tree = tree[key] if key in tree else tree[int(key)]
+            else:
+                tree = tree[int(key)]
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError):
+            return None
+    return tree
+
+
+def _inner_python_leaves(dyn_args: Sequence[Any], names: Sequence[str]) -> list:
+    """(path, value) of every Python scalar inside a dict/list argument."""
+    out = []
+    for k, a in enumerate(dyn_args):
+        for path, x in jax.tree_util.tree_flatten_with_path(a)[0]:
+            if path and isinstance(x, int | float | complex | bool):
+                out.append((names[k] + jax.tree_util.keystr(path), x))
+    return out
+
+
+def trace_hint(
+    fn: Callable, e: BaseException, dyn_args: Sequence[Any], names: Sequence[str]
+) -> str:
+    """What to do about `e`, raised tracing `fn` on `dyn_args` (the non-static arguments,
+    named `names`): chosen by what went wrong."""
+    if _unbound_linen_module(fn, e):
+        cls = fn_name(fn).split(" (")[0]
+        return (
+            f"{cls} is an unbound flax.linen Module: pass `model.apply` as the function and "
+            f"the variables as its first argument, e.g. parallelize(model.apply, mesh=...)"
+            f"(variables, x), with variables = model.init(key, x)."
+        )
+    axis = re.search(r"Resource axis: (\S+) of .* is not found in mesh: \(([^)]*)\)", str(e))
+    if axis:
+        have = re.findall(r"'([^']*)'", axis.group(2))
+        return (
+            f"A sharding constraint names the axis {axis.group(1)!r}, which the mesh lacks"
+            f"{did_you_mean(axis.group(1), have)}; the mesh's axes are {tuple(have)}."
+        )
+    m = _ARG_RE.search(str(e))
+    where, sub, leaf = None, "", None
+    if m and int(m.group(1)) < len(names):
+        k, sub = int(m.group(1)), m.group(2)
+        where = names[k] + sub
+        leaf = _leaf_at(dyn_args[k], sub) if sub else dyn_args[k]
+    concrete = isinstance(e, _CONCRETE) or (
+        isinstance(e, IndexError) and "must be static" in str(e)
+    )
+    if sub and not hasattr(leaf, "shape"):  # a Python value inside a dict/list
+        inner = [(where, leaf)]
+    elif m is None and concrete:  # JAX did not say which: every Python scalar inside one
+        inner = _inner_python_leaves(dyn_args, names)
+    else:
+        inner = []
+    fix = None
+    if inner:
+        what = ", ".join(f"{p} (a Python {type(x).__name__})" for p, x in inner[:3])
+        fix = (
+            f"{what} {'is' if len(inner) == 1 else 'are'} inside an argument, and "
+            "static_argnums cannot reach inside a dict or list: autopar traces every leaf of "
+            "a non-static argument, as jax.jit does. Make it an array if it is data, or "
+            "close over it (a closure or functools.partial) if it is a setting."
+        )
+    if concrete:
+        f = user_frame_of(e)
+        lines = ["A traced value is used as a concrete Python value"]
+        if f is not None:
+            lines[0] += f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno}:"
+            lines.append(f"    {(f.line or '').strip()}")
+        else:
+            lines[0] += "."
+        if fix:
+            lines.append(fix)
+        else:
+            lines.append(
+                "Under tracing an argument has a shape and dtype but no value: branch on it "
+                "with jnp.where or jax.lax.cond (keep float(...), int(...) and .item() "
+                "outside the function), or, if it is a setting rather than data, pass it "
+                "as a static argument (static_argnums / static_argnames)."
+            )
+        return "\n".join(lines)
+    if fix:
+        return fix
+    return (
+        "Check that the function runs under jax.jit with these shapes; pass Python "
+        "scalars/configs through static_argnums."
+    )

@@ -47,13 +47,15 @@ class Node:
     primitive: Any = field(repr=False)
     params: Mapping[str, Any] = field(repr=False)
     name_stack: str = ""
-    source: str = "<unknown>"
+    source: str = "<unknown>"  # the user's line (`ir.capture._source`)
     # `scan`: the loop body as its own graph (inputs: consts, carry, one slice of
     # each xs; outputs: carry, one slice of each ys), searched once for all steps
     body: Graph | None = field(default=None, repr=False)
     # `cond`: each branch as its own graph (inputs: the operands after the branch
     # index; outputs: the results), all searched to one interface
     branches: tuple[Graph, ...] | None = field(default=None, repr=False)
+    # the library line (Flax, optax, ...) that made the op, when `source` is not it
+    library_source: str = ""
 
     @property
     def key(self) -> str:

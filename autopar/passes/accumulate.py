@@ -28,8 +28,10 @@ all-reduce happens once per step, after the loop.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,43 @@ SCOPE = "grad_accumulation"  # name scope of the loop, how the search recognizes
 
 def is_accumulation(node: Node) -> bool:
     return node.body is not None and node.name_stack.split("/")[-1] == SCOPE
+
+
+def batch_problem(batch: Any, microbatches: int, name: str = "batch") -> str | None:
+    """Why the batch pytree `batch` (the argument `name`) cannot be cut into
+    `microbatches` along its leaves' leading dim, naming the leaves at fault (a scalar, a
+    leaf whose leading size differs from the rest's); None when it can."""
+    M = microbatches
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    lead = [tuple(getattr(x, "shape", ()))[:1] for _, x in leaves]
+    common = Counter(d[0] for d in lead if d).most_common(1)
+    b = common[0][0] if common else None
+
+    def described(path, x) -> str:
+        if not hasattr(x, "dtype"):
+            return f"{name}{jax.tree_util.keystr(path)} (a Python {type(x).__name__})"
+        return f"{name}{jax.tree_util.keystr(path)} {x.dtype}{list(getattr(x, 'shape', ()))}"
+
+    scalars = [described(p, x) for (p, x), d in zip(leaves, lead) if not d]
+    other = [described(p, x) for (p, x), d in zip(leaves, lead) if d and d[0] != b]
+    head = f"grad_accumulation={M} cuts the batch (the last argument, {name}) along its leaves' leading dim"
+    if b is None:
+        return f"{head}, but it has no leaf with a leading dim"
+    if scalars or other:
+        parts = []
+        if scalars:
+            parts.append(f"{', '.join(scalars)} {'has' if len(scalars) == 1 else 'have'} none")
+        if other:
+            parts.append(
+                f"{', '.join(other)} {'does' if len(other) == 1 else 'do'} not lead with {b}"
+            )
+        return (
+            f"{head}, {b} for the others, but " + " and ".join(parts) + "; pass such "
+            "values in another argument or close over them"
+        )
+    if b % M:
+        return f"{head}, {b}, which is not divisible by {M}"
+    return None
 
 
 def accumulate(

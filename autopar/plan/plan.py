@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,19 @@ from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import MeshInfo, Spec
 
 FORMAT = "autopar.plan/1"
+
+# Plan warnings that only inform (what a pass did, what an "auto" option tried, what
+# was reused): shown as `note:`, the rest as `warning:`.
+_NOTE_RE = re.compile(
+    r"^(mixed precision: |remat \(\w+\): the backward loop|remat='auto' tried|"
+    r"pipeline_stages='auto' tried|partial reuse of a plan|"
+    r"\d+ of \d+ \(mesh, micro-batch count\) tries not searched)"
+)
+
+
+def is_note(text: str) -> bool:
+    """Whether a plan warning is informational (printed as `note:`)."""
+    return bool(_NOTE_RE.match(text))
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,9 @@ class OpRecord:
     compute_s: float
     body: BodyRecord | None = None  # a scan's body plan
     branches: tuple[BodyRecord, ...] | None = None  # a cond's branch plans
+    # the library line (Flax, optax, ...) that made the op when `source`, the user's
+    # line, is not it; "" otherwise (and in plans written before the field)
+    library_source: str = ""
 
     def to_json(self) -> dict:
         d = {
@@ -62,6 +79,8 @@ class OpRecord:
             "out_specs": [_spec_json(s) for s in self.out_specs],
             "compute_s": self.compute_s,
         }
+        if self.library_source:
+            d["library_source"] = self.library_source
         if self.body is not None:
             d["body"] = self.body.to_json()
         if self.branches is not None:
@@ -80,6 +99,7 @@ class OpRecord:
             float(d["compute_s"]),
             BodyRecord.from_json(d["body"]) if "body" in d else None,
             tuple(BodyRecord.from_json(b) for b in d["branches"]) if "branches" in d else None,
+            d.get("library_source", ""),
         )
 
 
@@ -122,9 +142,19 @@ def _spec_json(s: Spec) -> dict | list:
 
 
 def _spec_from(d) -> Spec:
-    if isinstance(d, dict):
-        return Spec(Spec.from_json(d["dims"]).dims, tuple(d["partial"]))
-    return Spec.from_json(d)
+    key = str(d)  # a plan repeats a few specs many times (a large plan loads in 1/3 the time)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if isinstance(d, dict):
+            spec = Spec(Spec.from_json(d["dims"]).dims, tuple(d["partial"]))
+        else:
+            spec = Spec.from_json(d)
+        if len(_SPECS) < 100_000:
+            _SPECS[key] = spec
+    return spec
+
+
+_SPECS: dict[str, Spec] = {}
 
 
 def fingerprint(graph: Graph) -> str:
@@ -184,6 +214,13 @@ class Plan:
     grad_accumulation: int | None = None
     # the rematerialization policy applied before search ("dots", "selective", "full"), or None
     remat: str | None = None
+    # wall seconds of each phase of the `.plan()` call that made this plan ("capture",
+    # "build", one per engine, "polish", "compile check", ..., "other", "total"; see
+    # `autopar.compile.clock`); not in the plan file unless `to_json(timings=True)`
+    phases: dict | None = field(default=None, compare=False)
+    # the plan cache's part ({"status": "hit" | "stored", "path", and on a hit
+    # "searched_s": the search the entry came from}); None when the cache is off
+    cache: dict | None = field(default=None, compare=False)
     in_tree: Any = field(default=None, repr=False, compare=False)
     out_tree: Any = field(default=None, repr=False, compare=False)
     jax_mesh: Any = field(default=None, repr=False, compare=False)
@@ -225,10 +262,10 @@ class Plan:
         return self._shardings(self.out_specs)
 
     # ---- files --------------------------------------------------------------------------
-    def to_json(self) -> dict:
-        """The plan file's content. Timings are left out on purpose, so the same
-        function, arguments, mesh and profile give a byte-identical file."""
-        return {
+    def to_json(self, timings: bool = False) -> dict:
+        """The plan file's content. Timings are left out on purpose (unless `timings`),
+        so the same function, arguments, mesh and profile give a byte-identical file."""
+        d = {
             "format": FORMAT,
             "function": self.function,
             "fingerprint": self.fingerprint,
@@ -248,6 +285,9 @@ class Plan:
             "grad_accumulation": self.grad_accumulation,
             "remat": self.remat,
         }
+        if timings and self.phases:
+            d["phases"] = dict(self.phases)
+        return d
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
@@ -286,6 +326,7 @@ class Plan:
                 precision=d.get("precision"),
                 grad_accumulation=d.get("grad_accumulation"),
                 remat=d.get("remat"),
+                phases=d.get("phases"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
@@ -310,10 +351,29 @@ class Plan:
         lines = [
             f"autopar plan for {self.function or 'function'} on mesh {axes} ({self.cluster.get('name', '?')}), "
             f"engine {self.engine}"
-            + (f", searched in {self.search_seconds:.2f} s" if self.search_seconds else ""),
+            + (
+                f", planned in {self.phases['total']:.2f} s"
+                if self.phases and "total" in self.phases
+                else f", searched in {self.search_seconds:.2f} s"
+                if self.search_seconds
+                else ""
+            ),
             f"  predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + comm {c.comm_s * 1e3:.3f} ms; "
             f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)})",
         ]
+        if self.phases:
+            lines.append("  time: " + _phase_line(self.phases))
+        if self.cache:
+            c2 = self.cache
+            lines.append(
+                f"  plan cache: {c2.get('status')}"
+                + (
+                    f" (the search it saved took {c2['searched_s']:.2f} s)"
+                    if c2.get("searched_s")
+                    else ""
+                )
+                + (f", {c2['path']}" if c2.get("path") else "")
+            )
         if self.compiled_memory_bytes is not None:
             lines.append(f"  compiled by XLA: {format_bytes(self.compiled_memory_bytes)}/device")
         for k, b in sorted(c.comm_bytes.items()):
@@ -363,7 +423,7 @@ class Plan:
                 )
             lines.append(f"  {name}: " + "; ".join(notes))
         for w in self.warnings:
-            lines.append(f"  warning: {w}")
+            lines.append(f"  {'note' if is_note(w) else 'warning'}: {w}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -377,6 +437,13 @@ class Plan:
         lines.append("ops (contractions and gathers; `autopar inspect --by op` lists all):")
         lines += _op_lines(self.ops, "  ")
         return "\n".join(lines)
+
+
+def _phase_line(phases: dict) -> str:
+    """`capture 0.15 s + build 2.31 s + ... = 8.21 s` (the phases add up to the total)."""
+    parts = [f"{k} {v:.2f} s" for k, v in phases.items() if k != "total" and v >= 0.005]
+    total = phases.get("total")
+    return " + ".join(parts or ["0 s"]) + (f" = {total:.2f} s" if total is not None else "")
 
 
 _SHOWN = (*sorted(CONTRACTIONS), "gather", "scatter-add")

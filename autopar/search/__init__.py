@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 from autopar.cost.model import Cost
 from autopar.errors import MemoryBudgetError, format_bytes
@@ -18,7 +20,7 @@ from autopar.search.evaluate import evaluate
 from autopar.search.polish import polish
 from autopar.search.result import SearchResult, SolverInfo
 
-log = logging.getLogger("autopar")  # shown by `autopar.tools.progress`
+log = logging.getLogger("autopar")  # shown by `autopar.compile.progress`
 
 
 def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
@@ -73,22 +75,51 @@ ENGINES: dict[str, Engine] = {
     "dp": _dp,
     "ilp": _ilp,
     # Baselines fix the arguments' specs and let `dp` complete the rest optimally.
-    "data": lambda p, pins, info: _dp(p, {**engines.data_pins(p), **pins}, info),
+    # solved on a problem that penalizes gathering a split value: `data` is data
+    # parallelism (batch split, parameters replicated), never a gathered batch
+    "data": lambda p, pins, info: _dp(
+        engines.data_problem(p), {**engines.data_pins(p), **pins}, info
+    ),
     "fsdp": lambda p, pins, info: _dp(p, {**engines.fsdp_pins(p), **pins}, info),
     "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }
 AUTO_ENGINES = ("recursive", "dp", "data", "fsdp")
 
 
+class _NoClock:
+    """The clock of a search nobody times (`autopar.compile.clock.Clock` is the real one:
+    `phase(name)` times a phase, `out_of_time()` says `time_limit=` is reached, `skip(what)`
+    names the work left out)."""
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
+    def out_of_time(self) -> bool:
+        return False
+
+    def skip(self, what: str) -> None:
+        pass
+
+
 def search(
-    problem: Problem, engine: str, memory_budget: float, pinned: Mapping[int, int] = {}
-) -> SearchResult:  # noqa: B006
+    problem: Problem,
+    engine: str,
+    memory_budget: float,
+    pinned: Mapping[int, int] = {},  # noqa: B006
+    clock: Any = None,
+) -> SearchResult:
     """Run `engine` ("auto" tries them all); if its plan does not fit `memory_budget`,
     retry with the optimizer state sharded over every device (ZeRO-1; ZeRO-2 is the
     same in one fused step), with the parameters sharded too (ZeRO-3), and then, for
     functions with loops, with ZeRO-3 and each loop held to a strategy whose stacked
     inputs take at most 1/2, 1/4, 1/8 of the budget (`engines.loop_pins`), until one
-    fits. Returns the fastest plan that fits; raises MemoryBudgetError if none does."""
+    fits. Returns the fastest plan that fits; raises MemoryBudgetError if none does.
+
+    `clock` (`autopar.compile.clock.Clock`) times each engine, the pricing and the
+    polish; once it is out of time, the engines still to run and the polish are left
+    out (and named to it) as soon as some plan fits."""
+    clock = clock or _NoClock()
     if engine != "auto" and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
     start = time.perf_counter()
@@ -119,17 +150,38 @@ def search(
 
     def run(name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
         info[key] = {}
-        choice = ENGINES[name](problem, pins, info[key])
-        cost = evaluate(problem, choice)
-        polished, saved = polish(problem, choice, pins)
+        with clock.phase(name):
+            choice = ENGINES[name](problem, pins, info[key])
+        with clock.phase("evaluate"):
+            cost = evaluate(problem, choice)
+        if clock.out_of_time() and cost.peak_memory_bytes <= memory_budget:
+            clock.skip(f"the latency polish of {key} on {problem.mesh.shape}")
+            return choice, cost
+        cut = []
+
+        def stop() -> bool:
+            if clock.out_of_time():
+                cut.append(True)
+            return bool(cut)
+
+        timed = {"stop": stop} if getattr(clock, "deadline", None) is not None else {}
+        with clock.phase("polish"):
+            polished, saved = polish(problem, choice, pins, **timed)
+        if cut:
+            clock.skip(f"the rest of the latency polish of {key} on {problem.mesh.shape}")
         if saved > 0:
-            better = evaluate(problem, polished)
+            with clock.phase("evaluate"):
+                better = evaluate(problem, polished)
             if better.peak_memory_bytes <= max(memory_budget, cost.peak_memory_bytes):
                 info[key]["polished_s"] = saved
                 return polished, better
         return choice, cost
 
-    for name in names:
+    for i, name in enumerate(names):
+        fitting = [k for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget]
+        if fitting and clock.out_of_time():
+            clock.skip(f"engines {', '.join(names[i:])} on {problem.mesh.shape}")
+            break
         log.info("mesh %s: searching with %s", problem.mesh.shape, name)
         candidates[name] = run(name, pinned, name)
         if candidates[name][1].peak_memory_bytes <= memory_budget or name in ("data", "fsdp"):

@@ -22,7 +22,7 @@ from typing import Protocol
 import jax.numpy as jnp
 import numpy as np
 
-from autopar.cost.model import FUSED_OPS, CostModel, compute_dtype, node_flops
+from autopar.cost.model import FUSED_OPS, CostModel, node_flops, rate_dtype
 from autopar.ir.graph import Graph, Node, TensorType
 from autopar.passes.pipeline import SUM, Pipeline, PipelinedScans, stage_layers, sub_mesh
 from autopar.search.result import SearchResult
@@ -123,7 +123,9 @@ def input_strategies(t: TensorType, mesh: MeshInfo, partial: bool = False) -> tu
     out = enumerate_factor_rule(rule, mesh)
     if partial and jnp.issubdtype(t.dtype, jnp.floating):
         for s in list(out):
-            free = [a for a in mesh.axis_names if a not in s.out_specs[0].used_axes]
+            free = [
+                a for a in mesh.axis_names if a not in s.out_specs[0].used_axes and mesh.size(a) > 1
+            ]
             for k in range(1, len(free) + 1):
                 for axes in itertools.combinations(free, k):
                     spec = Spec(s.out_specs[0].dims, axes)
@@ -420,7 +422,7 @@ def _node_costs(
         [graph.values[v] for v in n.inputs] for n in graph.nodes
     ]
     dtypes = [graph.values[v].dtype for v in graph.inputs] + [
-        compute_dtype(n, graph) for n in graph.nodes
+        rate_dtype(n, graph, cost.profile) for n in graph.nodes
     ]
     pending = _output_partials(graph, strategies, n_in, carried, unsummed)
     traffic = _hbm_traffic(graph)
@@ -478,6 +480,13 @@ def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]]
     return out
 
 
+# Seconds an argument's strategy costs per byte it keeps on each device: far below any
+# price the model tells apart (1 GB: 1e-9 s), so it only decides between plans of equal
+# predicted time, for the one whose arguments take less memory (a gemv's matrix split
+# by rows rather than kept whole, when the product is computed split either way).
+MEMORY_TIE_S_PER_BYTE = 1e-18
+
+
 def _strategy_costs(
     cost,
     strats,
@@ -497,7 +506,8 @@ def _strategy_costs(
         out_bytes = [cost.local_bytes(t, sp) for t, sp in zip(out_types, s.out_specs)]
         mem = sum(b * f for b, f in zip(out_bytes, fractions or (1.0,) * len(out_bytes)))
         m_arr[s_i] = mem
-        if is_input:
+        if is_input:  # a tie-break: of two equally fast plans, the leaner arguments
+            t_arr[s_i] = MEMORY_TIE_S_PER_BYTE * mem
             continue
         nbytes = sum(b for b, w in zip(out_bytes, writes) if w) + sum(
             cost.local_bytes(t, sp) for t, sp, r in zip(in_types, s.in_specs, reads) if r

@@ -328,8 +328,58 @@ def loop_pins(problem: Problem, cap: float) -> dict[int, int]:
     return pins
 
 
-def data(problem: Problem) -> list[int]:
-    return propagate(problem, data_pins(problem))
+# What `data` adds to a resharding that gathers or moves a split value: data parallelism
+# communicates only sums (the gradients' all-reduce), so it gathers nothing it can avoid.
+DATA_GATHER_PENALTY = 1.0  # seconds, far above any step's price
+
+
+def data(problem: Problem, pinned: Mapping[int, int] = {}) -> list[int]:  # noqa: B006
+    """Data parallelism: the batch split, parameters replicated, gradients all-reduced.
+    Completing `data_pins` by the cheapest plan would, on a model-parallel-shaped layer
+    (hidden >> batch), gather the batch and compute replicated (or split the weights);
+    so the rest is solved (dp) on `data_problem`, where every reshard that gathers or
+    moves a split value costs `DATA_GATHER_PENALTY` more: each op keeps the batch split
+    where any strategy can, and partial gradients are summed (all-reduce)."""
+    from autopar.search.layers import solve_dp_layered
+
+    pins = {**data_pins(problem), **pinned}
+    penalized = data_problem(problem)
+    g = penalized.cost_graph()
+    cost = list(g.node_cost)
+    for v, s in pins.items():  # as search._pin: the other strategies priced out
+        c = np.full_like(cost[v], 1e6)
+        c[s] = g.node_cost[v][s]
+        cost[v] = c
+    g = type(g)(tuple(cost), g.node_mem, g.edges)
+    return list(solve_dp_layered(penalized, g, pins).choice)
+
+
+def data_problem(problem: Problem) -> Problem:
+    """`problem` with `DATA_GATHER_PENALTY` on every edge entry whose reshard gathers or
+    moves a split value: what the `data` engine searches (with `data_pins`). Nodes and
+    strategies are `problem`'s, so a choice made on it is priced on `problem`."""
+    from dataclasses import replace
+
+    g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
+    edges = dict(problem.edges)
+    for node in g.nodes:
+        v = n_in + node.id
+        for j, x in enumerate(node.inputs):
+            if x not in problem.source:
+                continue
+            u, k = problem.source[x]
+            t = g.values[x]
+            extra = np.zeros((len(problem.strategies[u]), len(problem.strategies[v])))
+            for a, su in enumerate(problem.strategies[u]):
+                for b, sv in enumerate(problem.strategies[v]):
+                    colls = cost.reshard(t, su.out_specs[k], sv.in_specs[j]).collectives
+                    if any(c.kind in ("all-gather", "all-to-all") and c.seconds for c in colls):
+                        extra[a, b] = DATA_GATHER_PENALTY
+            if not extra.any():
+                continue
+            key, mat = ((u, v), extra) if u < v else ((v, u), extra.T)
+            edges[key] = edges[key] + mat if key in edges else mat
+    return replace(problem, edges=edges)
 
 
 def fsdp(problem: Problem) -> list[int]:

@@ -21,13 +21,14 @@ reach."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import heapq
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from autopar.search.build import Problem
 from autopar.search.evaluate import COMBINABLE, output_spec, step_seconds
 
 MAX_ROUNDS = 4
-MAX_TRIALS = 200  # full re-pricings per plan, each a walk over the whole graph
+MAX_TRIALS = 200  # priced changes per plan
 MIN_GAIN_S = 1e-8  # a change must save more than this, else it is noise
 
 
@@ -119,28 +120,265 @@ def polish(
     problem: Problem,
     choice: Sequence[int],
     pinned: Mapping[int, int] = {},  # noqa: B006
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[list[int], float]:
-    """(`choice` after the polish, predicted seconds it saved)."""
+    """(`choice` after the polish, predicted seconds it saved); it ends early, keeping
+    the changes made so far, once `stop()` says so (`time_limit=`). Each trial is
+    priced by its delta (`Pricing`); the saving is the full price before and after."""
     best = list(choice)
-    start = price = None
+    pricing: Pricing | None = None
     trials = 0
+    changed = False
     local = None
     for _ in range(MAX_ROUNDS):
         improved = False
         for x, s in list(latency_bound_moves(problem, best)):
             if x in pinned or s == best[x] or trials >= MAX_TRIALS:
                 continue
+            if stop is not None and stop():
+                trials = MAX_TRIALS
+                break
             local = local or _Local(problem)
             if not local.may_pay(best, x, s):
                 continue
-            if price is None:
-                start = price = step_seconds(problem, best)
-            trial = list(best)
-            trial[x] = s
+            pricing = pricing or Pricing(problem, best)
             trials += 1
-            t = step_seconds(problem, trial)
-            if t < price - MIN_GAIN_S:
-                best, price, improved = trial, t, True
+            if pricing.delta(x, s) < -MIN_GAIN_S:
+                pricing.commit()
+                best, improved, changed = list(pricing.choice), True, True
+            else:
+                pricing.undo()
         if not improved or trials >= MAX_TRIALS:
             break
-    return best, (start - price) if price is not None else 0.0
+    if not changed:
+        return best, 0.0
+    return best, step_seconds(problem, choice) - step_seconds(problem, best)
+
+
+_MISSING = object()
+
+
+class Pricing:
+    """`evaluate.step_seconds` of a choice kept up to date under one-op changes.
+
+    The price is compute (each op's own time) + the collectives of every reshard (each
+    value pays once per distinct spec its readers want, as in `edge_collectives`) -
+    the latency the all-reduce combiner saves (`combined_latency`). A change of op x
+    re-prices the values x reads and makes; the combiner's levels are recomputed from
+    the nodes whose all-reduces changed, forward only while a node's levels change;
+    and only the buckets of the (kind, axes, level) groups that changed are counted
+    again. `delta(x, s)` applies the change and returns the price's change; `commit()`
+    keeps it, `undo()` restores the state before it."""
+
+    def __init__(self, problem: Problem, choice: Sequence[int]):
+        p = self.p = problem
+        g, n_in = p.graph, p.num_inputs
+        self.log: list = []  # (dict, list or self; key; old value) of the change under way
+        self._dirty: set = set()  # (key, level) groups whose buckets need counting again
+        self.choice = list(choice)
+        self.n_in = n_in
+        self.END = n_in + len(g.nodes)  # the position of the function's outputs
+        self.reads: dict[int, list[tuple[int, int]]] = {}  # value -> (reader, input index)
+        for node in g.nodes:
+            for j, x in enumerate(node.inputs):
+                if x in p.source:
+                    self.reads.setdefault(x, []).append((n_in + node.id, j))
+        self.outs: dict[int, list[int]] = {}  # value -> function output indices
+        for o, x in enumerate(g.outputs):
+            if x in p.source:
+                self.outs.setdefault(x, []).append(o)
+        # readers (cost-graph nodes) of each node's outputs, for the level walk
+        self.down: dict[int, set[int]] = {}
+        for x, rs in self.reads.items():
+            self.down.setdefault(p.source[x][0], set()).update(v for v, _ in rs)
+        self.ups = [()] * n_in + [
+            tuple({p.source[x][0] for x in n.inputs if x in p.source}) for n in g.nodes
+        ]
+        self.compute = sum(float(p.node_time[v][s]) for v, s in enumerate(self.choice))
+        self.paid: dict[int, tuple] = {}  # value -> ((position, Collective), ...)
+        self.comm = 0.0
+        self.at: dict[int, dict] = {}  # node or END -> {position: (producer, Collective)}
+        for x in self.reads.keys() | self.outs.keys():
+            self.paid[x] = self._pays(x)
+            for pos, c in self.paid[x]:
+                self.comm += c.seconds
+                if c.kind in COMBINABLE and c.seconds > 0:
+                    self.at.setdefault(pos[0], {})[pos] = (p.source[x][0], c)
+        self.level: list[dict] = [{} for _ in range(self.END)]
+        self.placed: dict[int, tuple] = {}  # node or END -> (((key, level), position, bytes), ...)
+        self.groups: dict[tuple, dict] = {}  # (key, level) -> {position: bytes}
+        self.saved_by: dict[tuple, float] = {}
+        for v in range(n_in, self.END):
+            self._level(v)
+        self._place_outputs()
+        for grp in list(self.groups):
+            self._rebucket(grp)
+        self.saved = sum(self.saved_by.values())
+        self.log, self._dirty = [], set()
+
+    @property
+    def price(self) -> float:
+        return self.compute + self.comm - self.saved
+
+    # ---- the pieces of the price -----------------------------------------------------------
+    def _pays(self, x: int) -> tuple:
+        """((position, Collective), ...) value `x`'s reshards pay: the position of the
+        first reader wanting each distinct spec ((reader, input index, k-th collective)),
+        or (END, output index, k) when only outputs want it."""
+        p, pick = self.p, self.choice.__getitem__
+        u, k = p.source[x]
+        src = p.strategies[u][pick(u)].out_specs[k]
+        t = p.graph.values[x]
+        out, seen = [], set()
+        for v, j in self.reads.get(x, ()):
+            dst = p.strategies[v][pick(v)].in_specs[j]
+            if dst not in seen:
+                seen.add(dst)
+                out += [
+                    ((v, j, i), c) for i, c in enumerate(p.cost.reshard(t, src, dst).collectives)
+                ]
+        for o in self.outs.get(x, ()):
+            dst = output_spec(p, o, pick)
+            if dst not in seen:
+                seen.add(dst)
+                out += [
+                    ((self.END, o, i), c)
+                    for i, c in enumerate(p.cost.reshard(t, src, dst).collectives)
+                ]
+        return tuple(out)
+
+    def _set(self, obj, key, value) -> None:
+        """obj[key] = value (a dict or a list), undoably; value _MISSING deletes."""
+        old = obj[key] if isinstance(obj, list) else obj.get(key, _MISSING)
+        self.log.append((obj, key, old))
+        if value is _MISSING:
+            del obj[key]
+        else:
+            obj[key] = value
+
+    def _level(self, v: int) -> bool:
+        """Recompute node v's levels and its all-reduces' places; whether its levels changed."""
+        level = self.level
+        d: dict = {}
+        for u in self.ups[v]:
+            for key, lv in level[u].items():
+                if d.get(key, 0) < lv:
+                    d[key] = lv
+        places = []
+        for pos, (u, c) in sorted(self.at.get(v, {}).items()):
+            key = (c.kind, c.axes)
+            lvl = level[u].get(key, 0) + 1
+            places.append(((key, lvl), pos, c.bytes))
+            if d.get(key, 0) < lvl:
+                d[key] = lvl
+        self._replace_places(v, tuple(places))
+        if d == level[v]:
+            return False
+        self._set(level, v, d)
+        return True
+
+    def _place_outputs(self) -> None:
+        places = []
+        for pos, (u, c) in sorted(self.at.get(self.END, {}).items()):
+            key = (c.kind, c.axes)
+            places.append(((key, self.level[u].get(key, 0) + 1), pos, c.bytes))
+        self._replace_places(self.END, tuple(places))
+
+    def _replace_places(self, v: int, places: tuple) -> None:
+        old = self.placed.get(v, ())
+        if old == places:
+            return
+        self._set(self.placed, v, places)
+        dirty = set()
+        for grp, pos, _ in old:
+            self._set(self.groups[grp], pos, _MISSING)
+            dirty.add(grp)
+        for grp, pos, b in places:
+            if grp not in self.groups:
+                self._set(self.groups, grp, {})
+            self._set(self.groups[grp], pos, b)
+            dirty.add(grp)
+        self._dirty |= dirty
+
+    def _rebucket(self, grp: tuple) -> None:
+        from autopar.search.evaluate import COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
+
+        sizes = [b for _, b in sorted(self.groups[grp].items())]
+        buckets, size, count = 1, 0, 0
+        for b in sizes:
+            if count and (size + b > COMBINE_THRESHOLD_BYTES or count == COMBINE_THRESHOLD_COUNT):
+                buckets, size, count = buckets + 1, 0, 0
+            size, count = size + b, count + 1
+        saved = (len(sizes) - buckets) * self.p.cost.link(grp[0][1])[0] if sizes else 0.0
+        self._set(self.saved_by, grp, saved)
+
+    # ---- changes ---------------------------------------------------------------------------------
+    def delta(self, x: int, s: int) -> float:
+        """Run op `x` with strategy `s`; the price's change (kept until `commit`/`undo`)."""
+        p, before = self.p, self.price
+        self.log, self._dirty = [], set()
+        old = self.choice[x]
+        self._set(self.choice, x, s)
+        self._set_scalar("compute", self.compute + float(p.node_time[x][s] - p.node_time[x][old]))
+        node = p.graph.nodes[x - self.n_in]
+        values = dict.fromkeys([v for v in node.inputs if v in p.source] + list(node.outputs))
+        changed_at: set[int] = set()
+        comm = self.comm
+        for v in values:
+            if v not in self.paid:
+                continue
+            old_pays, new_pays = self.paid[v], self._pays(v)
+            if old_pays == new_pays:
+                continue
+            self._set(self.paid, v, new_pays)
+            comm += sum(c.seconds for _, c in new_pays) - sum(c.seconds for _, c in old_pays)
+            u = p.source[v][0]
+            for pays, add in ((old_pays, False), (new_pays, True)):
+                for pos, c in pays:
+                    if c.kind in COMBINABLE and c.seconds > 0:
+                        at = self.at.get(pos[0])
+                        if at is None:
+                            at = {}
+                            self._set(self.at, pos[0], at)
+                        self._set(at, pos, (u, c) if add else _MISSING)
+                        changed_at.add(pos[0])
+        self._set_scalar("comm", comm)
+        self._walk(changed_at)
+        if self._dirty:
+            for grp in self._dirty:
+                self._rebucket(grp)
+            self._set_scalar("saved", sum(self.saved_by.values()))
+        return self.price - before
+
+    def _walk(self, start: set[int]) -> None:
+        """Levels and places again from the nodes in `start`, forward while levels change."""
+        heap = sorted(v for v in start if v != self.END)
+        queued = set(heap)
+        outputs = self.END in start
+        while heap:
+            v = heapq.heappop(heap)
+            if self._level(v):
+                outputs = True
+                for w in self.down.get(v, ()):
+                    if w not in queued:
+                        queued.add(w)
+                        heapq.heappush(heap, w)
+        if outputs:
+            self._place_outputs()
+
+    def _set_scalar(self, name: str, value: float) -> None:
+        self.log.append((self, name, getattr(self, name)))
+        setattr(self, name, value)
+
+    def commit(self) -> None:
+        self.log = []
+
+    def undo(self) -> None:
+        for obj, key, old in reversed(self.log):
+            if obj is self:
+                setattr(self, key, old)
+            elif old is _MISSING:
+                del obj[key]
+            else:
+                obj[key] = old
+        self.log = []

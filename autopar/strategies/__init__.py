@@ -137,10 +137,13 @@ def register(*names: str) -> Callable[[Rule], Rule]:
 
 
 def enumerate_factor_rule(rule: FactorRule, mesh: MeshInfo) -> list[Strategy]:
-    """Every placement of mesh axes on the rule's factors that divides evenly."""
+    """Every placement of mesh axes on the rule's factors that divides evenly. An axis of
+    size 1 shards nothing and is never placed (a spec naming it would only differ in name
+    from the one that does not, and could add collectives over a single device)."""
     n_f = len(rule.factors)
     out: list[Strategy] = []
-    for assignment in itertools.product([None, *range(n_f)], repeat=len(mesh.axis_names)):
+    choices = [[None] if mesh.size(a) == 1 else [None, *range(n_f)] for a in mesh.axis_names]
+    for assignment in itertools.product(*choices):
         axes_of: list[list[str]] = [[] for _ in range(n_f)]
         for axis, f in zip(mesh.axis_names, assignment):
             if f is not None:

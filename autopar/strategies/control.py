@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from autopar.ir.graph import Graph, Node
 from autopar.sharding import Spec
-from autopar.strategies import Fixed, register, replicated_rule
+from autopar.strategies import Factor, FactorRule, Fixed, register, replicated_rule
 
 
 @register("sharding_constraint")
@@ -30,8 +30,27 @@ def control_flow_rule(node: Node, graph: Graph) -> Fixed:
     )
 
 
-@register(
-    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split"
-)
+@register("random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split")
 def random_rule(node: Node, graph: Graph) -> Fixed:
     return replicated_rule(node, graph, "replicated rng")
+
+
+@register("random_bits")
+def random_bits_rule(node: Node, graph: Graph) -> FactorRule | Fixed:
+    """Bits from one key (a dropout mask) may be generated split: with
+    `jax_threefry_partitionable` (JAX's default since 0.5) each device computes only its
+    block of the counters, and the values do not depend on the sharding, so the same
+    key gives the same bits as `jax.jit`. Without the flag a split random_bits would
+    make every device generate the whole array anyway (or, under shard_map, different
+    bits), so it stays replicated. The key stays whole; only a single key (rank 0)."""
+    import jax
+
+    key = graph.values[node.inputs[0]]
+    out = graph.values[node.outputs[0]]
+    if not jax.config.jax_threefry_partitionable or key.rank != 0 or not out.rank:
+        return replicated_rule(node, graph, "replicated rng")
+    return FactorRule(
+        tuple(Factor(n, name=f"d{i}") for i, n in enumerate(out.shape)),
+        ((),),
+        (tuple(range(out.rank)),),
+    )

@@ -86,7 +86,7 @@ def partial_variants(node: Node, graph: Graph, mesh: MeshInfo, strategies: list)
         if any(s.partial for s in st.in_specs):
             continue
         used = {a for s in (*st.in_specs, *st.out_specs) for a in (*s.used_axes, *s.partial)}
-        free = [a for a in names if a not in used]
+        free = [a for a in names if a not in used and mesh.size(a) > 1]  # size 1: no sum
         for r in range(1, len(free) + 1):
             for axes in itertools.combinations(free, r):
                 for grp in groups:

@@ -1,4 +1,4 @@
-"""Exact strategy search by graph elimination (ALGORITHMS.md section 2).
+"""Exact strategy search by graph elimination (docs/algorithms.md, section 3).
 
 The cost graph is shrunk one node at a time. Each step removes a node ``v``
 whose best strategy is a function of at most two surviving neighbours, folds

@@ -1,4 +1,4 @@
-"""Alpa's integer program for strategy choice (ALGORITHMS.md section 4), on HiGHS.
+"""Alpa's integer program for strategy choice (docs/algorithms.md, section 5), on HiGHS.
 
 Variables, for a cost graph with node costs ``c_v`` and edge matrices ``R_uv``:
 

@@ -39,11 +39,18 @@ def find_ops(plan: Plan, query: str) -> list[int]:
     if query in keys:
         return [keys.index(query)]
     if _SOURCE_RE.match(query):
-        hits = [i for i, o in enumerate(plan.ops) if o.source == query]
-        if not hits:
-            hits = [i for i, o in enumerate(plan.ops) if o.source.endswith("/" + query)]
-        if hits:
-            return hits
+        # the user's line first (`source`), else the library line (`library_source`)
+        for field in ("source", "library_source"):
+            hits = [i for i, o in enumerate(plan.ops) if getattr(o, field, "") == query]
+            if not hits:
+                hits = [
+                    i
+                    for i, o in enumerate(plan.ops)
+                    if getattr(o, field, "").endswith("/" + query)
+                    or query.endswith("/" + getattr(o, field, "<none>"))
+                ]
+            if hits:
+                return hits
     hits = [i for i, k in enumerate(keys) if query in k]
     if not hits:
         hits = [i for i, o in enumerate(plan.ops) if query in o.source]
@@ -77,11 +84,14 @@ def source_text(source: str, search_dirs: Sequence[str] = ()) -> str | None:
         if f and os.path.basename(f) == base:
             paths.append(os.path.abspath(f))
     paths = list(dict.fromkeys(paths))
-    for p in paths:
-        text = linecache.getline(p, line).strip()
-        if text:
-            more = f"  (one of {len(paths)} files named {base})" if len(paths) > 1 else ""
-            return f"{p}:{line}: {text}{more}"
+    found = [(p, linecache.getline(p, line).strip()) for p in paths]
+    found = [(p, t) for p, t in found if t]
+    if len(found) == 1:
+        return f"{found[0][0]}:{line}: {found[0][1]}"
+    if found:  # several files of that name: each candidate, not the first silently
+        return f"one of {len(found)} files named {base}:" + "".join(
+            f"\n              {p}:{line}: {t}" for p, t in found
+        )
     return None
 
 
@@ -94,11 +104,13 @@ def explain_op(plan: Plan, i: int, search_dirs: Sequence[str] = (), graph=None) 
     lines = [
         f"op {o.key}",
         f"  primitive {o.op}, layer {layer_of_op(o.key)}, {phase_of_op(o.key)} pass",
-        f"  source    {o.source}",
+        f"  source    {o.source}"
+        + (f" (through {o.library_source})" if getattr(o, "library_source", "") else ""),
     ]
-    text = source_text(o.source, search_dirs)
-    if text:
-        lines.append(f"            {text}")
+    for src in (o.source, getattr(o, "library_source", "")):
+        text = source_text(src, search_dirs) if src else None
+        if text:
+            lines.append(f"            {text}")
     lines.append(f"  strategy  {o.strategy}")
     for j, s in enumerate(o.in_specs):
         t = f"{types_in[j]}  " if j < len(types_in) else ""
@@ -341,8 +353,12 @@ def explain(
     every alternative strategy priced against the planned neighbours."""
     hits = find_ops(plan, query)
     if len(hits) > MAX_EXPLAINED:
+        keys = [plan.ops[i].key for i in hits]
+        shown = "\n  ".join(keys[:MAX_EXPLAINED])
+        more = f"\n  ... and {len(keys) - MAX_EXPLAINED} more" if len(keys) > MAX_EXPLAINED else ""
         raise PlanError(
-            f"{query!r} matches {len(hits)} ops; give an op key (see `autopar inspect {plan_path} --by op`)"
+            f"{query!r} matches {len(hits)} ops; give one of their keys (or see "
+            f"`autopar inspect {plan_path} --by op`):\n  {shown}{more}"
         )
     dirs = [os.getcwd()]
     problem = None

@@ -16,7 +16,8 @@ from autopar.sharding import MeshInfo, Spec
 
 # Path components that hold a model's arrays rather than name a part of the model.
 _CONTAINERS = {"params", "opt_state", "batch_stats", "mu", "nu", "count", "state", "inner_state"}
-LAYER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)*?_?\d+$")
+# A numbered layer's name: `h_3`, `layers/3` (transformers, NNX lists), `h.3` (dotted).
+LAYER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)*?(?:_?|[./])\d+$")
 _PICTURE_CELLS = 16
 
 
@@ -60,17 +61,35 @@ def comm_key(key: str) -> tuple[str, tuple[str, ...]]:
 # ---------------------------------------------------------------------------- grouping
 
 
-def layer_of_path(path: str) -> str:
-    """The part of the model an argument belongs to: `state/params/h_3/attn/q/kernel` ->
-    `h_3`, `state/opt_state/0/mu/wte/embedding` -> `wte`; arrays outside params /
-    optimizer state group under their argument's name (`batch/inputs` -> `batch`)."""
-    parts = path.split("/")
-    if not any(p in ("params", "opt_state", "batch_stats") for p in parts):
-        return parts[0]
-    rest = [p for p in parts[1:] if p not in _CONTAINERS and not p.isdigit()]
-    for p in rest[:-1]:
+def _numbered(parts: Sequence[str], first: int = 1) -> str | None:
+    """The first numbered layer among path parts: `h_3` or `h.3` as one part, or a name
+    followed by an index (`layers`, `3` -> `layers/3`; from `first` on, so an argument's
+    own tuple index is not one); indices after containers (`opt_state/0`) are not."""
+    for i, p in enumerate(parts):
+        if "(" in p:
+            continue
         if LAYER_RE.match(p):
             return p
+        if p.isdigit() and i >= first and i > 0:
+            prev = parts[i - 1]
+            if not prev.isdigit() and prev not in _CONTAINERS and "(" not in prev:
+                return f"{prev}/{p}"
+    return None
+
+
+def layer_of_path(path: str) -> str:
+    """The part of the model an argument belongs to: `state/params/h_3/attn/q/kernel` ->
+    `h_3`, `params/model/layers/3/mlp/kernel` -> `layers/3`, `state/opt_state/0/mu/wte/embedding`
+    -> `wte`; arrays outside params / optimizer state group under their argument's name
+    (`batch/inputs` -> `batch`) unless they name a numbered layer (an NNX state's
+    `model/blocks/0/linear/kernel` -> `blocks/0`)."""
+    parts = path.split("/")
+    if not any(p in ("params", "opt_state", "batch_stats") for p in parts):
+        return _numbered(parts[:-1], first=2) or parts[0]
+    layer = _numbered(parts[1:-1])
+    if layer:
+        return layer
+    rest = [p for p in parts[1:] if p not in _CONTAINERS and not p.isdigit()]
     if rest:
         return rest[0]
     return "(optimizer)" if "opt_state" in parts else "(other)"
@@ -78,18 +97,32 @@ def layer_of_path(path: str) -> str:
 
 def layer_of_op(key: str) -> str:
     """The layer an op key's name stack names: `transpose(jvp(GPT))/h_0/mlp/c_fc/dot_general#1`
-    -> `h_0`, `jvp(GPT)/wte.attend/dot_general#0` -> `wte`. Ops outside every module
-    (the loss under `jvp()`, the optimizer with no name stack) -> `(top level)`."""
+    -> `h_0`, `jvp(Llama)/model/layers/3/self_attn/...` -> `layers/3`,
+    `jvp(GPT)/wte.attend/dot_general#0` -> `wte`. Ops outside every module (the loss under
+    `jvp()`, the optimizer with no name stack) -> `(top level)`."""
     stack = key.split("/")[:-1]
     wrapped = [p for p in stack if "(" in p]
     inner = re.sub(r"^.*\(|\).*$", "", wrapped[0]) if wrapped else None
-    parts = [p.split(".", 1)[0] for p in stack if "(" not in p and not p.startswith("_")]
-    for p in parts:
-        if LAYER_RE.match(p):
-            return p
-    if parts and inner != "":
-        return parts[0]
+    named = [
+        p if LAYER_RE.match(p) else p.split(".", 1)[0]
+        for p in stack
+        if "(" not in p and not p.startswith("_")
+    ]
+    layer = _numbered(named, first=0)
+    if layer:
+        return layer
+    if named and inner != "":
+        return named[0]
     return inner or "(top level)"
+
+
+def layer_family(name: str) -> str | None:
+    """`layers/3` -> `layers/*`, `h_3` -> `h_*`, `h.3` -> `h.*`; None for a name that is
+    not a numbered layer."""
+    m = re.match(r"^(.*?[_./]?)(\d+)$", name)
+    if not m or not LAYER_RE.match(name):
+        return None
+    return m.group(1) + "*"
 
 
 def phase_of_op(key: str) -> str:

@@ -3,16 +3,18 @@ inputs, ops or layers, as JSON-able data and as tables."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from autopar.errors import format_bytes
 from autopar.ir.ops import CONTRACTIONS
-from autopar.plan.plan import Plan
+from autopar.plan.plan import Plan, is_note
 from autopar.tools.inspect.format import (
     comm_key,
     format_seconds,
     full_bytes,
     kind_order,
+    layer_family,
     layer_of_op,
     layer_of_path,
     layer_order,
@@ -95,6 +97,55 @@ def layer_rows(plan: Plan) -> list[dict]:
             c = d["contraction_strategies"]
             c[o.strategy] = c.get(o.strategy, 0) + 1
     return list(rows.values())
+
+
+def _layer_signatures(plan: Plan) -> dict[str, tuple]:
+    """Per layer, what must agree for repeated layers to share a row: each array's path
+    within the layer, shape, dtype and spec, and each op's strategy and specs."""
+    sig: dict[str, list] = {}
+    for r in plan.inputs:
+        name = layer_of_path(r.path)
+        rel = r.path.split(name, 1)[-1]
+        sig.setdefault(name, []).append((rel, r.shape, r.dtype, r.spec.to_json()))
+    for o in plan.ops:
+        name = layer_of_op(o.key)
+        rel = re.sub(r"#\d+$", "", o.key.split(name, 1)[-1])
+        sig.setdefault(name, []).append((rel, o.strategy, o.in_specs, o.out_specs))
+    return {k: tuple(sorted(map(repr, v))) for k, v in sig.items()}
+
+
+def collapse_layers(rows: list[list[str]], sigs: dict[str, tuple]) -> tuple[list, list[str]]:
+    """Layer-table rows with repeated numbered layers (`layers/0` ... `layers/31`) that
+    agree (the same arrays, ops, specs and strategies; the row shows the first one's
+    compute) as one row `layers/* ×32`; the members that differ stay rows of their own,
+    named in a note. Returns (rows, notes)."""
+    families: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        fam = layer_family(r[0])
+        if fam:
+            families.setdefault(fam, []).append(i)
+    out, notes, done = [], [], set()
+    for i, r in enumerate(rows):
+        if i in done:
+            continue
+        fam = layer_family(r[0])
+        members = families.get(fam, []) if fam else []
+        # the same arrays, ops and specs (the compute column may differ in rounding)
+        key = lambda j: (tuple(rows[j][1:6]), tuple(rows[j][7:]), sigs.get(rows[j][0]))  # noqa: E731
+        common = Counter(key(j) for j in members).most_common(1)
+        if len(members) < 2 or common[0][1] < 2:
+            out.append(r)
+            continue
+        same = [j for j in members if key(j) == common[0][0]]
+        others = [j for j in members if j not in same]
+        out.append([f"{fam} ×{len(same)}", *rows[same[0]][1:]])
+        out += [rows[j] for j in others]
+        done.update(members)
+        note = f"{fam} ×{len(same)}: {len(same)} layers with the same arrays, specs and strategies"
+        if others:
+            note += "; except " + ", ".join(rows[j][0] for j in others) + " (listed)"
+        notes.append(note)
+    return out, notes
 
 
 def input_rows(plan: Plan) -> list[dict]:
@@ -302,10 +353,11 @@ def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
             ],
             right=(1, 2, 3, 4, 5, 6),
         )
+        rows = []
         for d in sorted(layer_rows(plan), key=lambda d: layer_order(d["layer"])):
             cs = d["contraction_strategies"]
             top = max(cs.items(), key=lambda kv: kv[1]) if cs else None
-            t.rows.append(
+            rows.append(
                 [
                     d["layer"],
                     str(d["arrays"]),
@@ -317,6 +369,7 @@ def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
                     f"{top[0]} ({top[1]} of {sum(cs.values())})" if top else "",
                 ]
             )
+        t.rows, t.notes = collapse_layers(rows, _layer_signatures(plan))
         tables.append(t)
     elif by == "op":
         rows = op_rows(plan)
@@ -340,7 +393,13 @@ def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
         tables.append(t)
     else:
         raise ValueError(f"unknown view {by!r}; choose param, op or layer")
-    tables.append(Table("warnings", ["warning"], rows=[[w] for w in plan.warnings]))
+    tables.append(
+        Table(
+            "warnings",
+            ["warning"],
+            rows=[[f"note: {w}" if is_note(w) else w] for w in plan.warnings],
+        )
+    )
     return tables
 
 

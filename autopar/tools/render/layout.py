@@ -71,11 +71,27 @@ def _split_class(spec: Spec, mesh_axes: tuple[str, ...]) -> str:
     return ",".join(a for a in mesh_axes if a in used) or REPLICATED
 
 
+def _replace_layer(parts: list[str], layer: str, repl: str) -> list[str]:
+    """`parts` with every run naming `layer` (one part such as `h_3` or `h_3.attend`, or
+    several for `layers/3`) replaced by `repl`."""
+    want = layer.split("/")
+    n, out, i = len(want), [], 0
+    while i < len(parts):
+        run = parts[i : i + n]
+        last = run[-1] if len(run) == n else ""
+        if run[:-1] == want[:-1] and (
+            last == want[-1] or last.startswith(want[-1] + ".") or last.startswith(want[-1] + "(")
+        ):
+            out.append(repl)
+            i += n
+        else:
+            out.append(parts[i])
+            i += 1
+    return out
+
+
 def _normal(parts: list[str], layer: str) -> str:
-    return "/".join(
-        "*" if p == layer or p.startswith(layer + ".") or p.startswith(layer + "(") else p
-        for p in parts
-    )
+    return "/".join(_replace_layer(parts, layer, "*"))
 
 
 def _layer_data(plan: Plan):
@@ -241,8 +257,7 @@ def param_groups(plan: Plan, top: int = DEFAULT_TOP) -> list[ParamGroup]:
         name = _short_path(r.path)
         m = _NUM_RE.match(layer)
         if m and LAYER_RE.match(layer):
-            parts = name.split("/")
-            name = "/".join(f"{m.group(1)}*" if p == layer else p for p in parts)
+            name = "/".join(_replace_layer(name.split("/"), layer, f"{m.group(1)}*"))
         key = (name, r.shape, r.dtype, r.spec)
         if key in groups:
             groups[key].count += 1

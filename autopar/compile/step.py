@@ -1,0 +1,111 @@
+"""One call's plan: `compile_step` traces the function once, answers from the plan
+cache (`compile.cache`) when it holds the plan, else runs the driver (`compile.driver`,
+each remat policy in turn with `remat="auto"`) and stores what it found. The plan
+records the seconds of each phase (`compile.clock`); under `time_limit=` the work left
+out is named in a warning and in the plan, and such a plan is not cached."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+from autopar.compile.cache import PlanCache, cache_key
+from autopar.compile.clock import Clock
+from autopar.compile.driver import Call, Compiled, Infeasible, Options, _Driver, log
+from autopar.errors import AutoparError, MemoryBudgetError
+from autopar.ir.capture import capture, fn_name
+from autopar.ir.graph import Graph
+from autopar.passes.remat import POLICIES as REMAT_POLICIES
+from autopar.plan.plan import Plan
+
+
+def compile_step(options: Options, call: Call) -> Compiled:
+    """The plan and `jax.jit` for this call: from the plan cache when it has one for
+    it (`compile.cache`), else searched (and stored there). The plan records the
+    seconds of each phase; under `time_limit=` the work left out is named in a
+    warning (and the plan is not stored)."""
+    clock = Clock(options.time_limit)
+    single = len(options.meshes) == 1
+    log.info("tracing %s", fn_name(options.fn))
+    with clock.phase("capture"):
+        graph = capture(
+            options.fn,
+            call.args,
+            call.static,
+            options.meshes[0] if single else None,
+            options.keywords,
+        )
+    cache = key = parts = None
+    if options.cache_dir is not None and options.given_plan is None:
+        cache = PlanCache(options.cache_dir)
+        with clock.phase("cache"):
+            key, parts = cache_key(options, call, graph)
+            hit = cache.load(key, graph.name)
+        if hit is not None:
+            got = _cached(options, call, graph, clock, hit)
+            if got is not None:
+                info = {"status": "hit", "path": str(cache.path(key, graph.name))}
+                if hit.phases and "total" in hit.phases:
+                    info["searched_s"] = hit.phases["total"]
+                return replace(got, plan=replace(got.plan, phases=clock.report(), cache=info))
+    got = _compile(options, call, graph, clock)
+    if clock.skipped:
+        note = (
+            f"time_limit={options.time_limit:g} s reached after {clock.elapsed():.1f} s: this is "
+            "the best plan found; not searched: " + "; ".join(clock.skipped)
+        )
+        warnings.warn(f"autopar: {fn_name(options.fn)}: {note}", stacklevel=4)
+        got = replace(got, plan=replace(got.plan, warnings=(*got.plan.warnings, note)))
+    plan = replace(got.plan, phases=clock.report())
+    if cache is not None and not clock.skipped:
+        with clock.phase("cache"):
+            path = cache.store(key, plan, parts)
+        plan = replace(
+            plan, cache={"status": "stored" if path else "not stored", "path": str(path or "")}
+        )
+        plan = replace(plan, phases=clock.report())
+    return replace(got, plan=plan)
+
+
+def _cached(options: Options, call: Call, graph: Graph, clock: Clock, plan: Plan):
+    """The cached `plan` bound to this trace (the passes it was made after run again), or
+    None when it does not bind (then the search runs)."""
+    try:
+        got = _Driver(
+            replace(options, given_plan=plan, allow_partial=False), call, plan.remat, graph, clock
+        ).compile()
+    except AutoparError as e:
+        log.warning("autopar plan cache: the cached plan does not bind (%s); searching", e)
+        return None
+    return None if isinstance(got, Infeasible) else got
+
+
+def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compiled:
+    """The searched plan and `jax.jit` for this call. With `remat="auto"`, each policy
+    in turn from the least recompute, keeping the fastest plan that fits."""
+    if options.remat != "auto":
+        got = _Driver(options, call, options.remat, graph, clock).compile()
+        if isinstance(got, Infeasible):
+            raise got.error
+        return got
+    tried, best = [], None
+    for k, policy in enumerate(REMAT_POLICIES):  # most memory, least recompute first
+        if best is not None and clock.out_of_time():
+            clock.skip("remat policies " + ", ".join(REMAT_POLICIES[k:]))
+            break
+        got = _Driver(options, call, policy, graph, clock).compile()
+        if isinstance(got, Infeasible):
+            tried.append(f"remat={policy}: {got.why.splitlines()[0]}")
+            continue
+        tried.append(f"remat={policy}: {got.plan.cost.step_s * 1e3:.4g} ms")
+        if best is None or got.plan.cost.step_s < best.plan.cost.step_s:
+            best = got
+        if not got.memory_bound:  # nothing held back by memory: more remat only adds work
+            break
+    if best is not None:
+        note = "remat='auto' tried " + "; ".join(tried)
+        return replace(best, plan=replace(best.plan, warnings=(*best.plan.warnings, note)))
+    raise MemoryBudgetError(
+        f"{fn_name(options.fn)}: no rematerialization policy fits the budget:\n  "
+        + "\n  ".join(tried)
+    )

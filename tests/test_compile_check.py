@@ -1,0 +1,97 @@
+"""The compile check (`compile.driver._first_that_fits`): a plan predicted close to the
+memory budget is compiled on the real mesh and judged by XLA's memory analysis; one XLA
+needs more than the budget for is turned away and the next plan in price order taken,
+and the plan says so."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autopar
+import autopar.compile.driver as driver
+from autopar.errors import MemoryBudgetError
+
+MESH = {"data": 2, "model": 4}
+CLUSTER = "cpu"
+BUDGET = 1e9
+
+
+def _mlp_grad(w1, w2, x):
+    def loss(w1, w2):
+        return jnp.mean(jnp.tanh(x @ w1) @ w2)
+
+    return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+
+ARGS = (
+    jax.ShapeDtypeStruct((256, 512), jnp.float32),
+    jax.ShapeDtypeStruct((512, 256), jnp.float32),
+    jax.ShapeDtypeStruct((64, 256), jnp.float32),
+)
+
+
+def _spy(monkeypatch, reject: int):
+    """Check every plan (fraction 0), record the plans compiled, in order, and report
+    the first `reject` of them as needing more than the budget."""
+    monkeypatch.setattr(driver, "COMPILE_CHECK_FRACTION", 0.0)
+    checked: list[int] = []
+    real = driver.compiled_memory
+
+    def compiled_memory(compiled):
+        got = real(compiled)
+        assert 0 < got < BUDGET  # the real figure, far under the budget
+        checked.append(got)
+        return BUDGET + 1 if len(checked) <= reject else got
+
+    seen: list[str] = []
+    real_info = driver.info_str
+
+    def info_str(plan):
+        s = real_info(plan)
+        if not seen or seen[-1] != s:
+            seen.append(s)
+        return s
+
+    monkeypatch.setattr(driver, "compiled_memory", compiled_memory)
+    monkeypatch.setattr(driver, "info_str", info_str)
+    return checked, seen
+
+
+def _plan():
+    return autopar.parallelize(_mlp_grad, mesh=MESH, cluster=CLUSTER, memory_budget=BUDGET).plan(
+        *ARGS
+    )
+
+
+def test_a_plan_xla_needs_more_for_is_rejected_and_the_next_taken(monkeypatch):
+    first = _plan()  # no check: the cheapest plan
+    checked, seen = _spy(monkeypatch, reject=1)
+    plan = _plan()
+    assert len(checked) == 2, checked  # the first compiled and rejected, the second kept
+    rejected = [w for w in plan.warnings if w.startswith("rejected after compiling: ")]
+    assert rejected == [
+        f"rejected after compiling: {first.engine} on {first.mesh.shape}: compiled "
+        f"{driver.format_bytes(BUDGET + 1)}"
+    ], plan.warnings
+    assert plan.engine != first.engine  # the next plan in price order
+    assert plan.cost.step_s >= first.cost.step_s
+    assert plan.compiled_memory_bytes == checked[1]
+    # the two compiled, in order: the cheapest, then the one kept
+    assert seen == [f"{p.engine} on {p.mesh.shape}" for p in (first, plan)]
+
+
+def test_a_plan_under_the_check_fraction_is_not_compiled(monkeypatch):
+    checked, _ = _spy(monkeypatch, reject=0)
+    monkeypatch.setattr(driver, "COMPILE_CHECK_FRACTION", 0.7)
+    plan = _plan()
+    assert not checked and plan.compiled_memory_bytes is None
+    assert not any("rejected after compiling" in w for w in plan.warnings)
+
+
+def test_when_xla_rejects_every_plan_the_error_lists_them(monkeypatch):
+    checked, _ = _spy(monkeypatch, reject=10**6)
+    with pytest.raises(MemoryBudgetError, match="needs more once compiled") as e:
+        _plan()
+    assert len(checked) >= 2 and str(e.value).count("compiled ") >= len(checked)

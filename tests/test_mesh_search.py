@@ -1,0 +1,117 @@
+"""Mesh search (`mesh=8` / `mesh="auto"`: the driver prices every candidate shape and keeps
+the cheapest) and the `propagate` engine the baselines use (specs flow from the pinned
+nodes to their neighbours)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopar
+import cost_models
+from autopar.meshes import mesh_candidates
+
+CLUSTER = "cpu"
+
+
+def _layer(x, w):
+    return jnp.tanh(x @ w)
+
+
+# a batch of 2 and 4 output features: split both (2 x 4 or 4 x 2 devices) and nothing
+# moves; 8 devices on one axis must split the contraction and all-reduce
+ARGS = (jax.ShapeDtypeStruct((2, 4096), jnp.float32), jax.ShapeDtypeStruct((4096, 4), jnp.float32))
+
+
+@pytest.mark.parametrize("mesh", [8, "auto"])
+def test_mesh_search_keeps_the_cheapest_candidate_shape(mesh):
+    """With a device count (or "auto": the 8 simulated devices) the driver tries every
+    candidate shape; the plan's mesh is the one whose own plan (asked for that shape
+    explicitly) is the cheapest, and its price is that plan's price."""
+    dpn = cost_models.load(CLUSTER).devices_per_node
+    shapes = mesh_candidates(8, dpn)
+    assert len(shapes) >= 3, shapes  # (8,), (2, 4), (4, 2), ... : a real choice
+    prices = {
+        tuple(s.items()): autopar.parallelize(_layer, mesh=s, cluster=CLUSTER)
+        .plan(*ARGS)
+        .cost.step_s
+        for s in shapes
+    }
+    assert len(set(prices.values())) > 1, prices  # the shapes price differently
+    plan = autopar.parallelize(_layer, mesh=mesh, cluster=CLUSTER).plan(*ARGS)
+    chosen = tuple(plan.mesh.shape.items())
+    cheapest = min(prices.values())
+    assert chosen in prices, (chosen, list(prices))
+    assert prices[chosen] == pytest.approx(cheapest, rel=1e-9), (chosen, prices)
+    assert plan.cost.step_s == pytest.approx(cheapest, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- propagate
+
+
+def _problem(fn, args, mesh):
+    from jax.sharding import AbstractMesh
+
+    from autopar.cost.model import CostModel
+    from autopar.ir.capture import capture
+    from autopar.search.problem import build_problem
+    from autopar.sharding import mesh_info
+
+    profile = cost_models.load(CLUSTER)
+    info = mesh_info(AbstractMesh(tuple(mesh.values()), tuple(mesh)), profile.devices_per_node)
+    return build_problem(capture(fn, args), info, CostModel(profile, info))
+
+
+def _find(problem, v, ok) -> int:
+    return next(k for k, s in enumerate(problem.strategies[v]) if ok(s))
+
+
+@pytest.mark.parametrize("pinned", ["rows of x", "columns of w"])
+def test_propagate_carries_pinned_specs_to_their_neighbours(pinned):
+    """`propagate` on tanh(x @ w) over 8 devices: with x pinned split by rows (w whole),
+    the matmul reads both as pinned and its output and the tanh are split by rows; with
+    w pinned split by columns (x whole), both are split by columns. Either way nothing
+    is resharded. (The two pins need different answers, so a propagation that ignored
+    its neighbours could not pass both.)"""
+    from autopar.search.engines import propagate
+    from autopar.sharding import Spec
+
+    w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    x = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+    problem = _problem(lambda w, x: jnp.tanh(x @ w), (w, x), {"data": 8})
+    rep, rows, cols = Spec.replicated(2), Spec((("data",), ())), Spec(((), ("data",)))
+    split = rows if pinned == "rows of x" else cols
+    w_spec, x_spec = (rep, rows) if pinned == "rows of x" else (cols, rep)
+    pins = {
+        0: _find(problem, 0, lambda s: s.out_specs[0] == w_spec),
+        1: _find(problem, 1, lambda s: s.out_specs[0] == x_spec),
+    }
+    choice = propagate(problem, pins)
+    dot, tanh = 2, 3
+    got_dot = problem.strategies[dot][choice[dot]]
+    got_tanh = problem.strategies[tanh][choice[tanh]]
+    assert got_dot.in_specs == (x_spec, w_spec), str(got_dot)
+    assert got_dot.out_specs[0] == split, str(got_dot)
+    assert got_tanh.in_specs[0] == split and got_tanh.out_specs[0] == split, str(got_tanh)
+    # the pins are kept
+    assert choice[0] == pins[0] and choice[1] == pins[1]
+
+
+def test_propagate_decides_in_breadth_first_order_from_the_pins():
+    """On a hand-made chain 0 - 1 - 2 - 3 (two strategies each, equal node costs, a
+    mismatch across an edge costs 1), pinning node 0 to strategy 1 makes every node
+    reachable from it take strategy 1; a node no pin reaches (4) takes its cheapest."""
+    from types import SimpleNamespace
+
+    from autopar.search.engines import propagate
+
+    mismatch = np.array([[0.0, 1.0], [1.0, 0.0]])
+    problem = SimpleNamespace(
+        strategies=[("a", "b")] * 5,
+        node_time=[np.zeros(2)] * 4 + [np.array([0.5, 0.1])],
+        edges={(0, 1): mismatch, (1, 2): mismatch, (2, 3): mismatch},
+    )
+    assert propagate(problem, {0: 1}) == [1, 1, 1, 1, 1]
+    assert propagate(problem, {3: 0}) == [0, 0, 0, 0, 1]

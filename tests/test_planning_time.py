@@ -1,0 +1,298 @@
+"""Planning time: the plan cache on disk, the progress display, `time_limit=`, the phase
+timings in the plan, and the incremental pricing of the latency polish."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopar
+from autopar.compile.cache import cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mlp(params, x):
+    h = jnp.tanh(x @ params["w1"])
+    return jnp.mean((h @ params["w2"]) ** 2)
+
+
+def mlp_relu(params, x):  # the same types, another program
+    h = jax.nn.relu(x @ params["w1"])
+    return jnp.mean((h @ params["w2"]) ** 2)
+
+
+def args(batch=64):
+    f = jnp.float32
+    params = {
+        "w1": jax.ShapeDtypeStruct((256, 512), f),
+        "w2": jax.ShapeDtypeStruct((512, 256), f),
+    }
+    return params, jax.ShapeDtypeStruct((batch, 256), f)
+
+
+def plan(tmp_path, fn=mlp, batch=64, **options):
+    options = {"mesh": {"data": 4, "model": 2}, "engine": "dp", **options}
+    step = autopar.parallelize(fn, cache_dir=tmp_path, progress=False, **options)
+    return step.plan(*args(batch))
+
+
+def _run(code: str, env=None, timeout=600) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AUTOPAR_")}
+    env = {**base, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+    )
+
+
+# ---- the plan cache -------------------------------------------------------------------------
+
+
+def test_cache_is_off_by_default(monkeypatch, tmp_path):
+    monkeypatch.delenv("AUTOPAR_CACHE_DIR", raising=False)
+    assert cache_dir(None) is None and cache_dir(False) is None
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    assert cache_dir(None) == tmp_path and cache_dir(False) is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir(True) == tmp_path / "xdg" / "autopar"
+    step = autopar.parallelize(mlp, mesh={"data": 8}, cache_dir=False, progress=False)
+    assert step.plan(*args()).cache is None
+
+
+def test_cache_hit_in_a_fresh_process_is_fast(tmp_path):
+    """The second process binds the stored plan: a hit, well under a second, the same plan."""
+    code = f"""
+        import time, json, sys
+        import autopar
+        from autopar import examples
+        import jax
+        w = examples.gpt_small()
+        t = time.perf_counter()
+        jax.make_jaxpr(w.fn)(*w.args)
+        trace = time.perf_counter() - t
+        step = autopar.parallelize(w.fn, mesh={{"data": 2, "model": 4}},
+                                   donate_argnums=w.donate_argnums, cache_dir={str(tmp_path)!r})
+        t = time.perf_counter()
+        p = step.plan(*w.args)
+        dt = time.perf_counter() - t
+        print(json.dumps({{"s": dt, "trace": trace, "cache": p.cache, "phases": p.phases,
+                          "plan": p.to_json()}}))
+    """
+
+    def parts(path):
+        return pickle.loads(Path(path).read_bytes())["cache_parts"]
+
+    for _ in range(3):  # again when autopar's own files changed in between (a shared tree)
+        first = _run(code)
+        assert first.returncode == 0, first.stderr
+        a = json.loads(first.stdout.splitlines()[-1])
+        assert a["cache"]["status"] in ("stored", "hit")
+        second = _run(code)
+        assert second.returncode == 0, second.stderr
+        b = json.loads(second.stdout.splitlines()[-1])
+        if b["cache"]["status"] == "hit" or a["cache"]["status"] == "hit":
+            break
+        pa, pb = parts(a["cache"]["path"]), parts(b["cache"]["path"])
+        assert {k for k in pa if pa[k] != pb[k]} == {"code"}, (pa, pb)
+    assert b["cache"]["status"] == "hit", b["cache"]
+    assert b["plan"] == a["plan"]
+    assert "build" not in b["phases"] and "polish" not in b["phases"]  # nothing searched
+    print(f"search {a['s']:.2f} s, cached {b['s']:.3f} s, make_jaxpr {b['trace']:.3f} s")
+    # Under a second on an idle machine; on a loaded one the trace itself (which the
+    # key needs, as JAX's cache does) can take longer: the cache adds under 0.5 s to it.
+    assert b["s"] < 1.0 or b["s"] - b["phases"]["capture"] < 0.5, (b["s"], b["phases"])
+
+
+def test_cache_hit_and_misses(tmp_path):
+    """Same call in a new `parallelize`: a hit. A change of program, shape, mesh, profile
+    or option: a miss, a new entry, and a plan of its own."""
+    base = plan(tmp_path)
+    assert base.cache["status"] == "stored"
+    again = plan(tmp_path)
+    assert again.cache["status"] == "hit"
+    assert again.to_json() == base.to_json()
+    changes = {
+        "program": dict(fn=mlp_relu),
+        "shape": dict(batch=128),
+        "mesh": dict(mesh={"data": 2, "model": 4}),
+        "profile": dict(cluster="a100-80g"),
+        "option": dict(engine="recursive"),
+        "budget": dict(memory_budget=40e9),
+    }
+    for what, change in changes.items():
+        p = plan(tmp_path, **change)
+        assert p.cache["status"] == "stored", what  # searched, not taken from the cache
+    files = list(tmp_path.glob("*.pkl"))
+    assert len(files) == 1 + len(changes)
+    shape = plan(tmp_path, batch=128)
+    assert shape.cache["status"] == "hit" and shape.inputs[-1].shape == (128, 256)
+
+
+def test_a_broken_cache_entry_is_a_miss(tmp_path):
+    plan(tmp_path)
+    (entry,) = tmp_path.glob("*.pkl")
+    entry.write_bytes(entry.read_bytes()[:100])  # truncated
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = plan(tmp_path)
+    assert p.cache["status"] == "stored"
+    assert pickle.loads(entry.read_bytes())["plan"].to_json() == p.to_json()
+
+
+# ---- progress --------------------------------------------------------------------------------
+
+
+PROGRESS = """
+    import autopar
+    from autopar import examples
+    w = examples.gpt_small()
+    step = autopar.parallelize(w.fn, mesh=8, donate_argnums=w.donate_argnums)
+    p = step.plan(*w.args)
+    print("phases", p.phases)
+"""
+
+
+def test_a_long_search_shows_progress_on_stderr():
+    """From the Python API, with no logging configured: lines on stderr (not a terminal)
+    naming the phase, the mesh try k of n and the elapsed time; none with
+    AUTOPAR_PROGRESS=0."""
+    r = _run(PROGRESS)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("autopar [")]
+    assert lines, r.stderr
+    assert any("searching with" in ln for ln in lines), r.stderr
+    assert any("/" in ln.split("]")[1] for ln in lines), r.stderr  # [k/n] of the mesh tries
+    assert "autopar: planned in" in r.stderr
+    quiet = _run(PROGRESS, env={"AUTOPAR_PROGRESS": "0"})
+    assert quiet.returncode == 0, quiet.stderr
+    assert "autopar [" not in quiet.stderr and "planned in" not in quiet.stderr
+
+
+def test_progress_keeps_the_users_log_records(caplog):
+    """While the display is open, records the user's handlers would see still reach them."""
+    import logging
+
+    from autopar.compile.progress import Progress
+
+    with caplog.at_level(logging.WARNING, logger="autopar"), Progress(show_after=60):
+        logging.getLogger("autopar").info("a phase")
+        logging.getLogger("autopar").warning("a warning")
+    assert [r.getMessage() for r in caplog.records] == ["a warning"]
+
+
+# ---- time_limit ------------------------------------------------------------------------------
+
+
+def test_time_limit_returns_the_best_plan_so_far_and_says_what_was_left(tmp_path):
+    step = autopar.parallelize(
+        mlp, mesh=8, engine="auto", time_limit=1e-3, progress=False, cache_dir=tmp_path
+    )
+    with pytest.warns(UserWarning, match="time_limit=0.001 s reached") as rec:
+        p = step.plan(*args())
+    msg = str(rec[0].message)
+    assert "not searched" in msg and "mesh/pipeline tries" in msg and "engines" in msg
+    assert any("time_limit" in w for w in p.warnings)
+    assert not list(tmp_path.glob("*.pkl"))  # a cut search is not cached
+    full = autopar.parallelize(mlp, mesh=8, engine="auto", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = full.plan(*args())
+    assert q.cost.step_s <= p.cost.step_s
+
+
+def test_time_limit_is_checked():
+    with pytest.raises(autopar.AutoparError, match="time_limit"):
+        autopar.parallelize(mlp, mesh=8, time_limit=0)
+
+
+# ---- phases ----------------------------------------------------------------------------------
+
+
+def test_phases_add_up_to_the_wall_time():
+    step = autopar.parallelize(mlp, mesh=8, engine="auto", progress=False)
+    t = time.perf_counter()
+    p = step.plan(*args())
+    wall = time.perf_counter() - t
+    ph = p.phases
+    for name in ("capture", "build", "recursive", "dp", "polish", "plan"):
+        assert name in ph, ph
+    parts = sum(v for k, v in ph.items() if k != "total")
+    assert parts == pytest.approx(ph["total"], abs=1e-4)
+    assert ph["total"] <= wall and ph["total"] >= 0.95 * wall - 0.01, (ph, wall)
+    assert ph["other"] < 0.1 * ph["total"] + 0.02, ph
+    s = p.summary()
+    assert f"planned in {ph['total']:.2f} s" in s and "\n  time: " in s
+    assert "phases" not in p.to_json()  # plan files stay byte-identical
+    assert p.to_json(timings=True)["phases"] == ph
+    from test_cli import SCHEMA, check_schema
+
+    assert check_schema(p.to_json(timings=True), SCHEMA) == []
+
+
+# ---- the incremental polish --------------------------------------------------------------------
+
+
+def test_incremental_pricing_matches_the_full_price():
+    """Every delta the polish prices incrementally equals the full re-pricing's."""
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.examples import gpt_small
+    from autopar.ir.capture import capture
+    from autopar.search import engines, search
+    from autopar.search.polish import Pricing
+    from autopar.search.problem import build_problem
+    from autopar.sharding import mesh_info
+
+    w = gpt_small()
+    g = capture(w.fn, w.args, (), None, ())
+    profile = cost_models.load("cpu")  # where gpt_small's plans pay all-reduces
+    info = mesh_info(autopar.make_mesh({"data": 2, "model": 4}), profile.devices_per_node)
+    problem = build_problem(g, info, CostModel(profile, info), None)
+    rec = list(engines.recursive(problem, {}))
+    for choice in (rec, list(search(problem, "fsdp", float("inf")).choice)):
+        _check_deltas(problem, choice)
+    assert Pricing(problem, rec).saved > 0  # some all-reduces combine
+
+
+def _check_deltas(problem, choice):
+    from autopar.search.evaluate import step_seconds
+    from autopar.search.polish import Pricing, latency_bound_moves
+
+    pricing = Pricing(problem, choice)
+    assert pricing.price == pytest.approx(step_seconds(problem, choice), rel=1e-12, abs=1e-15)
+    rng = np.random.default_rng(0)
+    moves = list(latency_bound_moves(problem, choice))
+    n_in = problem.num_inputs
+    moves += [
+        (int(x), int(rng.integers(len(problem.strategies[x]))))
+        for x in rng.integers(n_in, len(problem.strategies), 30)
+    ]
+    assert moves
+    for k, (x, s) in enumerate(moves[:80]):
+        trial = list(pricing.choice)
+        trial[x] = s
+        want = step_seconds(problem, trial) - step_seconds(problem, pricing.choice)
+        got = pricing.delta(x, s)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (x, s)
+        if k % 3 == 0:
+            pricing.commit()
+        else:
+            pricing.undo()
+        assert pricing.price == pytest.approx(
+            step_seconds(problem, pricing.choice), rel=1e-9, abs=1e-12
+        )

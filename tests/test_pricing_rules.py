@@ -1,0 +1,271 @@
+"""Pricing and sharding-rule defects, one test each (each fails without its fix)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+
+import cost_models
+from autopar.cost.model import CostModel, matmul_rates, node_flops, rate_dtype
+from autopar.ir.capture import capture
+from autopar.ir.ops import CONTRACTIONS
+from autopar.search.problem import build_problem
+from autopar.sharding import mesh_info
+
+F32 = jnp.float32
+
+
+def _h100(n_devices: int = 1) -> CostModel:
+    profile = cost_models.load("h100-sxm")
+    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
+    return CostModel(profile, mesh_info(mesh, profile.devices_per_node))
+
+
+def _dot_seconds(fn, n: int = 4096) -> float:
+    """Priced seconds of the contractions of `fn(a, b)` on one h100 (search problem)."""
+    cost = _h100()
+    sds = jax.ShapeDtypeStruct((n, n), F32)
+    g = capture(fn, (sds, sds))
+    p = build_problem(g, cost.mesh, cost)
+    n_in = len(g.inputs)
+    dots = [nd for nd in g.nodes if nd.op in CONTRACTIONS]
+    assert dots
+    return sum(float(p.node_time[n_in + nd.id][0]) for nd in dots), sum(
+        node_flops(nd, g) for nd in dots
+    )
+
+
+def _rate(seconds: float, flops: float) -> float:
+    return flops / seconds / cost_models.load("h100-sxm").compute_efficiency
+
+
+# 1. float32 contractions are priced at the precision they run at -------------------------
+
+
+def test_f32_matmul_priced_at_tf32_by_default():
+    p = cost_models.load("h100-sxm")
+    s, flops = _dot_seconds(lambda a, b: a @ b)
+    assert _rate(s, flops) == pytest.approx(p.peak_flops["tfloat32"])
+
+
+@pytest.mark.parametrize("how", ["config", "param", "lax"])
+def test_f32_matmul_priced_at_f32_under_highest(how):
+    p = cost_models.load("h100-sxm")
+    if how == "config":
+        with jax.default_matmul_precision("highest"):
+            s, flops = _dot_seconds(lambda a, b: a @ b)
+    elif how == "param":
+        s, flops = _dot_seconds(lambda a, b: jnp.dot(a, b, precision=lax.Precision.HIGHEST))
+    else:  # lax.dot_general leaves precision=None; the config decides at pricing time
+        dn = (((1,), (0,)), ((), ()))
+        with jax.default_matmul_precision("float32"):
+            s, flops = _dot_seconds(lambda a, b: lax.dot_general(a, b, dn))
+    assert _rate(s, flops) == pytest.approx(p.peak_flops["float32"])
+
+
+def test_matmul_rate_names_and_record():
+    p = cost_models.load("h100-sxm")
+    sds = jax.ShapeDtypeStruct((64, 64), F32)
+    g = capture(lambda a, b: a @ b, (sds, sds))
+    (dot,) = [n for n in g.nodes if n.op in CONTRACTIONS]
+    assert rate_dtype(dot, g, p) == "tfloat32"
+    assert matmul_rates(g, p) == {"float32 dots": "tfloat32 (494.7 TFLOP/s)"}
+    with jax.default_matmul_precision("bfloat16"):
+        assert rate_dtype(dot, g, p) == "bfloat16"
+    g_hi = capture(lambda a, b: jnp.dot(a, b, precision="highest"), (sds, sds))
+    assert matmul_rates(g_hi, p) == {"float32 dots": "float32 (67 TFLOP/s)"}
+    g_high = capture(lambda a, b: jnp.dot(a, b, precision="high"), (sds, sds))
+    assert matmul_rates(g_high, p) == {"float32 dots": "tfloat32 (494.7 TFLOP/s)"}
+    # a profile without a tfloat32 peak keeps float32
+    d = p.to_dict()
+    d["peak_flops"] = {k: v for k, v in d["peak_flops"].items() if k != "tfloat32"}
+    no_tf32 = cost_models.ClusterProfile.from_dict(d)
+    assert matmul_rates(g, no_tf32) == {"float32 dots": "float32 (67 TFLOP/s)"}
+    # bfloat16 operands are priced at bfloat16 whatever the precision
+    bf = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    g_bf = capture(lambda a, b: jnp.dot(a, b, preferred_element_type=F32), (bf, bf))
+    assert matmul_rates(g_bf, p) == {"bfloat16 dots": "bfloat16 (989 TFLOP/s)"}
+
+
+# 2. A size-1 mesh axis is free: x4 x y1 and x1 x y4 plan the same up to renaming ----------
+
+
+def _renamed(spec, names: dict):
+    from autopar.sharding import Spec
+
+    return Spec(
+        tuple(tuple(names.get(a, a) for a in d) for d in spec.dims),
+        tuple(names.get(a, a) for a in spec.partial),
+    )
+
+
+def _plan_specs(plan, names: dict) -> list:
+    out = [(t.path, _renamed(t.spec, names)) for t in (*plan.inputs, *plan.outputs)]
+    out += [
+        (o.key, tuple(_renamed(s, names) for s in (*o.in_specs, *o.out_specs))) for o in plan.ops
+    ]
+    return out
+
+
+def _wide_mlp():
+    from autopar.examples.models import mlp
+
+    cfg = mlp.MLPConfig(batch_size=64, din=512, hidden=2048, dout=512)
+    return mlp.make_train_step(cfg).step, mlp.abstract_args(cfg)
+
+
+@pytest.mark.parametrize("engine", ["recursive", "ilp"])
+def test_size_one_axis_is_free(engine):
+    import autopar
+
+    fn, args = _wide_mlp()
+    plans = {}
+    for big, one in (("x", "y"), ("y", "x")):
+        step = autopar.parallelize(fn, mesh={"x": 1, "y": 1, big: 4}, engine=engine)
+        plan = step.plan(*args)
+        used = {a for t in (*plan.inputs, *plan.outputs) for a in t.spec.used_axes}
+        used |= {a for o in plan.ops for s in (*o.in_specs, *o.out_specs) for a in s.used_axes}
+        used |= {a for o in plan.ops for s in (*o.in_specs, *o.out_specs) for a in s.partial}
+        assert one not in used, f"{engine}: the size-1 axis {one} is in the plan"
+        assert not [k for k in plan.cost.comm_bytes if k.endswith(f"@{one}")]
+        plans[big] = plan
+    assert plans["x"].cost.step_s == pytest.approx(plans["y"].cost.step_s)
+    assert _plan_specs(plans["x"], {"x": "A"}) == _plan_specs(plans["y"], {"y": "A"})
+
+
+# 3. A column-split Dense's bias follows its kernel's output dim ---------------------------
+
+
+def test_column_split_dense_bias_is_split_not_gathered():
+    import flax.linen as nn
+
+    import autopar
+    from autopar.tools.hlo import parse_collectives
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(6144, name="up")(x))
+            return nn.Dense(1024, name="down")(x)
+
+    model = Mlp()
+    x = jnp.linspace(-1.0, 1.0, 8 * 1024, dtype=F32).reshape(8, 1024)
+    params = model.init(jax.random.key(0), x)["params"]
+    params = jax.tree.map(lambda p: p + 0.01, params)  # nonzero biases
+
+    def step(params, x):
+        loss_fn = lambda p: jnp.mean(model.apply({"params": p}, x) ** 2)  # noqa: E731
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, g), loss
+
+    par = autopar.parallelize(step, mesh={"model": 4})
+    plan = par.plan(params, x)
+    specs = {t.path: t.spec for t in plan.inputs}
+    kernel, bias = specs["params/up/kernel"], specs["params/up/bias"]
+    assert kernel.dims[1], f"the up kernel is not column-split: {kernel}"
+    assert bias.dims[0] == kernel.dims[1], f"bias {bias} does not follow kernel {kernel}"
+    text = par.lower(params, x).compile().as_text()
+    bias_bytes = {6144 * 4}
+    gathers = [c for c in parse_collectives(text, par.mesh) if c.kind == "all-gather"]
+    assert not [c for c in gathers if c.bytes in bias_bytes], gathers
+    got, want = par(params, x), jax.jit(step)(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# 4. random_bits (dropout) is generated split, with jax.jit's values ----------------------
+
+
+@pytest.mark.parametrize("new_key", [True, False])
+def test_random_bits_split_with_same_values(new_key):
+    import autopar
+
+    assert jax.config.jax_threefry_partitionable  # the rule relies on it (JAX's default)
+
+    def loss(w, x, key):
+        h = jnp.tanh(x @ w)
+        keep = jax.random.bernoulli(key, 0.9, h.shape)
+        h = jnp.where(keep, h / 0.9, 0.0)
+        return jnp.sum(h * h)
+
+    def step(w, x, key):
+        return jax.value_and_grad(loss)(w, x, key)
+
+    w = jnp.linspace(-1, 1, 512 * 512, dtype=F32).reshape(512, 512) / 20
+    x = jnp.linspace(-1, 1, 256 * 512, dtype=F32).reshape(256, 512)
+    key = jax.random.key(3) if new_key else jax.random.PRNGKey(3)
+    par = autopar.parallelize(step, mesh={"data": 4}, cluster="cpu")
+    plan = par.plan(w, x, key)
+    (bits,) = [o for o in plan.ops if o.op == "random_bits"]
+    assert bits.out_specs[0].used_axes, f"random_bits runs replicated: {bits.strategy}"
+    got, want = par(w, x, key), jax.jit(step)(w, x, key)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-7)
+
+
+# 6. `data` means data parallelism ----------------------------------------------------------
+
+
+def _mlp_problem(mesh_size: int = 4):
+    from autopar.examples.models import mlp
+    from autopar.sharding import MeshInfo
+
+    cfg = mlp.MLPConfig(batch_size=64, din=512, hidden=2048, dout=512)  # hidden >> batch
+    g = capture(mlp.make_train_step(cfg).step, mlp.abstract_args(cfg))
+    profile = cost_models.load("h100-sxm")
+    m = MeshInfo.build(("d",), (mesh_size,), None, profile.devices_per_node)
+    return build_problem(g, m, CostModel(profile, m))
+
+
+def test_data_engine_is_data_parallel():
+    from autopar.search import engines
+    from autopar.search.evaluate import evaluate
+
+    p = _mlp_problem()
+    choice = engines.data(p)
+    g = p.graph
+    for i, path in enumerate(g.input_paths):
+        spec = p.strategies[i][choice[i]].out_specs[0]
+        if path.startswith("batch/"):
+            assert spec.dims[0] == ("d",), (path, spec)
+        else:
+            assert not spec.used_axes, (path, spec)  # params and optimizer state replicated
+    cost = evaluate(p, choice)
+    kinds = {k.split("@")[0] for k in cost.comm_bytes}
+    assert kinds == {"all-reduce"}, cost.comm_bytes  # the gradients' sum, nothing gathered
+    n_params = sum(
+        g.values[x].size for x, path in zip(g.inputs, g.input_paths) if "/params/" in path
+    )
+    assert cost.comm_bytes["all-reduce@d"] >= 4 * n_params  # every gradient is summed
+
+
+def test_data_engine_end_to_end():
+    import autopar
+    from autopar.examples.models import mlp
+
+    cfg = mlp.MLPConfig(batch_size=64, din=512, hidden=2048, dout=512)
+    plan = autopar.parallelize(mlp.make_train_step(cfg).step, mesh={"d": 4}, engine="data").plan(
+        *mlp.abstract_args(cfg)
+    )
+    assert {k.split("@")[0] for k in plan.cost.comm_bytes} == {"all-reduce"}, plan.cost.comm_bytes
+
+
+# 5. At equal predicted time, the plan whose arguments take less memory ----------------------
+
+
+@pytest.mark.parametrize("engine", ["auto", "dp", "recursive"])
+def test_equal_time_prefers_less_argument_memory(engine):
+    import autopar
+
+    # A is 5x the size of the product's rows: the gemv runs row-split whether A arrives
+    # whole (each device slices its rows for free) or split, so both plans take the same
+    # predicted time; the split one keeps a quarter of A per device.
+    a = jax.ShapeDtypeStruct((1280, 256), F32)
+    x = jax.ShapeDtypeStruct((256,), F32)
+    plan = autopar.parallelize(lambda a, x: a @ x, mesh={"d": 4}, engine=engine).plan(a, x)
+    assert plan.in_specs[0] != jax.sharding.PartitionSpec(None, None), plan.in_specs
+    assert plan.cost.argument_bytes < 1280 * 256 * 4 / 2
