@@ -10,6 +10,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -281,3 +282,39 @@ def test_update_wrapper_keeps_autopar_attributes():
     wrapped.fn = None
     step = autopar.parallelize(wrapped, mesh=MESH, static_argnums=())
     assert step.fn is wrapped and not isinstance(step.options, str)
+
+
+def test_nnx_state_checkpoints_and_in_shardings(tmp_path):
+    """Plan.in_shardings names NNX state by its paths, the written-back state lives in
+    those shardings, and nnx.state(model) saves and restores with autopar.checkpoint."""
+    import autopar.checkpoint as ckpt
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(64, 256, rngs=rngs)
+            self.l2 = nnx.Linear(256, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.relu(self.l1(x)))
+
+    def step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    net = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(net, optax.adam(1e-2), wrt=nnx.Param)
+    x = jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64) / 4096
+    y = jnp.cos(jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8))
+    f = autopar.parallelize(step, mesh={"data": 2, "model": 4}, memory_budget=1.5e5)
+    plan = f.plan(net, opt, x, y)
+    f(net, opt, x, y)
+    kernel_sharding = plan.in_shardings[0]["l1"]["kernel"]  # argument 0 is the model
+    assert not kernel_sharding.is_fully_replicated
+    assert net.l1.kernel[...].sharding.is_equivalent_to(kernel_sharding, 2)
+    state = nnx.state(net)
+    ckpt.save(tmp_path, state, 1)
+    restored = ckpt.restore(tmp_path, jax.tree.map(lambda a: a.sharding, state))
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
