@@ -91,16 +91,17 @@ ELEMENTWISE = [
 ]
 
 
-def elementwise_rule(node: Node, graph: Graph, split_broadcast: bool = True) -> FactorRule:
+def elementwise_rule(node: Node, graph: Graph, split_broadcast: bool = False) -> FactorRule:
     """One factor per output dim. An operand broadcast implicitly along size-1 dims
-    shares the output's factors on its full-size dims: a row statistic (softmax's max
-    and sum, layer norm's mean and variance, `keepdims` over trailing dims) stays split
-    like its rows, as XLA's own propagation keeps it (replicating it gathers the
-    statistic between the reduction and its consumers, which breaks XLA's fusion of the
-    two: on GPT-1.3B's attention scores, +1.2 ms of HBM traffic a step that the cost
-    model cannot see), and a bias [1, F] of a column-split Dense stays split like its
-    kernel's output dim (replicating it all-gathers every bias every step). With
-    `split_broadcast=False` only operands that keep the output's leading dim share."""
+    shares the output's factors on its full-size dims when it keeps the output's
+    leading dim: a row statistic (softmax's max and sum, layer norm's mean and
+    variance, `keepdims` over trailing dims) stays split like its rows, as XLA's own
+    propagation keeps it. Replicating it gathers the statistic between the reduction
+    and its consumers, which breaks XLA's fusion of the two (on GPT-1.3B's attention
+    scores, +1.2 ms of HBM traffic a step that the cost model cannot see). Other
+    broadcast operands (a bias [1, 1, F]) stay replicated unless `split_broadcast`;
+    splitting those too lets `recursive` cut a bias's hidden dim on a tie before its
+    matmul is decided."""
     out = graph.values[node.outputs[0]]
     factors = tuple(Factor(s, name=f"d{i}") for i, s in enumerate(out.shape))
     full = tuple(range(out.rank))
