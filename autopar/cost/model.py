@@ -51,6 +51,18 @@ class Reshard:
 NO_RESHARD = Reshard(0.0, ())
 
 
+# XLA's all-reduce combiner merges independent all-reduces over the same devices into
+# one collective of up to 30 MiB and 256 operands (the GPU defaults, e.g.
+# xla_gpu_all_reduce_combine_threshold_bytes): the gradient all-reduces of data
+# parallelism become a few large ones, each paying the latency once. XLA:GPU combines
+# all-gathers and reduce-scatters too, but XLA:CPU does not (an FSDP step keeps one per
+# parameter), and compiled CPU programs are what the prediction is checked against, so
+# those keep a latency each.
+COMBINABLE = frozenset({"all-reduce"})
+COMBINE_THRESHOLD_BYTES = 30 * 2**20
+COMBINE_THRESHOLD_COUNT = 256
+
+
 class CostModel:
     """Prices ops and reshards on one mesh with one cluster profile (memoized)."""
 
@@ -75,6 +87,16 @@ class CostModel:
             return Collective(kind, axes, int(nbytes), 0.0)
         latency, bw = self.link(axes)
         return Collective(kind, axes, int(nbytes), latency + BUS_FACTOR[kind](n) * nbytes / bw)
+
+    def bucketed(self, c: Collective, share: float) -> float:
+        """Seconds of `c` when XLA's combiner merges it with its peers (`COMBINABLE`
+        kinds only): its bytes at full bandwidth, and of the bucket's one latency the
+        larger of its byte share (bytes / threshold) and `share`, its share among the
+        values that can join the bucket (see docs/algorithms.md, "Bucketed latency")."""
+        if c.kind not in COMBINABLE or c.seconds <= 0:
+            return c.seconds
+        latency = self.link(c.axes)[0]
+        return c.seconds - latency * (1.0 - min(1.0, max(c.bytes / COMBINE_THRESHOLD_BYTES, share)))
 
     def compute_seconds(self, flops: float, nbytes: float, dtype) -> float:
         p = self.profile

@@ -25,6 +25,14 @@ import numpy as np
 from autopar.cost.model import FUSED_OPS, CostModel, node_flops, rate_dtype
 from autopar.ir.graph import Graph, Node, TensorType
 from autopar.passes.pipeline import SUM, Pipeline, PipelinedScans, stage_layers, sub_mesh
+from autopar.search.edges import (
+    add_edge,
+    bucket_share,
+    build_edges,
+    combinable_values,
+    reshard_matrix,
+    reshard_seconds,
+)
 from autopar.search.result import SearchResult
 from autopar.search.solvers.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
@@ -97,6 +105,15 @@ class Problem:
     resident: dict[int, float] = field(default_factory=dict)
     # cond node id -> (its branches' problems, one Branches per cond strategy)
     conds: dict[int, CondBranches] = field(default_factory=dict, repr=False)
+    # per cost-graph node, `node_time` less the all-reduce of a Partial value the
+    # function returns (the search's objective charges it to the producer, bucketed;
+    # the final price counts it where `evaluate.edge_collectives` finds it)
+    node_compute: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
+    # the share of one latency a combinable all-reduce pays (`search.edges.bucket_share`)
+    bucket_share: float = 1.0
+
+    def compute_time(self) -> tuple[np.ndarray, ...]:
+        return self.node_time if self.node_compute is None else self.node_compute
 
     @property
     def num_inputs(self) -> int:
@@ -230,10 +247,14 @@ def build_problem(
             _run_flops(node, graph) if node.branches is not None else node_flops(node, graph)
         )
 
-    node_time, node_mem = _node_costs(
-        graph, mesh, cost, strategies, flops, carried, partial_outputs, resident
+    combinable = combinable_values(graph)
+    share = bucket_share(graph, tuple(strategies), combinable)
+    node_time, node_mem, node_comm = _node_costs(
+        graph, mesh, cost, strategies, flops, carried, partial_outputs, resident, share
     )
-    node_time = list(node_time)
+    node_time, node_comm = list(node_time), list(node_comm)
+    for i in (*bodies, *conds):  # priced whole by their nested plans below
+        node_comm[n_in + i] = np.zeros(len(strategies[n_in + i]))
     for i, (_, results) in bodies.items():
         node = graph.nodes[i]
         if i in piped:
@@ -249,7 +270,7 @@ def build_problem(
     for i, (_, per_strategy) in conds.items():
         node_time[n_in + i] = np.array([b.seconds for b in per_strategy])
     node_time = tuple(node_time)
-    edges = _edges(graph, cost, strategies, source)
+    edges = build_edges(graph, cost, strategies, source, share, combinable)
     aliases = find_aliases(graph)
     for o, i in aliases.items():
         v = graph.outputs[o]
@@ -258,14 +279,15 @@ def build_problem(
         u, k = source[v]
         t = graph.values[v]
         # The new value (producer u's output k) must come back in the arg's spec.
-        mat = _matrix(
+        mat = reshard_matrix(
             cost,
             t,
             tuple(s.out_specs[k] for s in strategies[u]),
             tuple(s.out_specs[0] for s in strategies[i]),
             cache,
+            share=share if v in combinable else None,
         )
-        _add_edge(edges, u, i, mat)
+        add_edge(edges, u, i, mat)
     return Problem(
         graph,
         mesh,
@@ -282,6 +304,8 @@ def build_problem(
         frozenset(partial_outputs),
         resident,
         conds,
+        tuple(t - c for t, c in zip(node_time, node_comm)),
+        share,
     )
 
 
@@ -407,10 +431,21 @@ def _node_key(node, graph):
 
 
 def _node_costs(
-    graph, mesh, cost, strategies, flops, carried=frozenset(), unsummed=frozenset(), resident=None
+    graph,
+    mesh,
+    cost,
+    strategies,
+    flops,
+    carried=frozenset(),
+    unsummed=frozenset(),
+    resident=None,
+    share=None,
 ):
+    """Per cost-graph node and strategy: (seconds, bytes kept, seconds of the seconds
+    that sum a returned Partial value, bucketed by `share` where it can be combined)."""
     n_in = len(graph.inputs)
-    times, mems = [], []
+    combinable = combinable_values(graph) if share is not None else frozenset()
+    times, mems, comms = [], [], []
     out_types = [[graph.values[v]] for v in graph.inputs] + [
         [graph.values[v] for v in n.outputs] for n in graph.nodes
     ]
@@ -425,6 +460,7 @@ def _node_costs(
         rate_dtype(n, graph, cost.profile) for n in graph.nodes
     ]
     pending = _output_partials(graph, strategies, n_in, carried, unsummed)
+    outs = [tuple(graph.inputs[c : c + 1]) for c in range(n_in)] + [n.outputs for n in graph.nodes]
     traffic = _hbm_traffic(graph)
     memo: dict = {}  # repeated layers: identical ops cost the same
     for c, strats in enumerate(strategies):
@@ -439,6 +475,7 @@ def _node_costs(
             moved,
             dtypes[c],
             fractions[c],
+            tuple(outs[c][k] in combinable for k in pending.get(c, ())),
         )
         if key not in memo:
             memo[key] = _strategy_costs(
@@ -452,10 +489,12 @@ def _node_costs(
                 moved,
                 dtypes[c],
                 fractions[c],
+                tuple(share if outs[c][k] in combinable else None for k in pending.get(c, ())),
             )
         times.append(memo[key][0])
         mems.append(memo[key][1])
-    return tuple(times), tuple(mems)
+        comms.append(memo[key][2])
+    return tuple(times), tuple(mems), tuple(comms)
 
 
 def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]] | None]:
@@ -502,9 +541,11 @@ def _strategy_costs(
     moved=None,
     dtype=np.float32,
     fractions=None,
+    shares=None,
 ):
     t_arr = np.zeros(len(strats))
     m_arr = np.zeros(len(strats))
+    c_arr = np.zeros(len(strats))
     reads, writes = moved or ((True,) * len(in_types), (True,) * len(out_types))
     for s_i, s in enumerate(strats):
         out_bytes = [cost.local_bytes(t, sp) for t, sp in zip(out_types, s.out_specs)]
@@ -518,12 +559,13 @@ def _strategy_costs(
         )
         t_arr[s_i] = cost.compute_seconds(flops / s.parallel, nbytes, dtype)
         # A partial value returned by the function must be summed before it leaves.
-        for k in pending:
+        for k, share in zip(pending, shares or (None,) * len(pending)):
             sp = s.out_specs[k]
-            t_arr[s_i] += cost.reshard(out_types[k], sp, sp.without_partial()).seconds
-    t_arr.setflags(write=False)
-    m_arr.setflags(write=False)
-    return t_arr, m_arr
+            c_arr[s_i] += reshard_seconds(cost, out_types[k], sp, sp.without_partial(), share)
+        t_arr[s_i] += c_arr[s_i]
+    for a in (t_arr, m_arr, c_arr):
+        a.setflags(write=False)
+    return t_arr, m_arr, c_arr
 
 
 def _output_partials(
@@ -543,67 +585,3 @@ def _output_partials(
             node = graph.nodes[producer[v]]
             out.setdefault(n_in + node.id, []).append(node.outputs.index(v))
     return out
-
-
-def _edges(graph, cost, strategies, source):
-    n_in = len(graph.inputs)
-    edges: dict[tuple[int, int], np.ndarray] = {}
-    cache: dict = {}
-    uses: dict[int, int] = {}
-    for node in graph.nodes:
-        for x in node.inputs:
-            uses[x] = uses.get(x, 0) + 1
-    for node in graph.nodes:
-        v_cg = n_in + node.id
-        for j, x in enumerate(node.inputs):
-            if x not in source:
-                continue  # constants: any slice is free
-            u, k = source[x]
-            t = graph.values[x]
-            src = tuple(s.out_specs[k] for s in strategies[u])
-            dst = tuple(s.in_specs[j] for s in strategies[v_cg])
-            _add_edge(edges, u, v_cg, _matrix(cost, t, src, dst, cache, uses[x]))
-    return edges
-
-
-def _add_edge(edges, u, v, mat):
-    if u > v:
-        u, v, mat = v, u, mat.T
-    if not mat.any():
-        edges.setdefault((u, v), np.zeros_like(mat))
-        return
-    if (u, v) in edges:
-        edges[(u, v)] = edges[(u, v)] + mat
-    else:
-        edges[(u, v)] = mat
-
-
-def _matrix(
-    cost: CostModel,
-    t: TensorType,
-    src: tuple[Spec, ...],
-    dst: tuple[Spec, ...],
-    cache,
-    uses: int = 1,
-) -> np.ndarray:
-    """[len(src), len(dst)] resharding seconds. A Partial value with `uses` uses is
-    summed once, where it is produced (`evaluate.settle_partials`), not once per use:
-    each use may instead pay its share of one all-reduce and reshard from the sum."""
-
-    def price(a: Spec, b: Spec) -> float:
-        direct = cost.reshard(t, a, b).seconds
-        if uses < 2 or not a.partial or b.partial:
-            return direct
-        whole = a.without_partial()
-        shared = cost.reshard(t, a, whole).seconds / uses + cost.reshard(t, whole, b).seconds
-        return min(direct, shared)
-
-    key = (t, src, dst, uses)
-    m = cache.get(key)
-    if m is None:
-        m = np.array([[price(a, b) for b in dst] for a in src], dtype=np.float64).reshape(
-            len(src), len(dst)
-        )
-        m.setflags(write=False)
-        cache[key] = m
-    return m

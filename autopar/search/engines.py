@@ -183,10 +183,12 @@ def _latency_bound(problem: Problem) -> list[bool]:
     less than one collective's latency? Cutting such an op (a bias, a LayerNorm scale,
     a scalar) can only add collectives that cost their latency, and D-Rec's penalty,
     bytes over bandwidth, does not see that; so `recursive` leaves them whole (the
-    final `refine` may still split them where a neighbour makes it free)."""
+    final `refine` may still split them where a neighbour makes it free). The
+    cheapest collective a cut can add is a gradient's all-reduce, which pays only its
+    bucket share of the latency (`search.edges`)."""
     g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
     names = problem.mesh.axis_names
-    latency = min(cost.link((a,))[0] for a in names)
+    latency = min(cost.link((a,))[0] for a in names) * problem.bucket_share
     bandwidth = max(cost.link((a,))[1] for a in names)
     out = []
     for v in range(len(problem.strategies)):

@@ -7,7 +7,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from autopar.cost.model import FUSED_OPS, Collective, Cost
+from autopar.cost.model import (
+    COMBINABLE,
+    COMBINE_THRESHOLD_BYTES,
+    COMBINE_THRESHOLD_COUNT,
+    FUSED_OPS,
+    Collective,
+    Cost,
+)
 from autopar.ir.graph import Graph
 from autopar.search.build import Problem
 from autopar.sharding import Spec
@@ -52,18 +59,6 @@ def edge_collectives(
             u, k = problem.source[x]
             pay(x, strategies[u][choice[u]].out_specs[k], target, None)
     return out
-
-
-# XLA's all-reduce combiner merges independent all-reduces over the same devices into
-# one collective of up to 30 MiB and 256 operands (the GPU defaults, e.g.
-# xla_gpu_all_reduce_combine_threshold_bytes): the gradient all-reduces of data
-# parallelism become a few large ones, each paying the latency once. XLA:GPU combines
-# all-gathers and reduce-scatters too, but XLA:CPU does not (an FSDP step keeps one per
-# parameter), and compiled CPU programs are what the prediction is checked against, so
-# those keep a latency each.
-COMBINABLE = frozenset({"all-reduce"})
-COMBINE_THRESHOLD_BYTES = 30 * 2**20
-COMBINE_THRESHOLD_COUNT = 256
 
 
 def combined_latency(
@@ -141,7 +136,8 @@ def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
 def _times(problem: Problem, choice: Sequence[int]):
     """(compute seconds, communication seconds with all-reduces combined, collectives)."""
     colls = edge_collectives(problem, choice)
-    compute = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
+    node_compute = problem.compute_time()
+    compute = sum(float(node_compute[v][s]) for v, s in enumerate(choice))
     comm = sum(c.seconds for _, _, c in colls) - combined_latency(problem, colls)
     return compute, comm, colls
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+from autopar.cost.model import COMBINABLE, COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
 from autopar.search.build import Problem
-from autopar.search.evaluate import COMBINABLE, output_spec, step_seconds
+from autopar.search.evaluate import output_spec, step_seconds
 
 MAX_ROUNDS = 4
 MAX_TRIALS = 200  # priced changes per plan
@@ -104,7 +105,8 @@ class _Local:
         p = self.p
         node = p.graph.nodes[x - p.num_inputs]
         values = {v for v in node.inputs if v in p.source} | set(node.outputs)
-        delta = float(p.node_time[x][s] - p.node_time[x][choice[x]])
+        own = p.compute_time()[x]
+        delta = float(own[s] - own[choice[x]])
         added = 0.0
         for v in values:
             if v not in p.source:
@@ -194,7 +196,8 @@ class Pricing:
         self.ups = [()] * n_in + [
             tuple({p.source[x][0] for x in n.inputs if x in p.source}) for n in g.nodes
         ]
-        self.compute = sum(float(p.node_time[v][s]) for v, s in enumerate(self.choice))
+        self.node_compute = p.compute_time()
+        self.compute = sum(float(self.node_compute[v][s]) for v, s in enumerate(self.choice))
         self.paid: dict[int, tuple] = {}  # value -> ((position, Collective), ...)
         self.comm = 0.0
         self.at: dict[int, dict] = {}  # node or END -> {position: (producer, Collective)}
@@ -301,7 +304,6 @@ class Pricing:
         self._dirty |= dirty
 
     def _rebucket(self, grp: tuple) -> None:
-        from autopar.search.evaluate import COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
 
         sizes = [b for _, b in sorted(self.groups[grp].items())]
         buckets, size, count = 1, 0, 0
@@ -319,7 +321,8 @@ class Pricing:
         self.log, self._dirty = [], set()
         old = self.choice[x]
         self._set(self.choice, x, s)
-        self._set_scalar("compute", self.compute + float(p.node_time[x][s] - p.node_time[x][old]))
+        own = self.node_compute[x]
+        self._set_scalar("compute", self.compute + float(own[s] - own[old]))
         node = p.graph.nodes[x - self.n_in]
         values = dict.fromkeys([v for v in node.inputs if v in p.source] + list(node.outputs))
         changed_at: set[int] = set()

@@ -1,0 +1,135 @@
+"""The cost graph's edges: what resharding a value between its producer's and its
+consumer's strategies costs, with all-reduces priced by bucket where XLA's combiner
+will merge them (docs/algorithms.md, "Bucketed latency").
+
+A gradient's all-reduce in data parallelism is independent of every other one, so
+XLA merges them into a few buckets that pay the link latency once each. Charging each
+its own latency, as a pairwise price otherwise would, makes data parallelism look
+several latencies dearer than it compiles to on models with many small weights. The
+engines (DP, ILP, recursive) need prices on edges, one pair at a time, so the bucket
+is linearized: an all-reduce of a value that can join a bucket pays its bytes and a
+share of one latency, the larger of its bytes over the bucket size and one over the
+number of values that can join. The final price (`evaluate.combined_latency`) then
+simulates the buckets exactly; the two differ by at most the one latency per bucket
+group that the linear share leaves out when fewer values join than could.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.cost.model import COMBINE_THRESHOLD_COUNT, CostModel
+from autopar.ir.graph import Graph, TensorType
+from autopar.ir.ops import CONTRACTIONS
+from autopar.sharding import Spec
+from autopar.strategies import Strategy
+
+
+def combinable_values(graph: Graph) -> frozenset[int]:
+    """Values no contraction depends on: what is left of the step after its last
+    matmul (weight gradients, the optimizer's arithmetic on them, the loss). Their
+    all-reduces have no collective of their own kind downstream to wait for, so the
+    combiner can merge them: they form one antichain of the all-reduce order. A loop or
+    a cond counts as a contraction (its body may hold one)."""
+    feeds: set[int] = set()
+    for node in reversed(graph.nodes):
+        heavy = node.op in CONTRACTIONS or node.body is not None or node.branches is not None
+        if heavy or any(v in feeds for v in node.outputs):
+            feeds.update(node.inputs)
+    return frozenset(v for v in range(len(graph.values)) if v not in feeds)
+
+
+def bucket_share(
+    graph: Graph, strategies: tuple[tuple[Strategy, ...], ...], combinable: frozenset[int]
+) -> float:
+    """One over the number of combinable values some strategy makes a Partial sum of
+    unsummed operands (where sums start: a weight gradient's matmul, not the ops that
+    carry its sum on), at most the combiner's operand count: the all-reduces that can
+    share a bucket."""
+    n_in = len(graph.inputs)
+
+    def starts_sum(s: Strategy, i: int) -> bool:
+        return bool(s.out_specs[i].partial) and not any(sp.partial for sp in s.in_specs)
+
+    k = sum(
+        1
+        for node in graph.nodes
+        for i, v in enumerate(node.outputs)
+        if v in combinable and any(starts_sum(s, i) for s in strategies[n_in + node.id])
+    )
+    return 1.0 / max(1, min(k, COMBINE_THRESHOLD_COUNT))
+
+
+def reshard_seconds(cost: CostModel, t: TensorType, a: Spec, b: Spec, share: float | None) -> float:
+    """Seconds to reshard `t` from `a` to `b`; with a `share` (the value can join the
+    combiner's buckets) its all-reduces are priced by bucket."""
+    r = cost.reshard(t, a, b)
+    if share is None:
+        return r.seconds
+    return sum(cost.bucketed(c, share) for c in r.collectives)
+
+
+def build_edges(graph, cost, strategies, source, share: float, combinable: frozenset[int]):
+    n_in = len(graph.inputs)
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    cache: dict = {}
+    uses: dict[int, int] = {}
+    for node in graph.nodes:
+        for x in node.inputs:
+            uses[x] = uses.get(x, 0) + 1
+    for node in graph.nodes:
+        v_cg = n_in + node.id
+        for j, x in enumerate(node.inputs):
+            if x not in source:
+                continue  # constants: any slice is free
+            u, k = source[x]
+            t = graph.values[x]
+            src = tuple(s.out_specs[k] for s in strategies[u])
+            dst = tuple(s.in_specs[j] for s in strategies[v_cg])
+            s = share if x in combinable else None
+            add_edge(edges, u, v_cg, reshard_matrix(cost, t, src, dst, cache, uses[x], s))
+    return edges
+
+
+def add_edge(edges, u, v, mat):
+    if u > v:
+        u, v, mat = v, u, mat.T
+    if not mat.any():
+        edges.setdefault((u, v), np.zeros_like(mat))
+        return
+    if (u, v) in edges:
+        edges[(u, v)] = edges[(u, v)] + mat
+    else:
+        edges[(u, v)] = mat
+
+
+def reshard_matrix(
+    cost: CostModel,
+    t: TensorType,
+    src: tuple[Spec, ...],
+    dst: tuple[Spec, ...],
+    cache,
+    uses: int = 1,
+    share: float | None = None,
+) -> np.ndarray:
+    """[len(src), len(dst)] resharding seconds. A Partial value with `uses` uses is
+    summed once, where it is produced (`evaluate.settle_partials`), not once per use:
+    each use may instead pay its share of one all-reduce and reshard from the sum."""
+
+    def price(a: Spec, b: Spec) -> float:
+        direct = reshard_seconds(cost, t, a, b, share)
+        if uses < 2 or not a.partial or b.partial:
+            return direct
+        whole = a.without_partial()
+        summed = reshard_seconds(cost, t, a, whole, share) / uses
+        return min(direct, summed + cost.reshard(t, whole, b).seconds)
+
+    key = (t, src, dst, uses, share)
+    m = cache.get(key)
+    if m is None:
+        m = np.array([[price(a, b) for b in dst] for a in src], dtype=np.float64).reshape(
+            len(src), len(dst)
+        )
+        m.setflags(write=False)
+        cache[key] = m
+    return m
