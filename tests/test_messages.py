@@ -255,8 +255,9 @@ def test_pipeline_auto_without_a_layer_loop_says_why():
     assert plan.pipeline is None
     why = (
         "pipeline_stages='auto' returned an unpipelined plan: {'stage': 2, 'model': 4}, "
-        "{'stage': 4, 'model': 2}, {'stage': 8}: no loop over layers to pipeline (a scan: "
-        "flax.linen.scan, jax.lax.scan; e.g. GPTConfig(scan_layers=True))"
+        "{'stage': 4, 'model': 2}, {'stage': 8}: it has no loop over layers and no stack of "
+        "repeated layers was found (pipelining needs layers under flax.linen.scan, nnx.scan "
+        "or jax.lax.scan)"
     )
     assert why in plan.warnings
     assert f"  warning: {why}" in plan.summary()

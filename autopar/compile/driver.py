@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -24,6 +23,12 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 import cost_models
 from autopar.compile.clock import Clock, left_out, try_name
+from autopar.compile.notes import (
+    no_layer_loop,
+    no_pipeline_why,
+    offline_warning,
+    pipeline_tries,
+)
 from autopar.compile.plans import (
     attach,
     make_plan,
@@ -59,7 +64,8 @@ from autopar.passes.pipeline import (
 )
 from autopar.passes.precision import describe as describe_precision
 from autopar.passes.precision import mixed_precision
-from autopar.passes.remat import remat, remat_report
+from autopar.passes.remat import rematerialize
+from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan, TensorRecord
 from autopar.search import search
 from autopar.search.problem import Problem, build_problem, find_aliases, step_floor
@@ -207,13 +213,24 @@ class _Driver:
     def _prepare(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         """The passes every trace goes through before search: mixed precision, remat.
         Returns the graph and the notes for the plan."""
-        notes: tuple[str, ...] = ()
+        notes: tuple[str, ...] = tuple(
+            f"layer stack: {s.describe()} (unrolled in Python)" for s in find_stacks(graph)
+        )
         if self.o.precision is not None:
             notes += describe_precision(graph, self.o.precision).notes()
             graph = mixed_precision(graph, self.o.precision)
         if self.remat_policy not in (None, "none"):
-            before, graph = graph, remat(graph, self.remat_policy)
-            notes += remat_report(before, graph, self.remat_policy).notes()
+            graph, report = rematerialize(graph, self.remat_policy)
+            notes += report.notes()
+            if not report.applied:  # the plan records what was applied: nothing
+                if self.o.remat != "auto":
+                    warnings.warn(
+                        f"autopar: {self.name}: remat={self.remat_policy!r} has nothing to "
+                        "rematerialize (no loop over layers and no stack of layers unrolled in "
+                        "Python was found); the plan records remat=None",
+                        stacklevel=6,
+                    )
+                self.remat_policy = None
         return graph, notes
 
     def compile(self) -> Compiled | Infeasible:
@@ -242,11 +259,11 @@ class _Driver:
         if isinstance(found, Infeasible):
             return found
         if o.pipeline_stages == "auto":
-            notes += (_pipeline_tries(found.ranked, found.failures),)
+            notes += (pipeline_tries(found.ranked, found.failures),)
             stage = [m for m in o.meshes if "stage" in m.axis_names]
             turned = [f for f in found.failures if "'stage'" in f.split("}", 1)[0]]
             if stage and len(turned) >= len(stage):  # no pipeline could be made: say why
-                why = _no_pipeline_why(found.failures)
+                why = no_pipeline_why(found.failures)
                 warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
                 notes += (why,)
         if found.skipped:
@@ -435,8 +452,7 @@ class _Driver:
                         + (
                             f"no scan's length ({loops}) is a multiple of {S}"
                             if loops
-                            else "no loop over layers to pipeline (a scan: flax.linen.scan, "
-                            "jax.lax.scan; e.g. GPTConfig(scan_layers=True))"
+                            else no_layer_loop(graph)
                         )
                     )
                 )
@@ -452,8 +468,7 @@ class _Driver:
                     + (
                         f"no scan's length ({loops}) is a multiple of {S}"
                         if loops
-                        else "the function has none; put the layers under a scan (flax.linen.scan, "
-                        "jax.lax.scan; e.g. GPTConfig(scan_layers=True))"
+                        else no_layer_loop(graph)
                     )
                 )
             )
@@ -538,36 +553,6 @@ def _mesh_for_plan(meshes: Sequence, plan: Plan) -> Mesh | AbstractMesh:
     return meshes[0]  # bind_plan reports the mismatch
 
 
-def _pipeline_tries(options, failures) -> str:
-    """The plan note of `pipeline_stages="auto"`: the best plan of every (mesh,
-    micro-batch count) tried, and the meshes that had none."""
-    best: dict[str, float] = {}
-    for step_s, _, _, mesh, _, _, pipelined in options:
-        shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
-        key = f"{shape}" + (f" M={pipelined.pipe.microbatches}" if pipelined else "")
-        best.setdefault(key, step_s)
-    tried = [f"{k} {v * 1e3:.4g} ms" for k, v in best.items()]
-    return "pipeline_stages='auto' tried (fastest first): " + "; ".join(
-        tried + list(dict.fromkeys(f.splitlines()[0] for f in failures))
-    )
-
-
-def _no_pipeline_why(failures) -> str:
-    """The plan warning of `pipeline_stages="auto"` when no pipeline could be made: why
-    each mesh with a stage axis was turned away."""
-    reasons = []
-    meshes: dict[str, list[str]] = {}  # reason -> the meshes it turned away
-    for f in failures:
-        if "stage" in f:
-            shape, _, reason = " ".join(x.strip() for x in f.splitlines()).partition("}: ")
-            reason = re.sub(r"^\d+ stages: ", "", reason)
-            meshes.setdefault(reason, []).append(shape + "}")
-    reasons += [f"{', '.join(m)}: {r}" for r, m in meshes.items()]
-    return "pipeline_stages='auto' returned an unpipelined plan: " + (
-        "; ".join(reasons) or "no mesh with a 'stage' axis was tried"
-    )
-
-
 def compiled_memory(compiled) -> int:
     """Per-device bytes XLA needs: arguments + outputs + temporaries - aliased."""
     m = compiled.memory_analysis()
@@ -576,20 +561,6 @@ def compiled_memory(compiled) -> int:
         + m.output_size_in_bytes
         + m.temp_size_in_bytes
         - m.alias_size_in_bytes
-    )
-
-
-def offline_warning(plan: Plan, budget: float) -> str:
-    """The plan warning of a plan made on a mesh with no devices here (an AbstractMesh)
-    that comes close to the memory budget: it was not compile-checked."""
-    peak = plan.cost.peak_memory_bytes
-    return (
-        f"not compile-checked: planned on a mesh with no devices here ({plan.mesh.shape}, "
-        f"{plan.mesh.num_devices} devices; this machine has {len(jax.devices())}), and its "
-        f"predicted peak {format_bytes(peak)}/device is {peak / budget:.0%} of the memory "
-        f"budget {format_bytes(budget)}; XLA's own temporaries come on top of that. Check it "
-        "with `autopar verify PLAN TARGET` (compiles the plan for the whole mesh on simulated "
-        "CPU devices), or compile the same per-device shapes on a smaller mesh"
     )
 
 

@@ -102,6 +102,9 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
             best = got
         if not got.memory_bound:  # nothing held back by memory: more remat only adds work
             break
+        if policy != "none" and got.plan.remat is None:  # nothing to rematerialize
+            tried.append("no layers to rematerialize")
+            break
     if best is not None:
         note = "remat='auto' tried " + "; ".join(tried)
         return replace(best, plan=replace(best.plan, warnings=(*best.plan.warnings, note)))

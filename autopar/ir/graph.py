@@ -8,6 +8,7 @@ topological order.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +25,11 @@ class TensorType:
     def rank(self) -> int:
         return len(self.shape)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 

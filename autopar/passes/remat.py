@@ -64,8 +64,10 @@ from autopar.errors import format_bytes
 from autopar.ir.eval import retrace
 from autopar.ir.graph import Graph, Node, TensorType, check_graph
 from autopar.ir.ops import CONTRACTIONS
+from autopar.passes.remat_unrolled import POLICIES, LayerRemat, remat_layers
+from autopar.passes.stacks import find_stacks
 
-POLICIES = ("none", "dots", "selective", "full")  # from most to least memory
+# POLICIES, from most to least memory, are spelled once in remat_unrolled
 SAVEABLE = CONTRACTIONS
 
 
@@ -484,6 +486,16 @@ class PairRemat:
 class RematReport:
     policy: str
     pairs: tuple[PairRemat, ...]
+    # layers unrolled in Python (`passes.remat_unrolled`): the stack and each layer's change
+    stack: str = ""
+    layers: tuple[LayerRemat, ...] = ()
+
+    @property
+    def applied(self) -> bool:
+        """Whether the pass changed anything: some residual is recomputed."""
+        return any(p.residuals_after < p.residuals_before for p in self.pairs) or any(
+            r.recomputed for r in self.layers
+        )
 
     @property
     def bytes_before(self) -> int:
@@ -503,9 +515,22 @@ class RematReport:
 
     def notes(self) -> tuple[str, ...]:
         """Lines for a plan's warnings/notes."""
-        if not self.pairs:
-            return (f"remat ({self.policy}): no forward/backward scan pair to rematerialize",)
-        return tuple(
+        if not self.pairs and not self.layers:
+            return (
+                f"remat ({self.policy}): nothing to rematerialize: no forward/backward scan "
+                "pair and no stack of layers unrolled in Python was found",
+            )
+        unrolled = ()
+        if self.layers:
+            saved = sum(r.recomputed_bytes for r in self.layers)
+            flops = sum(r.recompute_flops for r in self.layers)
+            unrolled = (
+                f"remat ({self.policy}): layer stack {self.stack}: the backward pass of "
+                f"{len(self.layers)} layers recomputes {self.layers[-1].recomputed} residuals a "
+                f"layer (keeps {self.layers[-1].stored}), {format_bytes(saved)} less kept "
+                f"between the passes for {flops:.3g} more FLOPs a call",
+            )
+        return unrolled + tuple(
             f"remat ({self.policy}): the backward loop at {p.backward} recomputes "
             f"{p.residuals_before - p.residuals_after} of {p.residuals_before} residuals of "
             f"{p.forward}: stored {format_bytes(p.bytes_after)} instead of "
@@ -517,6 +542,27 @@ class RematReport:
 
     def __str__(self) -> str:
         return "\n".join(self.notes())
+
+
+def rematerialize(graph: Graph, policy: str) -> tuple[Graph, RematReport]:
+    """`remat(graph, policy)` and then, on layers unrolled in Python (`find_stacks`),
+    `remat_unrolled.remat_layers` over each stack's layers; with what changed."""
+    out = remat(graph, policy)
+    report = remat_report(graph, out, policy)
+    if policy == "none":
+        return out, report
+    for stack in find_stacks(out):
+        back = {b.index: b.nodes for b in stack.backward}
+        out, layers = remat_layers(
+            out,
+            [b.nodes for b in stack.forward],
+            [back.get(b.index, ()) for b in stack.forward],
+            policy,
+        )
+        if layers:
+            report = replace(report, stack=stack.describe(), layers=report.layers + layers)
+            break  # node ids moved: one stack a pass (the first, the model's layers)
+    return out, report
 
 
 def remat_report(before: Graph, after: Graph, policy: str = "") -> RematReport:

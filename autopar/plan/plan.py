@@ -23,7 +23,8 @@ FORMAT = "autopar.plan/1"
 # Plan warnings that only inform (what a pass did, what an "auto" option tried, what
 # was reused): shown as `note:`, the rest as `warning:`.
 _NOTE_RE = re.compile(
-    r"^(mixed precision: |remat \(\w+\): the backward loop|remat='auto' tried|"
+    r"^(mixed precision: |remat \(\w+\): (the backward loop|layer stack)|remat='auto' tried|"
+    r"layer stack: |"
     r"pipeline_stages='auto' tried|partial reuse of a plan|"
     r"\d+ of \d+ \(mesh, micro-batch count\) tries not searched)"
 )

@@ -364,6 +364,12 @@ def data_problem(problem: Problem) -> Problem:
 
     g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
     edges = dict(problem.edges)
+    tables: dict = {}  # (type, producer specs, consumer specs) -> penalty matrix
+
+    def gathers(t, a, b) -> bool:
+        colls = cost.reshard(t, a, b).collectives
+        return any(c.kind in ("all-gather", "all-to-all") and c.seconds for c in colls)
+
     for node in g.nodes:
         v = n_in + node.id
         for j, x in enumerate(node.inputs):
@@ -371,12 +377,14 @@ def data_problem(problem: Problem) -> Problem:
                 continue
             u, k = problem.source[x]
             t = g.values[x]
-            extra = np.zeros((len(problem.strategies[u]), len(problem.strategies[v])))
-            for a, su in enumerate(problem.strategies[u]):
-                for b, sv in enumerate(problem.strategies[v]):
-                    colls = cost.reshard(t, su.out_specs[k], sv.in_specs[j]).collectives
-                    if any(c.kind in ("all-gather", "all-to-all") and c.seconds for c in colls):
-                        extra[a, b] = DATA_GATHER_PENALTY
+            src = tuple(s.out_specs[k] for s in problem.strategies[u])
+            dst = tuple(s.in_specs[j] for s in problem.strategies[v])
+            key = (t, src, dst)
+            if key not in tables:
+                tables[key] = np.array(
+                    [[DATA_GATHER_PENALTY if gathers(t, a, b) else 0.0 for b in dst] for a in src]
+                ).reshape(len(src), len(dst))
+            extra = tables[key]
             if not extra.any():
                 continue
             key, mat = ((u, v), extra) if u < v else ((v, u), extra.T)

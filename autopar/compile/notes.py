@@ -1,0 +1,75 @@
+"""The plan notes the driver writes about what it tried: the pipelines of
+`pipeline_stages="auto"`, and the warning on an offline plan that was never compiled."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+from autopar.errors import format_bytes
+from autopar.plan.plan import Plan
+
+
+def pipeline_tries(options, failures) -> str:
+    """The plan note of `pipeline_stages="auto"`: the best plan of every (mesh,
+    micro-batch count) tried, and the meshes that had none."""
+    best: dict[str, float] = {}
+    for step_s, _, _, mesh, _, _, pipelined in options:
+        shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        key = f"{shape}" + (f" M={pipelined.pipe.microbatches}" if pipelined else "")
+        best.setdefault(key, step_s)
+    tried = [f"{k} {v * 1e3:.4g} ms" for k, v in best.items()]
+    return "pipeline_stages='auto' tried (fastest first): " + "; ".join(
+        tried + list(dict.fromkeys(f.splitlines()[0] for f in failures))
+    )
+
+
+def no_pipeline_why(failures) -> str:
+    """The plan warning of `pipeline_stages="auto"` when no pipeline could be made: why
+    each mesh with a stage axis was turned away."""
+    reasons = []
+    meshes: dict[str, list[str]] = {}  # reason -> the meshes it turned away
+    for f in failures:
+        if "stage" in f:
+            shape, _, reason = " ".join(x.strip() for x in f.splitlines()).partition("}: ")
+            reason = re.sub(r"^\d+ stages: ", "", reason)
+            meshes.setdefault(reason, []).append(shape + "}")
+    reasons += [f"{', '.join(m)}: {r}" for r, m in meshes.items()]
+    return "pipeline_stages='auto' returned an unpipelined plan: " + (
+        "; ".join(reasons) or "no mesh with a 'stage' axis was tried"
+    )
+
+
+def offline_warning(plan: Plan, budget: float) -> str:
+    """The plan warning of a plan made on a mesh with no devices here (an AbstractMesh)
+    that comes close to the memory budget: it was not compile-checked."""
+    peak = plan.cost.peak_memory_bytes
+    return (
+        f"not compile-checked: planned on a mesh with no devices here ({plan.mesh.shape}, "
+        f"{plan.mesh.num_devices} devices; this machine has {len(jax.devices())}), and its "
+        f"predicted peak {format_bytes(peak)}/device is {peak / budget:.0%} of the memory "
+        f"budget {format_bytes(budget)}; XLA's own temporaries come on top of that. Check it "
+        "with `autopar verify PLAN TARGET` (compiles the plan for the whole mesh on simulated "
+        "CPU devices), or compile the same per-device shapes on a smaller mesh"
+    )
+
+
+def no_layer_loop(graph) -> str:
+    """Why a graph offers no loop over layers to pipeline, in terms of the user's model:
+    its layers unrolled in Python (a stack `passes.stacks` finds), or no layers at all."""
+    from autopar.passes.stacks import find_stacks
+
+    stacks = find_stacks(graph)
+    if stacks:
+        s = stacks[0]
+        return (
+            f"its {len(s.forward)} layers {s.template} are unrolled in Python, and autopar "
+            "pipelines only a loop over layers so far (flax.linen.scan, nnx.scan, "
+            "jax.lax.scan over stacked weights); rematerialization (remat=) does work on "
+            "them. See docs/troubleshooting.md#pipelining-unrolled-layers"
+        )
+    return (
+        "it has no loop over layers and no stack of repeated layers was found (pipelining "
+        "needs layers under flax.linen.scan, nnx.scan or jax.lax.scan)"
+    )

@@ -1,0 +1,217 @@
+"""Rematerialization of layers unrolled in Python: recompute a layer's residuals
+just before its backward pass reads them.
+
+A differentiated step whose layers are unrolled (a Python loop over blocks, as every
+`transformers` Flax model and most linen and NNX code write them) computes all forward
+layers, then all backward layers in reverse. Each backward layer reads its forward
+layer's intermediates (*residuals*: activations, softmax weights, norm statistics),
+which therefore live from the forward pass to the backward one and dominate the
+step's activation memory. `remat_layers(graph, forward, backward, policy)` rewrites
+the graph, layer by layer, so that each layer stores less and the rest is
+recomputed, with copies of the forward layer's ops, right before the first backward
+op of that layer that reads it:
+
+- `"full"`: only what enters the layer from outside (the activation, masks, position
+  ids, its weights) stays stored; every residual made inside the layer is recomputed.
+- `"dots"`: contraction outputs stay stored as well (`jax.checkpoint_policies.
+  dots_saveable`); the elementwise, softmax and norm intermediates are recomputed.
+- `"selective"`: like `"dots"`, but the contractions with the fewest FLOPs per output
+  byte (the attention scores) are recomputed too (Korthikanti et al.).
+
+`layers` limits the rewrite to those layer indices (a per-layer choice: the search
+keeps the activations of some layers and recomputes the others).
+
+As `jax.checkpoint` does, the recomputation reads its inputs through an
+`optimization_barrier`, so XLA cannot merge the copies with the forward ops (common
+subexpression elimination would undo the remat); the barrier also takes one value
+the backward op computes just before (its cotangent), so the copies cannot run
+before the backward pass reaches the layer. The graph computes the same numbers; its
+nodes are renumbered (new nodes are inserted), its inputs and outputs are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+from functools import cache
+
+import jax
+
+from autopar.cost.model import node_flops
+from autopar.ir.graph import Graph, Node, check_graph
+from autopar.ir.ops import CONTRACTIONS
+
+POLICIES = ("none", "dots", "selective", "full")  # from most to least memory
+
+
+@cache
+def _barrier_primitive():
+    eqn = jax.make_jaxpr(lambda a: jax.lax.optimization_barrier(a))(1.0).jaxpr.eqns[0]
+    return eqn.primitive
+
+
+@dataclass(frozen=True)
+class LayerRemat:
+    """What the rewrite did to one layer."""
+
+    index: int
+    recomputed: int  # residuals the backward now recomputes
+    stored: int  # residuals it still reads as stored
+    recomputed_bytes: int  # bytes no longer kept from the forward to the backward pass
+    recompute_flops: float
+
+
+def _recompute_set(
+    graph: Graph, nodes: frozenset[int], residuals: Sequence[int], policy: str
+) -> tuple[list[int], list[int]]:
+    """(the residuals to recompute, the layer's nodes that recompute them in program
+    order), under `policy`."""
+    saved: set[int] = set()
+    if policy in ("dots", "selective"):
+        dots = {
+            v for n in nodes if graph.nodes[n].op in CONTRACTIONS for v in graph.nodes[n].outputs
+        }
+        saved = set(dots)
+        if policy == "selective" and dots:
+            ratio = {
+                v: node_flops(graph.nodes[graph.producer[v]], graph)
+                / max(graph.values[v].nbytes, 1)
+                for v in dots
+            }
+            low = min(ratio.values())
+            if len(set(ratio.values())) > 1:
+                saved -= {v for v, r in ratio.items() if r <= 1.01 * low}
+    todo = [v for v in residuals if v not in saved]
+    need: set[int] = set()
+    stack = list(todo)
+    producer = graph.producer
+    while stack:
+        v = stack.pop()
+        n = producer.get(v)
+        if n is None or n not in nodes or n in need:
+            continue
+        need.add(n)
+        stack.extend(x for x in graph.nodes[n].inputs if x not in saved)
+    return todo, sorted(need)
+
+
+def remat_layers(
+    graph: Graph,
+    forward: Sequence[Collection[int]],
+    backward: Sequence[Collection[int]],
+    policy: str,
+    layers: Collection[int] | None = None,
+) -> tuple[Graph, tuple[LayerRemat, ...]]:
+    """`graph` with the residuals of forward layer i (node ids `forward[i]`) that
+    backward ops (`backward[i]` holds layer i's, any layer's count) read recomputed under
+    `policy`, for each i in `layers` (default: all); and what changed per layer."""
+    if policy not in POLICIES:
+        raise ValueError(f"remat policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if policy == "none" or not forward or not backward:
+        return graph, ()
+    back = frozenset(n for b in backward for n in b)
+    fwd_end = max(n for b in forward for n in b)
+    outputs = set(graph.outputs)
+    consumers = graph.consumers
+    # per insertion point (a node id): [(layer, nodes to copy, values to recompute)]
+    inserts: dict[int, list[tuple[int, list[int], list[int]]]] = {}
+    report: list[LayerRemat] = []
+    for i, block in enumerate(forward):
+        if layers is not None and i not in layers:
+            continue
+        nodes = frozenset(block)
+        # read backward, and by nothing else outside the layer: what the layer passes on
+        # to the next one is the next one's stored input, never recomputed
+        residuals = [
+            v
+            for n in sorted(nodes)
+            for v in graph.nodes[n].outputs
+            if v not in outputs
+            and any(c in back for c in consumers.get(v, ()))
+            and all(c in back or c in nodes for c in consumers.get(v, ()))
+        ]
+        todo, copy = _recompute_set(graph, nodes, residuals, policy)
+        if not todo:
+            continue
+        at = min(c for v in todo for c in consumers[v] if c in back)
+        # the cotangent entering layer i's backward: the latest value it reads that the
+        # backward pass made outside it, before `at`; the copies wait for it
+        own = frozenset(backward[i])
+        made_before = [
+            graph.producer[x]
+            for n in own
+            for x in graph.nodes[n].inputs
+            if fwd_end < graph.producer.get(x, -1) < at and graph.producer[x] not in own
+        ]
+        trigger = graph.nodes[max(made_before)].outputs[0] if made_before else None
+        inserts.setdefault(at, []).append((i, copy, todo, trigger))
+        report.append(
+            LayerRemat(
+                i,
+                len(todo),
+                len(residuals) - len(todo),
+                sum(graph.values[v].nbytes for v in todo),
+                sum(node_flops(graph.nodes[n], graph) for n in copy),
+            )
+        )
+    if not inserts:
+        return graph, tuple(report)
+    out = _rebuild(graph, inserts, back)
+    check_graph(out)
+    return out, tuple(report)
+
+
+def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
+    values = list(graph.values)
+    new_nodes: list[Node] = []
+    # backward readers read the recomputed copy: value -> copy, from its insertion on
+    swap: dict[int, int] = {}
+    at_swap: dict[int, int] = {}
+
+    def fresh(v: int) -> int:
+        values.append(graph.values[v])
+        return len(values) - 1
+
+    def emit(node: Node, inputs, outputs) -> None:
+        new_nodes.append(replace(node, id=len(new_nodes), inputs=tuple(inputs), outputs=outputs))
+
+    for node in graph.nodes:
+        for _, copy, todo, trigger in inserts.get(node.id, ()):
+            made = {v for n in copy for v in graph.nodes[n].outputs}
+            ext = list(
+                dict.fromkeys(
+                    x
+                    for n in copy
+                    for x in graph.nodes[n].inputs
+                    if x not in made and x not in graph.consts
+                )
+            )
+            barrier_in = ext + ([trigger] if trigger is not None and trigger not in ext else [])
+            barrier_out = tuple(fresh(x) for x in barrier_in)
+            new_nodes.append(
+                Node(
+                    len(new_nodes),
+                    "optimization_barrier",
+                    tuple(barrier_in),
+                    barrier_out,
+                    _barrier_primitive(),
+                    {},
+                    node.name_stack,
+                    node.source,
+                    library_source=node.library_source,
+                )
+            )
+            local = dict(zip(barrier_in, barrier_out))
+            for n in copy:
+                orig = graph.nodes[n]
+                outs = tuple(fresh(v) for v in orig.outputs)
+                emit(orig, (local.get(x, x) for x in orig.inputs), outs)
+                local.update(zip(orig.outputs, outs))
+            for v in todo:
+                swap[v] = local[v]
+            if trigger is not None and trigger in node.inputs:  # read through the barrier
+                at_swap[trigger] = local[trigger]
+        ins = (at_swap.get(x, swap.get(x, x)) if node.id in back else x for x in node.inputs)
+        emit(node, ins, node.outputs)
+        at_swap.clear()
+    return replace(graph, values=tuple(values), nodes=tuple(new_nodes))

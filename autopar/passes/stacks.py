@@ -1,0 +1,476 @@
+"""Layer stacks in unrolled graphs: which ops are layer i's, forward and backward.
+
+Most models unroll their layers in Python (`for i in range(n): x =
+Block(name=f"layers_{i}")(x)`, NNX's list of blocks), so a captured graph repeats one
+block's ops n times; a pass that treats a layer as a unit (solve it once, cut pipeline
+stages between layers) needs each layer's ops. Module names cannot be relied on (NNX
+and plain JAX carry none), so ops are assigned by dataflow from each layer's parameters;
+the only names read are the `jvp(`/`transpose(` wrappers JAX writes under `grad`, which
+tell forward from backward (the optimizer's ops are in neither). docs/algorithms.md,
+"Layer stacks in unrolled graphs", has the whole story; in short:
+
+1. `_candidates`: inputs whose paths differ in one integer-ending component share a
+   template (`params/layers_<i>`); consecutive indices with the same leaves form a run.
+   A run no forward op reads that mirrors a run's paths and shapes is its optimizer
+   state (`opt_state/0/mu/params/layers_<i>`), kept as `Block.state`.
+2. `_label`: forward, an op's layer is the highest whose parameters it depends on;
+   backward, the lowest whose parameters or residuals it reads. The *core* of a layer
+   is its ops that read its parameters/residuals or lead to one that does.
+3. `_split`: the rest (the gap to the next layer) is cut where one value alone is
+   live, the residual stream or its cotangent: before the cut is this layer's tail,
+   after it the next layer's head. `_ends` matches the open ends (the first layer's
+   head, the last one's tail) op by op from their neighbours'. Cotangent sums across
+   layers (of an encoder output every decoder layer reads) belong to no layer.
+4. `_absorb`: parameter-free ops (RoPE tables, a mask's broadcast) join the one layer
+   that reads them. A run stops where a block's op signatures change or a layer does
+   not read the previous one's output. A few linear sweeps: 60k ops take ~1 s.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from autopar.ir.graph import Graph
+
+__all__ = ["Block", "LayerStack", "find_stacks"]
+
+_INDEXED = re.compile(r"(.*?)(\d+)")
+_FWD, _BWD, _OTHER = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Block:
+    """One layer's ops in one phase. `params` are positions in `graph.inputs` (sorted by
+    path), `state` the positions of their optimizer-state mirrors (mu, nu, ...);
+    `inputs` are the values read from outside other than params and constants,
+    `outputs` the values made here and read outside (or returned)."""
+
+    index: int
+    nodes: tuple[int, ...]
+    params: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    state: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A run of structurally identical layers. `forward` in program order; `backward`
+    (the differentiated step's gradient ops per layer) in program order, so the last
+    layer first, and `()` when the function is not differentiated."""
+
+    template: str
+    forward: tuple[Block, ...]
+    backward: tuple[Block, ...] = ()
+
+    def describe(self) -> str:
+        ids = [i for b in self.forward + self.backward for i in b.nodes]
+        return f"{len(self.forward)} x {self.template}, ops {min(ids)}..{max(ids)}"
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int
+    leaves: tuple[tuple[str, int], ...]  # (path below the indexed component, input position)
+    state: tuple[int, ...]
+
+
+def find_stacks(graph: Graph, min_layers: int = 2) -> tuple[LayerStack, ...]:
+    """The runs of at least `min_layers` (2 or more) identical unrolled layers of `graph`,
+    ordered by their first forward op. Layers under `scan` are not reported."""
+    min_layers, phase = max(min_layers, 2), _phases(graph)
+    found: list[LayerStack] = []
+    seen, taken, failed = set(), set(), set()  # input positions, node ids, candidate keys
+    for template, layers in _candidates(graph, phase, min_layers):
+        positions = {p for layer in layers for _, p in layer.leaves}
+        # skip a run inside an outer layer (`layers_3/Dense_<i>`), or like one that failed
+        # (`h_0/ln_<i>`, then `h_1/ln_<i>`, ...: analysing each would be quadratic)
+        shapes = [(s, graph.values[graph.inputs[p]].shape) for s, p in layers[0].leaves]
+        key = repr((re.sub(r"\d+", "#", template), shapes))
+        if positions & seen or key in failed:
+            continue
+        seen |= positions
+        stacks = _Stack(graph, phase, template, layers).stacks(min_layers)
+        failed |= set() if stacks else {key}
+        for stack in stacks:
+            ids = {i for b in stack.forward + stack.backward for i in b.nodes}
+            if not ids & taken:
+                taken |= ids
+                found.append(stack)
+    return tuple(sorted(found, key=lambda s: s.forward[0].nodes[0]))
+
+
+def _phases(graph: Graph) -> list[int]:
+    """Forward, backward or other (the optimizer) per node, from the wrappers JAX writes
+    into name stacks under `grad`: a function without `transpose(` is all forward."""
+    if not any("transpose(" in n.name_stack for n in graph.nodes):
+        return [_FWD] * len(graph.nodes)
+    return [
+        _BWD if "transpose(" in n.name_stack else _FWD if "jvp(" in n.name_stack else _OTHER
+        for n in graph.nodes
+    ]
+
+
+def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
+    """[(template, layers)]: runs of consecutive indices of a template with the same
+    leaves, read by forward ops, with their mirrors; outer templates, long runs first."""
+    groups: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for pos, path in enumerate(graph.input_paths):
+        comps = path.split("/")
+        for k, c in enumerate(comps):
+            if m := _INDEXED.fullmatch(c):
+                tpl = "/".join([*comps[:k], m[1] + "<i>"])
+                groups[tpl][int(m[2])].append(("/".join(comps[k + 1 :]), pos))
+
+    def sig(leaves, dtype=True):
+        types = ((s, graph.values[graph.inputs[p]]) for s, p in leaves)
+        return sorted((s, t.shape, t.dtype if dtype else None) for s, t in types)
+
+    runs = []
+    for tpl, by_index in groups.items():
+        idx = sorted(by_index)
+        same = lambda a, b, d=by_index: b == a + 1 and sig(d[a]) == sig(d[b])  # noqa: E731
+        for r in _runs(idx, same):
+            if len(r) >= min_layers:
+                run = {i: sorted(by_index[i]) for i in r}
+                values = (graph.inputs[p] for lf in run.values() for _, p in lf)
+                read = any(phase[c] == _FWD for v in values for c in graph.consumers.get(v, ()))
+                runs.append((tpl, run, read))
+    out = []
+    for tpl, run, read in runs:
+        state: dict[int, list[int]] = defaultdict(list)
+        for other, orun, oread in runs:
+            if (
+                read
+                and not oread
+                and other.endswith("/" + tpl.split("/", 1)[-1])
+                and orun.keys() == run.keys()
+                and all(sig(orun[i], False) == sig(run[i], False) for i in run)
+            ):
+                for i in run:
+                    state[i] += [p for _, p in orun[i]]
+        if read:
+            out.append((tpl, [_Layer(i, tuple(run[i]), tuple(sorted(state[i]))) for i in run]))
+    return sorted(out, key=lambda c: (c[0].count("/"), -len(c[1]), c[0], c[1][0].index))
+
+
+def _runs(items: list[int], same) -> list[list[int]]:
+    """`items` split into maximal runs whose neighbours satisfy `same(a, b)`."""
+    out: list[list[int]] = []
+    for k, item in enumerate(items):
+        if k and same(items[k - 1], item):
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
+
+
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def _simple(v) -> bool:
+    """Whether a primitive param is plain data (axes, dimension numbers, flags), which
+    tells ops apart, rather than a function or jaxpr."""
+    return all(map(_simple, v)) if type(v) is tuple else type(v) in _SIMPLE
+
+
+class _Stack:
+    """The analysis of one candidate run of layers (numbered 0..n-1 here)."""
+
+    def __init__(self, graph: Graph, phase: Sequence[int], template: str, layers: list[_Layer]):
+        self.g, self.phase, self.template, self.layers = graph, phase, template, layers
+        self.n, self.cons, self.prod = len(layers), graph.consumers, graph.producer
+        self.param = {graph.inputs[p]: k for k, ly in enumerate(layers) for _, p in ly.leaves}
+        self._sigs: dict[int, int] = {}
+        self._interned: dict[tuple, int] = {}
+        self.owner: dict[int, tuple[int, int]] = {}  # node -> (phase, layer)
+        self.lo: dict[int, int] = {}  # forward op -> its layer
+        self.bl: dict[int, int] = {}  # backward op -> its layer
+        self.acc: set[int] = set()  # backward ops accumulating a cotangent across layers
+
+    def sig(self, i: int) -> int:
+        """An op's structure as a small int: primitive, types, simple params."""
+        if i not in self._sigs:
+            n, vals = self.g.nodes[i], self.g.values
+            key = (
+                n.op,
+                tuple(vals[v] for v in n.inputs),
+                tuple(vals[v] for v in n.outputs),
+                tuple((k, v) for k, v in n.params.items() if _simple(v)),
+            )
+            self._sigs[i] = self._interned.setdefault(key, len(self._interned))
+        return self._sigs[i]
+
+    def seq(self, ids: Iterable[int]) -> tuple[int, ...]:
+        return tuple(self.sig(i) for i in sorted(ids))
+
+    # ------------------------------------------------------------------ labels and cuts
+    def _label(self, order: list, src: dict[int, int], pick) -> tuple[dict[int, int], set[int]]:
+        """Per op of `order` (one phase, program order), `pick` (max: forward, min:
+        backward) of the layers of what it reads: `src` values (parameters, residuals;
+        a cast or reshape of them joins them) and labelled ops' outputs. The core: ops
+        that read their own layer's `src` or lead, within the layer, to one that does.
+        An `add_any` summing one layer's cotangent into another's that nothing else
+        reads (the gradient of a value every layer reads: an encoder's output, a tied
+        weight) accumulates across layers: it is in none, else the first would differ."""
+        lab: dict[int, int] = {}
+        vlab: dict[int, int] = {}
+        direct, consts, acc = set(), self.g.consts, self.acc
+        for nd in order:
+            labs = [src[x] for x in nd.inputs if x in src]
+            labs += [vlab[x] for x in nd.inputs if x in vlab]
+            b = pick(labs) if labs else None
+            if (
+                pick is min
+                and nd.op == "add_any"
+                and any(  # one operand from another layer
+                    (self.prod.get(x) in acc or vlab.get(x, b) != b)
+                    and all(self.g.nodes[c].op == "add_any" for c in self.cons.get(x, ()))
+                    for x in nd.inputs
+                )
+            ):
+                acc.add(nd.id)
+            elif b is not None:
+                lab[nd.id] = b
+                vlab.update((y, b) for y in nd.outputs)
+                if any(src.get(x) == b for x in nd.inputs):
+                    direct.add(nd.id)
+                if all(src.get(x) == b or x in consts for x in nd.inputs):
+                    src.update((y, b) for y in nd.outputs)
+        for nd in reversed(order):  # the accumulation's first sum (within one layer)
+            if acc and nd.op == "add_any" and nd.id in lab:
+                cs = [c for y in nd.outputs for c in self.cons.get(y, ())]
+                if cs and all(c in acc for c in cs):
+                    acc.add(nd.id)
+                    del lab[nd.id]
+        core: set[int] = set()
+        for nd in reversed(order):
+            b = lab.get(nd.id)
+            if b is not None and (
+                nd.id in direct
+                or any(c in core and lab[c] == b for y in nd.outputs for c in self.cons.get(y, ()))
+            ):
+                core.add(nd.id)
+        return lab, core
+
+    def _split(self, order: list, lab: dict[int, int], core: set[int], step: int, late: bool):
+        """(cores, heads, tails) per layer. A layer's gap (its ops outside the core) is
+        cut at its first (`late`: last) op after which one value alone is live (the
+        residual stream or its cotangent; counting what enters the first layer, not
+        masks, weights or what only an accumulation reads): up to the cut it is the
+        layer's tail, downstream of it the head of the layer `step` after in this phase."""
+        last: dict[int, int] = {}
+        for nd in order:
+            last.update((x, nd.id) for x in nd.inputs)
+        cons, first = self.cons, 0 if step > 0 else self.n - 1
+
+        def entering(v: int) -> bool:  # an unlabelled value only the first layer reads
+            if v in self.g.consts or v in self.param:
+                return False
+            return {lab[c] for c in cons.get(v, ()) if c in lab} == {first}
+
+        live = {x for x in self.g.inputs if x in last and entering(x)}
+        cut: dict[int, int] = {}
+        for nd in order:
+            for x in nd.inputs:
+                if last[x] == nd.id:
+                    live.discard(x)
+            b = lab.get(nd.id)
+            outs = [y for y in nd.outputs if last.get(y, -1) > nd.id and set(cons[y]) - self.acc]
+            live.update(outs if b is not None else filter(entering, outs))
+            single = len(live) == len(outs) == 1
+            if b is not None and nd.id not in core and (late or b not in cut) and single:
+                cut[b] = nd.id
+        cores, heads, tails = ([set() for _ in range(self.n)] for _ in range(3))
+        after: dict[int, set[int]] = {}  # layer -> values downstream of its cut
+        for nd in order:
+            b = lab.get(nd.id)
+            if b is None:
+                continue
+            if nd.id in core:
+                cores[b].add(nd.id)
+            elif b in after and any(x in after[b] for x in nd.inputs):
+                after[b].update(nd.outputs)
+                if 0 <= b + step < self.n:
+                    heads[b + step].add(nd.id)
+            else:
+                tails[b].add(nd.id)
+                if nd.id == cut.get(b):
+                    after[b] = set(nd.outputs)
+        return cores, heads, tails
+
+    def _ends(self, order, lab, core, step: int, pairs=()) -> list[set[int]]:
+        """Blocks per layer. The first layer's head (in this phase's order) and the last
+        one's tail border ops of no layer (the embedding, the final norm, the gradient
+        below the stack), so they are matched op by op from their neighbours'. When
+        that fails with the gaps cut at their first single live value (`x = f(x)` then a
+        pre-norm), they are cut at their last (`x = relu(dense(x))` after a bare stem)."""
+        n, free = self.n, {nd.id for nd in order if nd.id not in lab}
+        a, z = (0, n - 1) if step > 0 else (n - 1, 0)
+        gap = {i for i, b in lab.items() if b == z and i not in core}
+        first = None
+        for late in (False, True):
+            cores, heads, tails = self._split(order, lab, core, step, late)
+            head = self._match_back(cores[a + step], cores[a], heads[a + step], free)
+            heads[a] = set(head or ())
+            ref = [(cores[z - step] | heads[z - step], cores[z] | heads[z]), *pairs]
+            vm = self._value_map(z - step, z, ref)
+            tail = None if vm is None else self._match_forward(sorted(tails[z - step]), vm, gap)
+            tails[z] = set(tail or ())
+            blocks = [c | h | t for c, h, t in zip(cores, heads, tails)]
+            if head is not None and tail is not None:
+                return blocks
+            first = first or blocks
+        return first
+
+    def _backward(self, fblocks: list[set[int]]) -> list[set[int]]:
+        g, outs, src = self.g, set(self.g.outputs), dict(self.param)
+        for k, blk in enumerate(fblocks):  # each block's internal values: its residuals
+            for y in (y for i in blk for y in g.nodes[i].outputs if y not in outs):
+                if all(c in blk or self.phase[c] != _FWD for c in self.cons.get(y, ())):
+                    src[y] = k
+        bwd = [nd for nd in g.nodes if self.phase[nd.id] == _BWD]
+        self.bl, core = self._label(bwd, src, min)
+        return self._ends(bwd, self.bl, core, -1, [(fblocks[1], fblocks[0])])
+
+    def _value_map(self, ref: int, tgt: int, pairs) -> dict[int, int] | None:
+        """Values of layer `ref` -> layer `tgt`: parameters by path, and the outputs of
+        each pair of node sets taken position by position (None if they differ)."""
+        leaves = dict(self.layers[tgt].leaves)
+        vm = {self.g.inputs[p]: self.g.inputs[leaves[s]] for s, p in self.layers[ref].leaves}
+        for a, b in pairs:
+            if self.seq(a) != self.seq(b):
+                return None
+            for i, j in zip(sorted(a), sorted(b)):
+                vm.update(zip(self.g.nodes[i].outputs, self.g.nodes[j].outputs))
+        return vm
+
+    # ------------------------------------------------------------------ matching
+    def _match_forward(self, ref: list[int], vm: dict[int, int], free: set[int]):
+        """The image of ops `ref` (ascending) among `free`: for each, the first free op of
+        the same signature that reads the images of its inputs where they have one."""
+        nodes, out, free = self.g.nodes, [], set(free)
+        for r in ref:
+            ins = nodes[r].inputs
+            anchor = next((vm[x] for x in ins if x in vm), None)
+            c = next((c for c in self.cons.get(anchor, ()) if c in free and self.sig(c) == self.sig(r)
+                      and all(vm.get(x, y) == y for x, y in zip(ins, nodes[c].inputs))), None)  # fmt: skip
+            if c is None:
+                return None
+            free.discard(c)
+            out.append(c)
+            vm.update(zip(nodes[r].outputs, nodes[c].outputs))
+        return out
+
+    def _match_back(self, ref_core, tgt_core, ref: set[int], free: set[int]):
+        """The image of ops `ref` (the head feeding `ref_core`) among `free`, walking back
+        from `tgt_core`'s inputs position by position, then forward for the head's ops
+        that the core does not read; None when the structure differs."""
+        if self.seq(ref_core) != self.seq(tgt_core):
+            return None
+        nodes, m, entry, used = self.g.nodes, {}, {}, set()
+        todo = [
+            xy
+            for i, j in zip(sorted(ref_core), sorted(tgt_core))
+            for xy in zip(nodes[i].inputs, nodes[j].inputs)
+        ]
+        while todo:
+            x, y = todo.pop()
+            r, t = self.prod.get(x), self.prod.get(y)
+            if r not in ref:  # the value entering the head (or a constant, a mask)
+                entry.setdefault(x, y)
+                continue
+            if r in m:
+                if m[r] != t:
+                    return None
+                continue
+            if t not in free or t in used or self.sig(t) != self.sig(r):
+                return None
+            if nodes[r].outputs.index(x) != nodes[t].outputs.index(y):
+                return None
+            m[r] = t
+            used.add(t)
+            todo.extend(zip(nodes[r].inputs, nodes[t].inputs))
+        # ops of the head that only the backward reads (jvp residuals): forward from it
+        vm = {x: y for r, t in m.items() for x, y in zip(nodes[r].outputs, nodes[t].outputs)}
+        vm.update((x, y) for x, y in entry.items() if x not in self.g.consts)
+        rest = self._match_forward(sorted(ref - m.keys()), vm, free - used)
+        return None if rest is None else [*m.values(), *rest]
+
+    # ------------------------------------------------------------------ assembly
+    def _absorb(self, cands: set[int]) -> None:
+        """Give a parameter-free op (`cands`) to its phase's block of the one layer that
+        reads all it makes (forward or backward), when what it reads is constant, its
+        own, or read by several layers (a mask)."""
+        nodes, cons, outs, owner = self.g.nodes, self.cons, set(self.g.outputs), self.owner
+        tent: dict[int, tuple[int, int]] = {}
+
+        def layer(c: int) -> int | None:
+            o = owner.get(c, tent.get(c))
+            return None if o is None else o[1]
+
+        for i in sorted(cands, reverse=True):
+            who = {layer(c) for y in nodes[i].outputs for c in cons.get(y, ())}
+            if len(who) == 1 and None not in who and not outs & set(nodes[i].outputs):
+                tent[i] = (self.phase[i], who.pop())
+
+        def kept(i: int, x: int) -> bool:  # a constant, its own, or several layers' (a mask)
+            if x in self.g.consts or tent.get(self.prod.get(x)) == tent[i]:
+                return True
+            return len({layer(c) for c in cons.get(x, ())} - {None}) > 1
+
+        for i in sorted(tent):
+            if not all(kept(i, x) for x in nodes[i].inputs):
+                del tent[i]
+        for i in sorted(tent, reverse=True):  # what only a dropped op read goes too
+            if any(layer(c) != tent[i][1] for y in nodes[i].outputs for c in cons.get(y, ())):
+                del tent[i]
+        owner.update(tent)
+
+    def stacks(self, min_layers: int) -> list[LayerStack]:
+        g, n = self.g, self.n
+        fwd = [nd for nd in g.nodes if self.phase[nd.id] == _FWD]
+        self.lo, core = self._label(fwd, dict(self.param), max)
+        fblocks = self._ends(fwd, self.lo, core, +1)
+        if not any(fblocks):
+            return []
+        diff = _BWD in self.phase
+        bblocks = self._backward(fblocks) if diff else [set() for _ in range(n)]
+        self.owner.update({i: (_FWD, k) for k, b in enumerate(fblocks) for i in b})
+        self.owner.update({i: (_BWD, k) for k, b in enumerate(bblocks) for i in b})
+        free = {i for i, p in enumerate(self.phase) if p != _OTHER}
+        free -= self.lo.keys() | self.bl.keys()
+        self._absorb(free - self.owner.keys())
+        fblocks, bblocks = [set() for _ in range(n)], [set() for _ in range(n)]
+        for i, (p, k) in self.owner.items():
+            (fblocks if p == _FWD else bblocks)[k].add(i)
+        keys = [(self.seq(f), self.seq(b)) for f, b in zip(fblocks, bblocks)]
+        made = [{y for i in b for y in g.nodes[i].outputs} for b in fblocks]
+        linked = [
+            any(x in made[k] for i in fblocks[k + 1] for x in g.nodes[i].inputs)
+            for k in range(n - 1)
+        ]
+        same = lambda a, b: keys[a] == keys[b] and linked[a]  # noqa: E731
+        runs = [r for r in _runs(list(range(n)), same) if len(r) >= min_layers]
+        return [self._stack(r, fblocks, bblocks, diff) for r in runs]
+
+    def _stack(self, ks: list[int], fblocks, bblocks, diff: bool) -> LayerStack:
+        g, gout = self.g, set(self.g.outputs)
+
+        def block(k: int, ids: set[int]) -> Block:
+            layer = self.layers[k]
+            params = sorted((p for _, p in layer.leaves), key=lambda p: g.input_paths[p])
+            made = {y for i in ids for y in g.nodes[i].outputs}
+            ins = {x for i in ids for x in g.nodes[i].inputs if x not in g.consts}
+            ins -= made | {g.inputs[p] for p in params}
+            outs = {y for y in made if y in gout or set(self.cons.get(y, ())) - ids}
+            return Block(layer.index, tuple(sorted(ids)), tuple(params), tuple(sorted(ins)),
+                         tuple(sorted(outs)), layer.state)  # fmt: skip
+
+        fwd = tuple(block(k, fblocks[k]) for k in ks)
+        bwd = sorted((block(k, bblocks[k]) for k in ks), key=lambda b: b.nodes[:1])
+        ok = diff and all(b.nodes for b in bwd)
+        return LayerStack(self.template, fwd, tuple(bwd) if ok else ())

@@ -1,0 +1,174 @@
+"""Rematerialization of layers unrolled in Python (`autopar.passes.remat_unrolled`): a
+linen GPT-2-style decoder whose blocks are a Python loop, as public Flax code writes it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import REPO_ROOT, assert_trees_close, run_steps
+
+import autopar
+from autopar.ir.capture import capture
+from autopar.ir.graph import check_graph
+from autopar.passes.remat import rematerialize
+from autopar.passes.stacks import find_stacks
+
+STEM = "embed"
+VOCAB = 256
+
+
+class Block(nn.Module):
+    d: int
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        B, S, _ = x.shape
+        h = nn.LayerNorm()(x)
+        q, k, v = jnp.split(nn.Dense(3 * self.d)(h), 3, -1)  # fused qkv, with bias
+        split = lambda t: t.reshape(B, S, self.heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = split(q), split(k), split(v)
+        mask = jnp.tril(jnp.ones((S, S), bool))
+        scores = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(q.shape[-1]), -1e9)
+        a = (jax.nn.softmax(scores, -1) @ v).transpose(0, 2, 1, 3).reshape(B, S, -1)
+        x = x + nn.Dense(self.d)(a)
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(self.d)(jax.nn.gelu(nn.Dense(4 * self.d)(h)))
+
+
+class Decoder(nn.Module):
+    d: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        if STEM == "embed":  # token ids in, as GPT-2: gradients flow below the stack
+            x = nn.Embed(VOCAB, self.d, name="wte")(x)
+        elif STEM:
+            x = nn.Dense(self.d, name="wte")(x)
+        for i in range(self.layers):
+            x = Block(self.d, name=f"h_{i}")(x)
+        return nn.LayerNorm(name="ln_f")(x)
+
+
+def make(layers: int = 4, d: int = 64, batch: int = 8, seq: int = 64):
+    model = Decoder(d, layers)
+    if STEM == "embed":
+        x = jnp.arange(batch * seq).reshape(batch, seq) % VOCAB
+    else:
+        x = jnp.sin(jnp.arange(batch * seq * d, dtype=jnp.float32).reshape(batch, seq, d) * 0.01)
+    params = model.init(jax.random.key(0), x)
+    opt = optax.adamw(1e-3)
+
+    def step(state, x):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return step, (params, opt.init(params)), x
+
+
+@pytest.mark.parametrize("policy", ["dots", "selective", "full"])
+def test_same_numbers_and_fewer_residuals(policy):
+    step, state, x = make()
+    graph = capture(step, (state, x))
+    out, report = rematerialize(graph, policy)
+    check_graph(out)
+    assert report.applied and len(report.layers) == 4 and "h_<i>" in report.stack
+    assert all(r.recomputed > 0 for r in report.layers)
+    assert any(n.op == "optimization_barrier" for n in out.nodes)
+    assert any("layer stack" in line for line in report.notes())
+    flat = jax.tree.leaves((state, x))
+    from autopar.ir.eval import retrace
+
+    want = jax.jit(retrace(graph))(*flat)
+    got = jax.jit(retrace(out))(*flat)
+    assert_trees_close(list(got), list(want), what=policy)
+    if policy == "full":  # only what enters a layer stays: nothing made inside it
+        assert all(r.stored == 0 for r in report.layers)
+
+
+def test_stack_found_before_remat():
+    step, state, x = make(layers=3)
+    stacks = find_stacks(capture(step, (state, x)))
+    assert stacks and len(stacks[0].forward) == 3 and len(stacks[0].backward) == 3
+
+
+MEMORY_SCRIPT = """
+import jax, sys
+sys.path.insert(0, "tests")
+import test_remat_unrolled as T
+from autopar.ir.capture import capture
+from autopar.ir.eval import retrace
+from autopar.passes.remat import rematerialize
+for stem in (False, "embed"):
+    T.STEM = stem
+    step, state, x = T.make(layers=8, d=128, batch=8, seq=256)
+    graph = capture(step, (state, x))
+    flat = jax.tree.leaves((state, x))
+    for policy in ("none", "dots", "full"):
+        g, _ = rematerialize(graph, policy)
+        temp = jax.jit(retrace(g)).lower(*flat).compile().memory_analysis().temp_size_in_bytes
+        print(bool(stem), policy, temp)
+"""
+
+
+def test_compiled_memory_drops_with_a_memory_aware_schedule():
+    """XLA:CPU's default scheduler orders for concurrency and ignores memory, so on it
+    neither `jax.checkpoint` nor this pass lowers an unrolled step's temporaries; with
+    the memory-aware scheduler (XLA:GPU's kind) they drop. 8 layers, d=128, seq 256:
+    a stack fed by the input keeps > 3x less with full remat (302 -> 61 MiB when
+    written); with an embedding below the stack only ~1.4x (295 -> 213 MiB), which is
+    not understood yet (the recomputation stays in the compiled program)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(MEMORY_SCRIPT)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    temp = {
+        (a == "True", b): int(c) for a, b, c in (ln.split() for ln in r.stdout.split("\n") if ln)
+    }
+    assert temp[False, "full"] * 3 < temp[False, "none"], temp
+    assert temp[False, "full"] < temp[False, "dots"] < temp[False, "none"], temp
+    assert temp[True, "full"] < 0.8 * temp[True, "none"], temp
+
+
+def test_parallelize_remat_on_unrolled_layers_trains_like_jit():
+    step, state, x = make(layers=2, d=32, batch=8, seq=16)
+    par = autopar.parallelize(step, mesh={"data": 2, "model": 2}, cluster="cpu", remat="full")
+    plan = par.plan(state, x)
+    assert plan.remat == "full"
+    assert any("layer stack" in w for w in plan.warnings), plan.warnings
+    batch = lambda i: (x + i) % VOCAB
+    losses, _ = run_steps(par, state, batch, 2)
+    ref, _ = run_steps(jax.jit(step), state, batch, 2)
+    assert_trees_close(losses, ref, what="losses")
+
+
+def test_remat_with_nothing_to_rematerialize_warns_and_records_none():
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return loss, w - 0.1 * g
+
+    w, x = jnp.ones((32, 32)) * 0.1, jnp.ones((16, 32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autopar.parallelize(step, mesh={"data": 2}, cluster="cpu", remat="full").plan(w, x)
+    assert plan.remat is None
+    assert any("nothing to rematerialize" in str(c.message) for c in caught), caught

@@ -1,0 +1,523 @@
+"""`autopar.passes.stacks.find_stacks` on models written the way public code writes them:
+a linen Llama-style decoder with an optax AdamW step, a GPT-2-style linen model with
+dropout and a final LayerNorm, an NNX model with a list of blocks, layers of different
+widths, a scanned model, a plain-JAX transformer checked against per-layer named scopes
+the pass does not read, an encoder-decoder, and a 48-layer graph for speed."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections import Counter
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from autopar.ir.capture import capture
+from autopar.ir.graph import Graph
+from autopar.passes.stacks import Block, LayerStack, find_stacks
+
+# ----------------------------------------------------------------------------- models
+
+
+class RMSNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
+
+
+def rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+class Attention(nn.Module):
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 8
+
+    @nn.compact
+    def __call__(self, x, mask, cos, sin):
+        b, s, d = x.shape
+        q = nn.Dense(self.heads * self.head_dim, use_bias=False, name="q_proj")(x)
+        k = nn.Dense(self.kv_heads * self.head_dim, use_bias=False, name="k_proj")(x)
+        v = nn.Dense(self.kv_heads * self.head_dim, use_bias=False, name="v_proj")(x)
+        q = rope(q.reshape(b, s, self.heads, self.head_dim), cos, sin)
+        k = rope(k.reshape(b, s, self.kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(b, s, self.kv_heads, self.head_dim)
+        rep = self.heads // self.kv_heads
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(self.head_dim)
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
+        return nn.Dense(d, use_bias=False, name="o_proj")(out.reshape(b, s, -1))
+
+
+class LlamaBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask, cos, sin):
+        x = x + Attention(name="self_attn")(RMSNorm(name="input_layernorm")(x), mask, cos, sin)
+        h = RMSNorm(name="post_attention_layernorm")(x)
+        gate = nn.Dense(64, use_bias=False, name="gate_proj")(h)
+        up = nn.Dense(64, use_bias=False, name="up_proj")(h)
+        return x + nn.Dense(x.shape[-1], use_bias=False, name="down_proj")(nn.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    layers: int = 3
+    vocab: int = 96
+    dim: int = 32
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(self.vocab, self.dim, name="embed_tokens")(ids)
+        s = ids.shape[1]
+        pos = jnp.broadcast_to(jnp.arange(s), ids.shape)  # position ids, once
+        inv = 1.0 / (10000.0 ** (jnp.arange(0, 4) / 4))
+        angles = pos[..., None].astype(jnp.float32) * inv
+        cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+        mask = jnp.tril(jnp.ones((s, s), bool))[None, None]
+        for i in range(self.layers):
+            x = LlamaBlock(name=f"layers_{i}")(x, mask, cos, sin)
+        x = RMSNorm(name="norm")(x)
+        return nn.Dense(self.vocab, use_bias=False, name="lm_head")(x)
+
+
+def llama_graphs(layers: int = 3) -> tuple[Graph, Graph]:
+    """(AdamW train step, forward only) of the linen Llama."""
+    model = Llama(layers)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    params = model.init(jax.random.key(0), ids)
+    tx = optax.adamw(1e-3)
+
+    def train_step(params, opt_state, ids):
+        def loss_fn(p):
+            logits = model.apply(p, ids)[:, :-1]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    train = capture(train_step, (params, tx.init(params), ids))
+    return train, capture(lambda params, ids: model.apply(params, ids), (params, ids))
+
+
+class GPT2Block(nn.Module):
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        b, s, d = x.shape
+        h = nn.LayerNorm(name="ln_1")(x)
+        q, k, v = jnp.split(nn.Dense(3 * d, name="c_attn")(h), 3, axis=-1)
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads) for t in (q, k, v))
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads)
+        att = jnp.where(jnp.tril(jnp.ones((s, s), bool)), att, -1e9)
+        att = nn.Dropout(0.1)(jax.nn.softmax(att, -1), deterministic=not train)
+        out = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, d)
+        x = x + nn.Dropout(0.1)(nn.Dense(d, name="c_proj")(out), deterministic=not train)
+        h = nn.Dense(4 * d, name="c_fc")(nn.LayerNorm(name="ln_2")(x))
+        h = nn.Dense(d, name="c_proj_mlp")(nn.gelu(h))
+        return x + nn.Dropout(0.1)(h, deterministic=not train)
+
+
+class GPT2(nn.Module):
+    layers: int = 3
+    vocab: int = 96
+    dim: int = 32
+
+    @nn.compact
+    def __call__(self, ids, train: bool = False):
+        wte = nn.Embed(self.vocab, self.dim, name="wte")
+        pos = jnp.arange(ids.shape[1])[None]
+        x = wte(ids) + nn.Embed(16, self.dim, name="wpe")(pos)
+        x = nn.Dropout(0.1)(x, deterministic=not train)
+        for i in range(self.layers):
+            x = GPT2Block(name=f"h_{i}")(x, train)
+        x = nn.LayerNorm(name="ln_f")(x)
+        return wte.attend(x)  # tied head
+
+
+def gpt2_graph(layers: int = 3) -> Graph:
+    model = GPT2(layers)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    params = model.init(jax.random.key(0), ids)["params"]
+    tx = optax.adamw(1e-3)
+
+    def train_step(params, opt_state, ids, rng):
+        def loss_fn(p):
+            logits = model.apply({"params": p}, ids, True, rngs={"dropout": rng})
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], ids[:, 1:]
+            ).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return capture(train_step, (params, tx.init(params), ids, jax.random.key(1)))
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, dim: int, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.linear = nnx.Linear(dim, 2 * dim, rngs=rngs)
+        self.out = nnx.Linear(2 * dim, dim, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.out(nnx.gelu(self.linear(self.norm(x))))
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, layers: int, dim: int, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(8, dim, rngs=rngs)
+        self.blocks = nnx.List([NNXBlock(dim, rngs) for _ in range(layers)])
+        self.head = nnx.Linear(dim, 1, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(nnx.relu(x))
+
+
+def nnx_graphs(layers: int = 3, widths: tuple[int, ...] | None = None) -> tuple[Graph, Graph]:
+    """(split/merge + jax.grad train step, forward only) of the NNX model."""
+    model = NNXModel(layers, 16, nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    x, y = jnp.zeros((4, 8)), jnp.zeros((4, 1))
+
+    def train_step(state, x, y):
+        def loss_fn(state):
+            return jnp.mean((nnx.merge(graphdef, state)(x) - y) ** 2)
+
+        grads = jax.grad(loss_fn)(state)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)
+
+    def forward(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    return capture(train_step, (state, x, y)), capture(forward, (state, x))
+
+
+class Widening(nn.Module):
+    """Unrolled layers of the given widths."""
+
+    widths: tuple[int, ...] = (32, 64)
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, name="stem")(x)  # so that a gradient flows below the first layer
+        for i, width in enumerate(self.widths):
+            x = nn.relu(nn.Dense(width, name=f"layers_{i}")(x))
+        return nn.Dense(1, name="head")(x).sum()
+
+
+class ScannedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(32, name="mlp")(nn.LayerNorm(name="ln")(x)), None
+
+
+class Scanned(nn.Module):
+    layers: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(
+            ScannedBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.layers,
+        )
+        x, _ = stack(name="layers")(x, None)
+        return x.sum()
+
+
+def transformer_graph(layers: int, dim: int = 32, heads: int = 4, scoped: bool = False) -> Graph:
+    """A plain-JAX unrolled pre-norm transformer (a list of per-layer dicts, no module
+    names) with a value_and_grad + SGD step; `scoped` wraps layer i in a
+    `jax.named_scope(f"blk{i}")`, which find_stacks does not read (an oracle)."""
+    key = jax.random.key(0)
+
+    def layer_params():
+        return {
+            "ln1": jnp.ones(dim),
+            "qkv": jax.random.normal(key, (dim, 3 * dim)) * 0.02,
+            "wo": jnp.zeros((dim, dim)),
+            "ln2": jnp.ones(dim),
+            "w1": jax.random.normal(key, (dim, 4 * dim)) * 0.02,
+            "w2": jnp.zeros((4 * dim, dim)),
+        }
+
+    params = {
+        "embed": jnp.zeros((64, dim)),
+        "blocks": [layer_params() for _ in range(layers)],
+        "head": jnp.zeros((dim, 64)),
+    }
+
+    def norm(x, g):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
+
+    def loss_fn(params, ids):
+        b, s = ids.shape
+        x = params["embed"][ids]
+        mask = jnp.tril(jnp.ones((s, s), bool))
+        for i, p in enumerate(params["blocks"]):
+            with jax.named_scope(f"blk{i}") if scoped else contextlib.nullcontext():
+                q, k, v = jnp.split(norm(x, p["ln1"]) @ p["qkv"], 3, -1)
+                q, k, v = (t.reshape(b, s, heads, -1) for t in (q, k, v))
+                att = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", q, k), -1e9)
+                out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, -1), v)
+                x = x + out.reshape(b, s, dim) @ p["wo"]
+                x = x + jax.nn.gelu(norm(x, p["ln2"]) @ p["w1"]) @ p["w2"]
+        logits = x @ params["head"]
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    def step(params, ids):
+        loss, grads = jax.value_and_grad(loss_fn)(params, ids)
+        return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), loss
+
+    return capture(step, (params, jnp.zeros((2, 8), jnp.int32)))
+
+
+class EncoderLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = x + nn.MultiHeadDotProductAttention(4)(nn.LayerNorm()(x))
+        return x + nn.Dense(32)(nn.relu(nn.Dense(64)(nn.LayerNorm()(x))))
+
+
+class DecoderLayer(nn.Module):
+    @nn.compact
+    def __call__(self, y, memory):
+        y = y + nn.MultiHeadDotProductAttention(4)(nn.LayerNorm()(y))
+        y = y + nn.MultiHeadDotProductAttention(4)(nn.LayerNorm()(y), memory)
+        return y + nn.Dense(32)(nn.relu(nn.Dense(64)(nn.LayerNorm()(y))))
+
+
+class EncoderDecoder(nn.Module):
+    """Every decoder layer reads the encoder's output: its gradient sums across them."""
+
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, src, tgt):
+        embed = nn.Embed(96, 32)
+        x = embed(src)
+        for i in range(self.layers):
+            x = EncoderLayer(name=f"encoder_{i}")(x)
+        memory, y = nn.LayerNorm()(x), embed(tgt)
+        for i in range(self.layers):
+            y = DecoderLayer(name=f"decoder_{i}")(y, memory)
+        return embed.attend(nn.LayerNorm()(y))
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_stack(graph: Graph, stack: LayerStack, layers: int, template: str, backward: bool):
+    """The invariants every stack keeps: count, template, disjoint ordered forward blocks
+    with one signature, and backward blocks mirroring them (or none)."""
+    assert len(stack.forward) == layers, stack.describe()
+    assert stack.template == template
+    assert [b.index for b in stack.forward] == list(range(layers))
+    ids = [set(b.nodes) for b in stack.forward + stack.backward]
+    assert sum(map(len, ids)) == len(set().union(*ids)), "blocks overlap"
+    for a, b in zip(stack.forward, stack.forward[1:]):
+        assert max(a.nodes) < min(b.nodes), "forward blocks out of program order"
+    for blocks in (stack.forward, stack.backward):
+        for b in blocks:
+            assert list(b.nodes) == sorted(b.nodes)
+            assert b.params and all(
+                template.split("<i>")[0] in graph.input_paths[p] for p in b.params
+            )
+            assert not set(b.params) & set(b.state)
+        assert len({signature(graph, b) for b in blocks}) <= 1, "blocks differ in structure"
+    if backward:
+        assert [b.index for b in stack.backward] == list(reversed(range(layers)))
+        first_bwd = min(stack.backward[0].nodes)
+        assert all(max(b.nodes) < first_bwd for b in stack.forward)
+        for a, b in zip(stack.backward, stack.backward[1:]):
+            assert max(a.nodes) < min(b.nodes), "backward blocks out of program order"
+        for f, b in zip(stack.forward, reversed(stack.backward)):
+            assert f.params == b.params
+            assert set(f.outputs) & set(b.inputs), "the backward reads no forward residual"
+    else:
+        assert stack.backward == ()
+    ids = [i for b in stack.forward + stack.backward for i in b.nodes]
+    assert stack.describe() == f"{layers} x {template}, ops {min(ids)}..{max(ids)}"
+
+
+def signature(graph: Graph, block: Block) -> tuple:
+    """A block's op multiset with input and output types."""
+    return tuple(
+        sorted(
+            Counter(
+                (
+                    graph.nodes[i].op,
+                    tuple(str(graph.values[v]) for v in graph.nodes[i].inputs),
+                    tuple(str(graph.values[v]) for v in graph.nodes[i].outputs),
+                )
+                for i in block.nodes
+            ).items()
+        )
+    )
+
+
+def layer_named(graph: Graph, i: int, pattern: str) -> set[int]:
+    """Node ids whose name stack names layer `i` (for the linen models)."""
+    rx = re.compile(pattern.format(i=i) + r"(/|\)|$)")
+    return {n.id for n in graph.nodes if rx.search(n.name_stack)}
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return llama_graphs(3)
+
+
+def test_llama_train_step(llama):
+    train, _ = llama
+    (stack,) = find_stacks(train)
+    check_stack(train, stack, 3, "params/params/layers_<i>", backward=True)
+    for b in stack.forward + stack.backward:
+        assert len(b.params) == 9 and len(b.state) == 18  # AdamW's mu and nu mirrors
+        assert all("opt_state" in train.input_paths[p] for p in b.state)
+    # the blocks agree with the module names: all of layer i's named ops but for dead code
+    for blk in stack.forward:
+        named = layer_named(train, blk.index, r"jvp\(Llama\)/layers_{i}")
+        assert set(blk.nodes) <= named and len(named - set(blk.nodes)) <= 1
+    for blk in stack.backward:
+        named = layer_named(train, blk.index, r"transpose\(jvp\(Llama\)\)/layers_{i}")
+        assert set(blk.nodes) == named
+    # the embedding, position ids, mask, final norm and optimizer are in no block
+    inside = {i for b in stack.forward + stack.backward for i in b.nodes}
+    for n in train.nodes:
+        if re.search(r"embed_tokens|/norm|lm_head", n.name_stack) or not n.name_stack:
+            assert n.id not in inside, n
+
+
+def test_llama_forward_only(llama):
+    _, forward = llama
+    (stack,) = find_stacks(forward)
+    check_stack(forward, stack, 3, "params/params/layers_<i>", backward=False)
+    for blk in stack.forward:
+        assert set(blk.nodes) == layer_named(forward, blk.index, r"Llama/layers_{i}")
+        assert len(blk.inputs) >= 2  # the activation, the mask, cos and sin
+    # layer i's output is layer i + 1's input
+    for a, b in zip(stack.forward, stack.forward[1:]):
+        assert set(a.outputs) & set(b.inputs)
+
+
+def test_two_layers():
+    train, forward = llama_graphs(2)
+    check_stack(train, find_stacks(train)[0], 2, "params/params/layers_<i>", backward=True)
+    check_stack(forward, find_stacks(forward)[0], 2, "params/params/layers_<i>", backward=False)
+
+
+def test_gpt2_with_final_layernorm_and_dropout():
+    graph = gpt2_graph(3)
+    (stack,) = find_stacks(graph)
+    check_stack(graph, stack, 3, "params/h_<i>", backward=True)
+    for blk in stack.forward:  # ln_f follows the last block and stays out of it
+        ops = {graph.nodes[i].name_stack for i in blk.nodes}
+        assert not any("ln_f" in s for s in ops)
+        assert layer_named(graph, blk.index, r"jvp\(GPT2\)/h_{i}") >= set(blk.nodes)
+
+
+def test_nnx_list_of_blocks():
+    train, forward = nnx_graphs(3)
+    assert "state/blocks/0/linear/kernel/value" in train.input_paths
+    (stack,) = find_stacks(train)
+    check_stack(train, stack, 3, "state/blocks/<i>", backward=True)
+    assert all(len(b.params) == 6 and b.state == () for b in stack.forward)
+    (stack,) = find_stacks(forward)
+    check_stack(forward, stack, 3, "state/blocks/<i>", backward=False)
+    sizes = {len(b.nodes) for b in stack.forward}
+    assert len(sizes) == 1 and sizes.pop() >= 10  # norm, two linears, gelu, residual
+
+
+def widening_graph(widths: tuple[int, ...]) -> Graph:
+    model = Widening(widths)
+    x = jnp.zeros((4, 32))
+    params = model.init(jax.random.key(0), x)
+    return capture(lambda p, x: jax.grad(lambda p: model.apply(p, x))(p), (params, x))
+
+
+def test_different_widths_make_no_stack():
+    assert find_stacks(widening_graph((32, 64))) == ()
+    # 32 -> 32, 32 -> 32 | 32 -> 64 | 64 -> 64, 64 -> 64: two runs, none across widths
+    graph = widening_graph((32, 32, 64, 64, 64))
+    first, second = find_stacks(graph)
+    assert [b.index for b in first.forward] == [0, 1]
+    assert [b.index for b in second.forward] == [3, 4]
+    assert [b.index for b in second.backward] == [4, 3]
+
+
+def test_scanned_layers_are_not_unrolled_stacks():
+    model = Scanned()
+    x = jnp.zeros((4, 32))
+    params = model.init(jax.random.key(0), x)
+    graph = capture(lambda p, x: jax.value_and_grad(model.apply)(p, x), (params, x))
+    assert any(n.op == "scan" for n in graph.nodes)
+    assert find_stacks(graph) == ()
+
+
+def test_plain_jax_blocks_match_named_scopes():
+    """Dataflow alone (find_stacks reads no module names) recovers each layer's ops
+    exactly, as an unread `jax.named_scope` per layer records them."""
+    graph = transformer_graph(4, scoped=True)
+    (stack,) = find_stacks(graph)
+    check_stack(graph, stack, 4, "params/blocks/<i>", backward=True)
+    for blk in stack.forward:  # all but an unused broadcast (dead code) per layer
+        named = layer_named(graph, blk.index, r"^jvp\(blk{i}\)")
+        assert set(blk.nodes) <= named and len(named - set(blk.nodes)) <= 1
+    for blk in stack.backward:
+        assert set(blk.nodes) == layer_named(graph, blk.index, r"^transpose\(jvp\(blk{i}\)\)")
+
+
+def test_encoder_decoder():
+    model = EncoderDecoder(2)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    params = model.init(jax.random.key(0), ids, ids)
+
+    def step(params, ids):
+        def loss(p):
+            logits = model.apply(p, ids, ids)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean()
+
+        return jax.grad(loss)(params)
+
+    graph = capture(step, (params, ids))
+    encoder, decoder = find_stacks(graph)
+    check_stack(graph, encoder, 2, "params/params/encoder_<i>", backward=True)
+    check_stack(graph, decoder, 2, "params/params/decoder_<i>", backward=True)
+
+
+def test_pure_and_min_layers(llama):
+    train, _ = llama
+    nodes, values, consumers = train.nodes, train.values, dict(train.consumers)
+    assert find_stacks(train) == find_stacks(train)
+    assert train.nodes is nodes and train.values is values and train.consumers == consumers
+    assert find_stacks(train, min_layers=4) == ()
+
+
+def test_48_layers_fast():
+    graph = transformer_graph(48)
+    start = time.perf_counter()
+    stacks = find_stacks(graph)
+    elapsed = time.perf_counter() - start
+    (stack,) = stacks
+    check_stack(graph, stack, 48, "params/blocks/<i>", backward=True)
+    assert elapsed < 5.0, f"{elapsed:.2f} s for {len(graph.nodes)} nodes"
