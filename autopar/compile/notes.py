@@ -67,7 +67,7 @@ def no_layer_loop(graph) -> str:
             f"its {len(s.forward)} layers {s.template} are unrolled in Python, and autopar "
             "pipelines only a loop over layers so far (flax.linen.scan, nnx.scan, "
             "jax.lax.scan over stacked weights); rematerialization (remat=) does work on "
-            "them. See docs/troubleshooting.md#pipelining-unrolled-layers"
+            "them"
         )
     return (
         "it has no loop over layers and no stack of repeated layers was found (pipelining "

@@ -138,12 +138,12 @@ def remat_layers(
         # backward pass made outside it, before `at`; the copies wait for it
         own = frozenset(backward[i])
         made_before = [
-            graph.producer[x]
+            (graph.producer[x], x)
             for n in own
             for x in graph.nodes[n].inputs
             if fwd_end < graph.producer.get(x, -1) < at and graph.producer[x] not in own
         ]
-        trigger = graph.nodes[max(made_before)].outputs[0] if made_before else None
+        trigger = max(made_before)[1] if made_before else None
         inserts.setdefault(at, []).append((i, copy, todo, trigger))
         report.append(
             LayerRemat(
