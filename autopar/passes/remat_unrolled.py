@@ -113,8 +113,9 @@ def remat_layers(
     fwd_end = max(n for b in forward for n in b)
     outputs = set(graph.outputs)
     consumers = graph.consumers
-    # per insertion point (a node id): [(layer, nodes to copy, values to recompute)]
-    inserts: dict[int, list[tuple[int, list[int], list[int]]]] = {}
+    # per insertion point (a node id): [(layer, nodes to copy, values to recompute,
+    # the cotangent the copies wait for)]
+    inserts: dict[int, list[tuple[int, list[int], list[int], int | None]]] = {}
     report: list[LayerRemat] = []
     for i, block in enumerate(forward):
         if layers is not None and i not in layers:
