@@ -64,7 +64,12 @@ from autopar.errors import format_bytes
 from autopar.ir.eval import retrace
 from autopar.ir.graph import Graph, Node, TensorType, check_graph
 from autopar.ir.ops import CONTRACTIONS
-from autopar.passes.remat_unrolled import POLICIES, LayerRemat, remat_layers
+from autopar.passes.remat_unrolled import (
+    POLICIES,
+    LayerRemat,
+    cheapest_contractions,
+    remat_layers,
+)
 from autopar.passes.stacks import find_stacks
 
 # POLICIES, from most to least memory, are spelled once in remat_unrolled
@@ -193,21 +198,6 @@ class _Source:
 
     kind: str  # "const" (forward const input), "x" (forward xs input), "literal", "stored"
     index: int = -1  # the forward input position ("const", "x")
-
-
-def cheapest_contractions(fb: Graph) -> frozenset[int]:
-    """The body's contraction outputs with the fewest FLOPs per output byte (ties
-    within 1%): what `"selective"` recomputes besides what `"dots"` does."""
-    ratios = {
-        v: node_flops(n, fb) / max(fb.values[v].nbytes, 1)
-        for n in fb.nodes
-        if n.op in SAVEABLE
-        for v in n.outputs
-    }
-    if len(set(ratios.values())) < 2:  # nothing cheaper than the rest: as "dots"
-        return frozenset()
-    low = min(ratios.values())
-    return frozenset(v for v, r in ratios.items() if r <= 1.01 * low)
 
 
 def _saved(fb: Graph, policy: str) -> frozenset[int]:

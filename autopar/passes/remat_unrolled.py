@@ -50,6 +50,22 @@ def _barrier_primitive():
     return eqn.primitive
 
 
+def cheapest_contractions(graph: Graph, nodes: Collection[int] | None = None) -> frozenset[int]:
+    """The contraction outputs (of `nodes`, default all) with the fewest FLOPs per output
+    byte (ties within 1%): what `"selective"` recomputes besides what `"dots"` does."""
+    ops = graph.nodes if nodes is None else [graph.nodes[n] for n in nodes]
+    ratios = {
+        v: node_flops(n, graph) / max(graph.values[v].nbytes, 1)
+        for n in ops
+        if n.op in CONTRACTIONS
+        for v in n.outputs
+    }
+    if len(set(ratios.values())) < 2:  # nothing cheaper than the rest: as "dots"
+        return frozenset()
+    low = min(ratios.values())
+    return frozenset(v for v, r in ratios.items() if r <= 1.01 * low)
+
+
 @dataclass(frozen=True)
 class LayerRemat:
     """What the rewrite did to one layer."""
@@ -71,16 +87,7 @@ def _recompute_set(
         dots = {
             v for n in nodes if graph.nodes[n].op in CONTRACTIONS for v in graph.nodes[n].outputs
         }
-        saved = set(dots)
-        if policy == "selective" and dots:
-            ratio = {
-                v: node_flops(graph.nodes[graph.producer[v]], graph)
-                / max(graph.values[v].nbytes, 1)
-                for v in dots
-            }
-            low = min(ratio.values())
-            if len(set(ratio.values())) > 1:
-                saved -= {v for v, r in ratio.items() if r <= 1.01 * low}
+        saved = dots - cheapest_contractions(graph, nodes) if policy == "selective" else dots
     todo = [v for v in residuals if v not in saved]
     need: set[int] = set()
     stack = list(todo)
