@@ -115,6 +115,9 @@ def test_over_budget_tries_zero_stages_and_keeps_the_fastest_that_fits():
     plan = autopar.parallelize(ts.step, mesh={"data": 8}, cluster="cpu", memory_budget=budget).plan(
         *args
     )
+    # fsdp is auto's memory fallback: not run while another engine's plan fits
+    assert "fsdp" not in base.candidates and "fsdp" in base.search_info["skipped"]
+    assert "fsdp: not run (a plan of the other engines fits" in base.summary()
     tried = plan.candidates
     assert {"dp+zero1", "dp+zero3"} <= set(tried), tried
     fitting = {k: c for k, c in tried.items() if c.peak_memory_bytes <= budget}
@@ -122,6 +125,24 @@ def test_over_budget_tries_zero_stages_and_keeps_the_fastest_that_fits():
     # ZeRO-1 shards the optimizer moments and leaves the parameters whole
     zero1 = tried["dp+zero1"]
     assert base.cost.argument_bytes > zero1.argument_bytes > tried["dp+zero3"].argument_bytes
+
+
+def test_auto_runs_fsdp_when_no_other_plan_fits(monkeypatch):
+    """When no plan of `recursive`, `dp` or `data` (nor their ZeRO retries) fits, `auto`
+    runs `fsdp`, whose plan is then the one that fits."""
+    import autopar.search as search_mod
+
+    p = _problem(mlp_grad, args(), {"data": 4, "model": 2})
+    replicated = [0] * len(p.strategies)  # strategy 0: every dim whole
+    for name in ("recursive", "dp", "data"):
+        monkeypatch.setitem(search_mod.ENGINES, name, lambda prob, pins, info: replicated)
+    fsdp = search_mod.search(p, "fsdp", float("inf")).cost
+    rep = search_mod.evaluate(p, replicated)
+    assert fsdp.peak_memory_bytes < rep.peak_memory_bytes
+    budget = (fsdp.peak_memory_bytes + rep.peak_memory_bytes) / 2
+    got = search_mod.search(p, "auto", budget)
+    assert got.engine == "fsdp" and "fsdp" in got.candidates
+    assert "skipped" not in got.solver_info
 
 
 def _problem(fn, args, mesh):

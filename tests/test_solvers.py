@@ -236,3 +236,60 @@ def test_prohibitive_costs_do_not_swamp_the_objective(seed):
     assert ilp.cost == pytest.approx(want, rel=RTOL) and ilp.choice[0] == 1
     assert dp.cost == pytest.approx(want, rel=RTOL) and dp.choice[0] == 1
     assert ilp.info["pruned_strategies"] >= cost[0].size - 1
+
+
+def test_minplus_accumulation_is_bit_identical_to_the_broadcast():
+    from autopar.search.solvers import dp
+
+    rng = np.random.default_rng(0)
+    a, b = rng.random((300, 17)), rng.random((17, 90))  # above dp._BROADCAST: accumulates
+    assert a.size * b.shape[1] > dp._BROADCAST
+    assert np.array_equal(dp._minplus(a, b), (a[:, :, None] + b[None]).min(axis=1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_restricted_graph_is_the_pinned_problem(seed):
+    """Pinning by restriction (each pinned node keeps one strategy) gives plans that keep
+    the pins and cost what they cost on the whole graph; its optimum is the pinned one."""
+    g = random_graph("dag", seed, n=8)
+    pinned = {0: g.num_strategies()[0] - 1, 3: 0}
+    r = g.restrict(pinned)
+    assert r.num_strategies()[0] == 1 and r.num_strategies()[3] == 1
+    sol = solve_dp(r)
+    plan = g.lift_choice(sol.choice, pinned)
+    assert plan[0] == pinned[0] and plan[3] == pinned[3]
+    assert g.total(plan) == pytest.approx(sol.cost, rel=RTOL)
+    assert g.lower_choice(plan, pinned) == list(sol.choice)
+    forbid = [c.copy() for c in g.node_cost]  # the old way: other strategies priced out
+    for v, s in pinned.items():
+        forbid[v][np.arange(len(forbid[v])) != s] = 1.0
+    assert sol.cost == pytest.approx(solve_dp(CostGraph(forbid, g.node_mem, g.edges)).cost)
+    # a pinned node's edges fold into its neighbours: presolve leaves none of them
+    _, edges = r.presolve()
+    assert not any(u in pinned or v in pinned for u, v in edges)
+
+
+def test_core_descent_improves_a_guessed_kernel_and_replays_it():
+    """The forest descent after a guessed kernel runs on the core (the graph where exact
+    folding stopped), and a better core plan replays into the whole plan."""
+    from autopar.search.solvers import dp
+
+    rng = np.random.default_rng(1)
+    n = 7  # a complete core, with a pendant chain per node that folds into it exactly
+    cost = [rng.random(4) for _ in range(2 * n)]
+    edges = {(u, v): rng.random((4, 4)) for u in range(n) for v in range(u + 1, n)}
+    edges.update({(v, n + v): rng.random((4, 4)) for v in range(n)})
+    e = dp._Eliminator(cost, edges, max_states=1, max_work=0)
+    guessed = e.run()
+    upto, nodes, core_cost, core_edges = e.core
+    assert nodes == list(range(n)) and not e.exact
+    choice, exact, counts = dp._eliminate(cost, edges, 1, 0, polish=(50, 10))
+    assert not exact and counts["forest_rounds"] > 0
+    value = dp._plan_value(cost, edges, choice)
+    assert value <= dp._plan_value(cost, edges, guessed)
+    # the pendants are at their best given the core: nothing one node can gain
+    for v in range(n, 2 * n):
+        local = cost[v] + edges[v - n, v][choice[v - n]]
+        assert local[choice[v]] == pytest.approx(local.min())
+    whole = CostGraph(cost, [np.zeros(4)] * (2 * n), edges)
+    assert value >= solve_ilp(whole).cost * (1 - RTOL)

@@ -409,6 +409,13 @@ class Plan:
                 )
             )
         for name, info in self.search_info.items():
+            if name == "skipped":  # engines `auto` left out, with why
+                lines += [f"  {e}: not run ({why})" for e, why in info.items()]
+                continue
+            if name == "matmul_rates":  # the rate each dtype's contractions are priced at
+                rates = ", ".join(f"{k} at {v}" for k, v in info.items())
+                lines.append(f"  matmul rates: {rates or 'no contractions'}")
+                continue
             gap = info.get("gap")
             notes = []
             if "optimal" in info:

@@ -27,7 +27,7 @@ def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[i
     from autopar.search.layers import solve_dp_layered  # repeated layers solved once
     from autopar.search.solvers.dp import _forest_descent
 
-    g = _pin(problem, pinned)
+    g = problem.cost_graph().restrict(pinned)
     sol = solve_dp_layered(problem, g, pinned)
     info.update(optimal=sol.optimal, gap=sol.gap)
     choice = list(sol.choice)
@@ -36,36 +36,24 @@ def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[i
         # in a poor optimum (e.g. a channel-split conv paying a 128 MB all-to-all);
         # polish recursive's plan the same way too and keep the cheaper one.
         cost, edges = g.presolve()
-        other, _ = _forest_descent(cost, edges, engines.recursive(problem, pinned))
+        start = g.lower_choice(engines.recursive(problem, pinned), pinned)
+        other, _ = _forest_descent(cost, edges, start)
         if g.total(other) < g.total(choice):
             choice = list(other)
-    return choice
+    return g.lift_choice(choice, pinned)
 
 
 def _ilp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
     from autopar.search.solvers.ilp import solve_ilp
 
-    warm = engines.recursive(problem, pinned)
-    sol = solve_ilp(_pin(problem, pinned), time_limit=ILP_TIME_LIMIT_S, warm_start=warm)
+    g = problem.cost_graph().restrict(pinned)
+    warm = g.lower_choice(engines.recursive(problem, pinned), pinned)
+    sol = solve_ilp(g, time_limit=ILP_TIME_LIMIT_S, warm_start=warm)
     info.update(optimal=sol.optimal, gap=sol.gap, status=str(sol.info.get("status", "")))
-    return list(sol.choice)
+    return g.lift_choice(sol.choice, pinned)
 
 
 ILP_TIME_LIMIT_S = 60.0
-
-
-def _pin(problem: Problem, pinned: Mapping[int, int], forbid: float = 1e6):
-    """The cost graph with every other strategy of a pinned node priced at `forbid`."""
-    g = problem.cost_graph()
-    if not pinned:
-        return g
-    cost = list(g.node_cost)
-    for v, s in pinned.items():
-        c = cost[v].copy()
-        c[:] = forbid
-        c[s] = g.node_cost[v][s]
-        cost[v] = c
-    return type(g)(tuple(cost), g.node_mem, g.edges)
 
 
 # An engine maps (problem, pinned nodes, info to fill) to one strategy index per node.
@@ -83,7 +71,11 @@ ENGINES: dict[str, Engine] = {
     "fsdp": lambda p, pins, info: _dp(p, {**engines.fsdp_pins(p), **pins}, info),
     "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }
-AUTO_ENGINES = ("recursive", "dp", "data", "fsdp")
+AUTO_ENGINES = ("recursive", "dp", "data")
+# Run by `auto` only when none of AUTO_ENGINES' plans (nor their ZeRO retries) fits the
+# budget: `fsdp` is `dp` with every argument pinned sharded, so it trades time for
+# memory and never beats an unpinned plan on time under the objective they share.
+AUTO_MEMORY_FALLBACK = ("fsdp",)
 
 
 class _NoClock:
@@ -123,7 +115,7 @@ def search(
     if engine != "auto" and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
     start = time.perf_counter()
-    names = AUTO_ENGINES if engine == "auto" else (engine,)
+    names = AUTO_ENGINES + AUTO_MEMORY_FALLBACK if engine == "auto" else (engine,)
     candidates: dict[str, tuple[list[int], Cost]] = {}
     info: dict[str, SolverInfo] = {}
     zero_pins = {
@@ -177,8 +169,14 @@ def search(
                 return polished, better
         return choice, cost
 
+    def fits_any() -> bool:
+        return any(v[1].peak_memory_bytes <= memory_budget for v in candidates.values())
+
     for i, name in enumerate(names):
-        fitting = [k for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget]
+        if name in AUTO_MEMORY_FALLBACK and engine == "auto" and fits_any():
+            info["skipped"] = {name: "a plan of the other engines fits the memory budget"}
+            continue
+        fitting = fits_any()
         if fitting and clock.out_of_time():
             clock.skip(f"engines {', '.join(names[i:])} on {problem.mesh.shape}")
             break

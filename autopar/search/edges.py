@@ -117,12 +117,16 @@ def reshard_matrix(
     each use may instead pay its share of one all-reduce and reshard from the sum."""
 
     def price(a: Spec, b: Spec) -> float:
-        direct = reshard_seconds(cost, t, a, b, share)
-        if uses < 2 or not a.partial or b.partial:
-            return direct
-        whole = a.without_partial()
-        summed = reshard_seconds(cost, t, a, whole, share) / uses
-        return min(direct, summed + cost.reshard(t, whole, b).seconds)
+        key = (t, a, b, uses if a.partial and not b.partial else 1, share)
+        p = cache.get(key)
+        if p is None:  # many matrices share their pairs: price each pair once
+            p = reshard_seconds(cost, t, a, b, share)
+            if key[3] > 1:
+                whole = a.without_partial()
+                summed = reshard_seconds(cost, t, a, whole, share) / uses
+                p = min(p, summed + cost.reshard(t, whole, b).seconds)
+            cache[key] = p
+        return p
 
     key = (t, src, dst, uses, share)
     m = cache.get(key)

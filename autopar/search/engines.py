@@ -4,6 +4,7 @@ from pinned nodes (`propagate`, used by the baselines), and the `data` and
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Mapping
 
@@ -346,14 +347,8 @@ def data(problem: Problem, pinned: Mapping[int, int] = {}) -> list[int]:  # noqa
 
     pins = {**data_pins(problem), **pinned}
     penalized = data_problem(problem)
-    g = penalized.cost_graph()
-    cost = list(g.node_cost)
-    for v, s in pins.items():  # as search._pin: the other strategies priced out
-        c = np.full_like(cost[v], 1e6)
-        c[s] = g.node_cost[v][s]
-        cost[v] = c
-    g = type(g)(tuple(cost), g.node_mem, g.edges)
-    return list(solve_dp_layered(penalized, g, pins).choice)
+    g = penalized.cost_graph().restrict(pins)
+    return g.lift_choice(solve_dp_layered(penalized, g, pins).choice, pins)
 
 
 def data_problem(problem: Problem) -> Problem:
@@ -366,6 +361,7 @@ def data_problem(problem: Problem) -> Problem:
     edges = dict(problem.edges)
     tables: dict = {}  # (type, producer specs, consumer specs) -> penalty matrix
 
+    @functools.cache
     def gathers(t, a, b) -> bool:
         colls = cost.reshard(t, a, b).collectives
         return any(c.kind in ("all-gather", "all-to-all") and c.seconds for c in colls)

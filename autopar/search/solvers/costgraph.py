@@ -184,6 +184,37 @@ class CostGraph:
                 edges[u, v] = m
         return cost, edges
 
+    def restrict(self, pinned: Mapping[int, int]) -> CostGraph:
+        """The graph with each pinned node ``v`` left only its strategy ``pinned[v]``
+        (index 0 there). A pinned node's edges then touch a one-strategy node, so
+        :meth:`presolve` folds them into its neighbours' costs and the solvers never
+        see them: pinning the arguments (``data``, ``fsdp``, ZeRO retries) cuts the
+        hubs parameters make between forward, backward and optimizer. Map plans with
+        :meth:`lift_choice` and :meth:`lower_choice`."""
+        if not pinned:
+            return self
+        cost, mem = list(self.node_cost), list(self.node_mem)
+        for v, s in pinned.items():
+            cost[v], mem[v] = cost[v][s : s + 1], mem[v][s : s + 1]
+        edges = {}
+        for (u, v), m in self.edges.items():
+            if u in pinned:
+                m = m[pinned[u] : pinned[u] + 1]
+            if v in pinned:
+                m = m[:, pinned[v] : pinned[v] + 1]
+            edges[u, v] = m
+        return CostGraph(tuple(cost), tuple(mem), edges)
+
+    @staticmethod
+    def lift_choice(choice: Sequence[int], pinned: Mapping[int, int]) -> list[int]:
+        """A plan of ``restrict(pinned)`` as a plan of this graph."""
+        return [pinned.get(v, int(s)) for v, s in enumerate(choice)]
+
+    @staticmethod
+    def lower_choice(choice: Sequence[int], pinned: Mapping[int, int]) -> list[int]:
+        """A plan of this graph as a plan of ``restrict(pinned)`` (pins override)."""
+        return [0 if v in pinned else int(s) for v, s in enumerate(choice)]
+
     def _check_choice(self, choice: Sequence[int]) -> None:
         if len(choice) != len(self.node_cost):
             raise ValueError(
