@@ -267,29 +267,3 @@ def test_restricted_graph_is_the_pinned_problem(seed):
     # a pinned node's edges fold into its neighbours: presolve leaves none of them
     _, edges = r.presolve()
     assert not any(u in pinned or v in pinned for u, v in edges)
-
-
-def test_core_descent_improves_a_guessed_kernel_and_replays_it():
-    """The forest descent after a guessed kernel runs on the core (the graph where exact
-    folding stopped), and a better core plan replays into the whole plan."""
-    from autopar.search.solvers import dp
-
-    rng = np.random.default_rng(1)
-    n = 7  # a complete core, with a pendant chain per node that folds into it exactly
-    cost = [rng.random(4) for _ in range(2 * n)]
-    edges = {(u, v): rng.random((4, 4)) for u in range(n) for v in range(u + 1, n)}
-    edges.update({(v, n + v): rng.random((4, 4)) for v in range(n)})
-    e = dp._Eliminator(cost, edges, max_states=1, max_work=0)
-    guessed = e.run()
-    upto, nodes, core_cost, core_edges = e.core
-    assert nodes == list(range(n)) and not e.exact
-    choice, exact, counts = dp._eliminate(cost, edges, 1, 0, polish=(50, 10))
-    assert not exact and counts["forest_rounds"] > 0
-    value = dp._plan_value(cost, edges, choice)
-    assert value <= dp._plan_value(cost, edges, guessed)
-    # the pendants are at their best given the core: nothing one node can gain
-    for v in range(n, 2 * n):
-        local = cost[v] + edges[v - n, v][choice[v - n]]
-        assert local[choice[v]] == pytest.approx(local.min())
-    whole = CostGraph(cost, [np.zeros(4)] * (2 * n), edges)
-    assert value >= solve_ilp(whole).cost * (1 - RTOL)

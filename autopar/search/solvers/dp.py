@@ -70,10 +70,6 @@ class _Eliminator:
         self.max_states = max_states
         self.max_work = max_work
         self.exact = True
-        # The graph where exact folding first got stuck: (log length, its nodes, their
-        # costs, its edges). Everything eliminated before is folded in exactly, so a plan
-        # of these nodes has one best completion (``replay``): see ``_eliminate``.
-        self.core: tuple[int, list[int], list[np.ndarray], dict] | None = None
 
     def _add_edge(self, x: int, y: int, m: np.ndarray) -> bool:
         """Add ``m`` to edge x--y; True when the edge already existed."""
@@ -265,13 +261,6 @@ class _Eliminator:
                     continue
                 for y in self.adj_after(nbrs):
                     (low if len(self.adj[y]) <= 1 else mid).append(y)
-            if self.alive and self.core is None:
-                nodes = sorted(self.alive)
-                index = {x: i for i, x in enumerate(nodes)}
-                core_edges = {
-                    (index[x], index[y]): m for x in nodes for y, m in self.adj[x].items() if x < y
-                }
-                self.core = (len(self.log), nodes, [self.cost[x] for x in nodes], core_edges)
             if self.alive and not self.star():
                 self.kernel()
             for y in self.alive:
@@ -283,13 +272,9 @@ class _Eliminator:
         """Neighbours of an eliminated node that may now be eliminable."""
         return [y for y in nbrs if y in self.alive and len(self.adj[y]) <= 2]
 
-    def replay(self, upto: int | None = None, fixed: dict[int, int] | None = None) -> list[int]:
-        """Every node's strategy, from the log backwards; with ``upto``, only the log's
-        first ``upto`` entries, the nodes still alive then taking ``fixed``."""
+    def replay(self) -> list[int]:
         choice = [-1] * len(self.cost)
-        for x, s in (fixed or {}).items():
-            choice[x] = s
-        for entry in reversed(self.log[:upto]):
+        for entry in reversed(self.log):
             kind = entry[0]
             if kind == "root":
                 _, v, c = entry
@@ -311,27 +296,55 @@ class _Eliminator:
 
 def _eliminate(cost, edges, max_states, max_work, polish=(30, 3)):
     """Minimize node + edge costs; exact unless the kernel had to be guessed.
-
-    ``polish``: (max_rounds, patience) of the forest descent after a guessed kernel.
-    It runs on the core, the graph where exact folding first got stuck (a few hundred
-    nodes where the whole graph has thousands): every node folded before it is a
-    function of the core's strategies, so a better core plan replays into a better
-    whole plan, and each round costs a fraction of one on the whole graph."""
+    ``polish``: (max_rounds, patience) of the forest descent after a guessed kernel."""
     e = _Eliminator(cost, edges, max_states, max_work)
     choice = e.run()
     counts = dict(e.counts)
     if not e.exact:
-        upto, nodes, core_cost, core_edges = e.core
-        start = [choice[x] for x in nodes]
-        better, counts["forest_rounds"] = _forest_descent(core_cost, core_edges, start, *polish)
-        if better != start:
-            choice = e.replay(upto, dict(zip(nodes, better)))
+        choice, counts["forest_rounds"] = _forest_descent(cost, edges, choice, *polish)
     return choice, e.exact, counts
 
 
 def _plan_value(cost, edges, choice) -> float:
     t = math.fsum(float(c[s]) for c, s in zip(cost, choice))
     return t + math.fsum(float(m[choice[u], choice[v]]) for (u, v), m in edges.items())
+
+
+def _solve_forest(cost, edges) -> list[int]:
+    """Exact plan of a forest: ``_Eliminator.run`` restricted to the ``root`` and
+    ``leaf`` steps a forest needs, in the same order and with the same arithmetic (so
+    the same plan), without the general eliminator's bookkeeping."""
+    n = len(cost)
+    adj: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
+    for (u, v), m in edges.items():
+        adj[u][v] = m
+        adj[v][u] = m.T
+    cost = list(cost)
+    log: list[tuple[int, int, np.ndarray]] = []
+    low = collections.deque(x for x in range(n) if len(adj[x]) <= 1)
+    done = [False] * n
+    while low:
+        x = low.popleft()
+        if done[x]:
+            continue
+        done[x] = True
+        if not adj[x]:
+            log.append((x, -1, cost[x]))
+            continue
+        ((u, m),) = adj[x].items()
+        t = m + cost[x][:, None]
+        cost[u] = cost[u] + t.min(axis=0)
+        log.append((x, u, t))
+        del adj[u][x]
+        adj[x] = {}
+        if len(adj[u]) <= 1:
+            low.append(u)
+    if not all(done):
+        raise ValueError("_solve_forest needs a forest; the graph has a cycle")
+    choice = [0] * n
+    for x, u, t in reversed(log):
+        choice[x] = int(np.argmin(t if u < 0 else t[:, choice[u]]))
+    return choice
 
 
 def _forest_descent(cost, edges, choice, max_rounds: int = 30, patience: int = 3):
@@ -381,7 +394,7 @@ def _forest_descent(cost, edges, choice, max_rounds: int = 30, patience: int = 3
                     c = c + m[:, choice[y]]
             sub_cost.append(c)
         sub_edges = {(index[u], index[v]): m for (u, v), m in edges.items() if in_t[u] and in_t[v]}
-        sub = _Eliminator(sub_cost, sub_edges, 0, math.inf).run()
+        sub = _solve_forest(sub_cost, sub_edges)
         trial = list(choice)
         for v, s in zip(t_nodes, sub):
             trial[v] = s
