@@ -62,6 +62,9 @@ class _Eliminator:
         self.n = len(cost)
         self.cost = list(cost)
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in cost]
+        # star_plan per node, dropped whenever the node's neighbours change (sizes of
+        # existing nodes never do): each star step scans every node
+        self._plans: dict[int, tuple[int, list[list[int]]] | None] = {}
         for (u, v), m in edges.items():
             self._add_edge(u, v, m)
         self.alive = set(range(self.n))
@@ -78,12 +81,17 @@ class _Eliminator:
             m = self.adj[x][y] + m
         self.adj[x][y] = m
         self.adj[y][x] = m.T
+        if not merged:
+            self._plans.pop(x, None)
+            self._plans.pop(y, None)
         return merged
 
     def _remove(self, x: int) -> None:
         for y in self.adj[x]:
             del self.adj[y][x]
+            self._plans.pop(y, None)
         self.adj[x] = {}
+        self._plans.pop(x, None)
         self.alive.discard(x)
 
     def size(self, x: int) -> int:
@@ -192,13 +200,18 @@ class _Eliminator:
         when no node fits.
         """
         best = None
+        plans = self._plans
         for v in self.alive:
-            plan = self.star_plan(v)
+            if v in plans:
+                plan = plans[v]
+            else:
+                plan = plans[v] = self.star_plan(v)
             if plan is not None and (best is None or plan[0] < best[0]):
                 best = (plan[0], v, plan[1])
         if best is None:
             return False
         _, v, groups = best
+        groups = [list(g) for g in groups]
         for g in groups:
             while len(g) > 1:
                 g[:2] = [self.fuse(g[0], g[1])]
