@@ -17,19 +17,21 @@ restricted problem *exactly* on a graph whose size does not grow with depth.
    indices; a name belongs to the layer ``(base, i)`` of its first indexed
    segment whose base is a family (so ``opt_state/0`` is not a layer, and
    ``h_3/Dense_1`` belongs to ``h_3``).
-2. Ops that carry no name at all (the optimizer update, written outside any
-   module) join the layer of their neighbours when every labelled neighbour
-   is in one layer (breadth-first, then any node whose labelled neighbours
-   disagree is unlabelled again). Shared scalars (AdamW's step count and bias
-   corrections) touch every layer and stay global.
+2. Ops outside every layer's names (the optimizer update written outside any
+   module; einsums, softmax and `jnp.where` scopes of a model written without
+   modules, whose names are jnp's) join the layer of their neighbours when
+   every labelled neighbour is in one layer (breadth-first, then any node whose
+   labelled neighbours disagree is unlabelled again). Shared scalars (AdamW's
+   step count and bias corrections) touch every layer and stay global. The
+   embedding and head may join the first and last layer this way.
 3. A layer's *signature* is its nodes in graph order with their strategy
-   counts, op names and output types. Per family, the layers with the most
-   common signature form the group (others stay as they are). The first and
-   last ``keep`` layers of the group stay distinct (they touch the embedding
-   and the head); the middle layers, ``m`` of them, are *merged* into the
-   first middle layer, the representative ``R``, position by position.
-   A middle layer whose strategy list at some position differs from
-   ``R``'s, or whose pins (fixed strategies) differ, is not merged.
+   counts, op names and output types. Per family, the first and last ``keep``
+   layers stay distinct (they touch the embedding and the head); among the
+   others, the layers with the most common signature, ``m`` of them, are
+   *merged* into the first of them, the representative ``R``, position by
+   position (layers with another signature stay as they are). A layer whose
+   strategy list at some position differs from ``R``'s, or whose pins (fixed
+   strategies) differ, is not merged.
 
 **Reduction** (:func:`quotient`, pure cost graph). Map every node ``v`` to
 ``phi(v)``: a merged layer's node at position ``k`` to ``R``'s node ``k``,
@@ -139,10 +141,6 @@ def _names(problem: Problem) -> list[str]:
     return list(g.input_paths) + [n.name_stack for n in g.nodes]
 
 
-def _unnamed(name: str) -> bool:
-    return not any(_WRAPPER.sub("", s) for s in name.split("/"))
-
-
 def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
     """Each cost-graph node's layer (family, index), or None for global nodes."""
     names = _names(problem)
@@ -160,7 +158,7 @@ def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
     # Unnamed ops (optimizer updates) follow their labelled neighbours.
     nb = problem.neighbours()
     n_in = problem.num_inputs
-    free = [v >= n_in and label[v] is None and _unnamed(names[v]) for v in range(len(names))]
+    free = [v >= n_in and label[v] is None for v in range(len(names))]
 
     def agreed(v):
         seen = {label[u] for u in nb[v] if label[u] is not None}
@@ -207,12 +205,15 @@ def find_layers(
 
     groups: dict[str, dict[str, object]] = {}
     for fam, layers in members.items():
-        sigs = {i: tuple(sig_of(v) for v in vs) for i, vs in layers.items()}
-        common, _ = Counter(sigs.values()).most_common(1)[0]
-        group = sorted(i for i, s in sigs.items() if s == common)
-        if len(group) < 2 * keep + 2:
+        order = sorted(layers)
+        ends = set(order[:keep] + order[len(order) - keep :])
+        sigs = {i: tuple(sig_of(v) for v in layers[i]) for i in order if i not in ends}
+        if not sigs:
             continue
-        middle = group[keep : len(group) - keep]
+        common, _ = Counter(sigs.values()).most_common(1)[0]
+        middle = sorted(i for i, s in sigs.items() if s == common)
+        if len(middle) < 2:
+            continue
         rep = layers[middle[0]]
         rep_pins = [pinned.get(v) for v in rep]
         merged = []
@@ -228,8 +229,8 @@ def find_layers(
                 merged.append(i)
         if merged:
             groups[fam] = {
-                "layers": len(group),
-                "kept": [i for i in group if i not in merged],
+                "layers": len(order),
+                "kept": [i for i in order if i not in merged],
                 "representative": middle[0],
                 "merged": len(merged),
                 "nodes_per_layer": len(rep),
