@@ -6,7 +6,8 @@ cache in the same process (a new `parallelize`, so only the disk cache can answe
     python -m benchmarks.plan_time            # the suite's small models, engine auto
     python -m benchmarks.plan_time --large    # also GPT-3 175B (96 unrolled layers,
                                               # recursive, {"data": 128, "model": 8})
-                                              # and a 7B Llama-style step
+                                              # and a 7B Llama-style step (32 unrolled
+                                              # layers, auto, {"data": 32, "model": 8})
 
 Writes benchmarks/results/plan_time.md (and .json)."""
 
@@ -186,8 +187,8 @@ def main(argv=None) -> None:
                     "llama_7b",
                     fn,
                     args,
-                    {"data": 16, "model": 8},
-                    engine="recursive",
+                    {"data": 32, "model": 8},
+                    engine="auto",
                     memory_budget=1e15,
                 )
             )

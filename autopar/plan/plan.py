@@ -429,6 +429,11 @@ class Plan:
                     f"{'then ' if notes else ''}polished {info['polished_s'] * 1e6:.1f} µs "
                     "faster with all-reduces combined"
                 )
+            if info.get("lean_arguments_bytes"):
+                notes.append(
+                    f"arguments {format_bytes(info['lean_arguments_bytes'])} smaller per device "
+                    "at the same price"
+                )
             lines.append(f"  {name}: " + "; ".join(notes))
         for w in self.warnings:
             lines.append(f"  {'note' if is_note(w) else 'warning'}: {w}")

@@ -17,7 +17,7 @@ from autopar.errors import MemoryBudgetError, format_bytes
 from autopar.search import engines
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
-from autopar.search.polish import polish
+from autopar.search.polish import lean_arguments, polish
 from autopar.search.result import SearchResult, SolverInfo
 
 log = logging.getLogger("autopar")  # shown by `autopar.compile.progress`
@@ -166,7 +166,24 @@ def search(
                 better = evaluate(problem, polished)
             if better.peak_memory_bytes <= max(memory_budget, cost.peak_memory_bytes):
                 info[key]["polished_s"] = saved
-                return polished, better
+                choice, cost = polished, better
+        return leaner(choice, cost, pins, key)
+
+    def leaner(choice, cost: Cost, pins, key: str) -> tuple[list[int], Cost]:
+        """The plan with `lean_arguments`, when that keeps its price and saves memory."""
+        with clock.phase("polish"):
+            lean = lean_arguments(problem, choice, pins)
+        if lean == list(choice):
+            return choice, cost
+        with clock.phase("evaluate"):
+            new = evaluate(problem, lean)
+        if (
+            new.step_s <= cost.step_s * (1 + 1e-9)
+            and new.argument_bytes < cost.argument_bytes
+            and new.peak_memory_bytes <= cost.peak_memory_bytes
+        ):
+            info[key]["lean_arguments_bytes"] = cost.argument_bytes - new.argument_bytes
+            return lean, new
         return choice, cost
 
     def fits_any() -> bool:

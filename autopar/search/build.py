@@ -519,17 +519,6 @@ def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]]
     return out
 
 
-# Seconds an argument's strategy costs per byte it keeps on each device: far below any
-# price the model tells apart (1 GB: 1e-9 s), so it only decides between plans of equal
-# predicted time, for the one whose arguments take less memory (a gemv's matrix split
-# by rows rather than kept whole, when the product is computed split either way).
-# Off (0.0): at 1e-18 it moved the 1F1B test pipeline's ties to a layout XLA can only
-# reach by an involuntary full rematerialization (tests/test_pipeline.py), so memory as
-# a tie-breaker needs the reshard steps' own cost first; see the xfail in
-# tests/test_pricing_rules.py.
-MEMORY_TIE_S_PER_BYTE = 0.0
-
-
 def _strategy_costs(
     cost,
     strats,
@@ -551,8 +540,7 @@ def _strategy_costs(
         out_bytes = [cost.local_bytes(t, sp) for t, sp in zip(out_types, s.out_specs)]
         mem = sum(b * f for b, f in zip(out_bytes, fractions or (1.0,) * len(out_bytes)))
         m_arr[s_i] = mem
-        if is_input:  # a tie-break: of two equally fast plans, the leaner arguments
-            t_arr[s_i] = MEMORY_TIE_S_PER_BYTE * mem
+        if is_input:  # free; of equally fast plans `polish.lean_arguments` takes the leaner
             continue
         nbytes = sum(b for b, w in zip(out_bytes, writes) if w) + sum(
             cost.local_bytes(t, sp) for t, sp, r in zip(in_types, s.in_specs, reads) if r

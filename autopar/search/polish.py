@@ -24,6 +24,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from autopar.cost.model import COMBINABLE, COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
 from autopar.search.build import Problem
 from autopar.search.evaluate import output_spec, step_seconds
@@ -158,6 +160,39 @@ def polish(
 
 
 _MISSING = object()
+
+
+def lean_arguments(
+    problem: Problem,
+    choice: Sequence[int],
+    pinned: Mapping[int, int] = {},  # noqa: B006
+) -> list[int]:
+    """At equal price, the plan whose arguments take less memory: each argument no pin
+    fixes moves to its leanest strategy whose objective terms (its own and its edges',
+    neighbours held) are no higher than the current one's. E.g. a gemv computed
+    row-split reads its matrix split by rows at the same price as whole (each device
+    slices its rows for free), and split it keeps a quarter of it per device. The
+    caller keeps the result only if the full price did not rise (`search.run`)."""
+    from autopar.search.engines import neighbour_tables
+
+    nb = neighbour_tables(problem)
+    lean = list(choice)
+    for v in range(problem.num_inputs):
+        if v in pinned:
+            continue
+        mem = problem.node_mem[v]
+        local = np.array(problem.node_time[v], dtype=np.float64)
+        for u, m in nb[v]:
+            local = local + m[lean[u]]
+        now = lean[v]
+        tie = local <= local[now] + TIE_RTOL * abs(local[now])
+        cheaper = np.flatnonzero(tie & (mem < mem[now]))
+        if len(cheaper):
+            lean[v] = int(cheaper[np.lexsort((local[cheaper], mem[cheaper]))[0]])
+    return lean
+
+
+TIE_RTOL = 1e-12  # objective terms this close count as equal (`lean_arguments`)
 
 
 class Pricing:
