@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 # `make test-all` (`-m ''`). Each is the longest of its feature's tests (seconds
 # measured on 2 busy cores), and its feature keeps a quicker test in the default run.
 SLOW = {
+    "test_remat_unrolled.py::test_auto_remat_recomputes_only_the_layers_the_budget_needs": 56,
     "test_planning_time.py::test_a_long_search_shows_progress_on_stderr": 195,
     "test_planning_time.py::test_cache_hit_in_a_fresh_process_is_fast": 41,
     "test_pipeline.py::test_1f1b_holds_fewer_activations_than_gpipe": 164,

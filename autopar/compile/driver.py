@@ -194,8 +194,14 @@ class _Driver:
         remat_policy: str | None,
         graph: Graph | None = None,  # the function traced on the call's arguments
         clock: Clock | None = None,
+        remat_layers: int | None = None,  # of an unrolled stack, remat only the first ones
     ):
         self.o, self.call, self.remat_policy = options, call, remat_policy
+        given = options.given_plan
+        if remat_layers is None and given is not None and remat_policy == given.remat:
+            remat_layers = given.remat_layers
+        self.remat_layers = remat_layers
+        self.stack_layers = 0  # depth of the unrolled stack remat found (`_prepare`)
         self.single = len(options.meshes) == 1
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
@@ -220,8 +226,11 @@ class _Driver:
             notes += describe_precision(graph, self.o.precision).notes()
             graph = mixed_precision(graph, self.o.precision)
         if self.remat_policy not in (None, "none"):
-            graph, report = rematerialize(graph, self.remat_policy)
+            graph, report = rematerialize(graph, self.remat_policy, self.remat_layers)
             notes += report.notes()
+            self.stack_layers = report.stack_layers
+            if len(report.layers) >= report.stack_layers:
+                self.remat_layers = None  # every layer of the stack (or there is none)
             if not report.applied:  # the plan records what was applied: nothing
                 if self.o.remat != "auto":
                     warnings.warn(
@@ -364,6 +373,7 @@ class _Driver:
                     precision=o.precision,
                     grad_accumulation=o.grad_accumulation,
                     remat=self.remat_policy if self.remat_policy != "none" else None,
+                    remat_layers=self.remat_layers if self.remat_policy else None,
                     warnings=(*notes, *plan.warnings),
                 )
                 jitted = jit_from_plan(graph, plan, mesh, call.donate, pipelined)

@@ -67,6 +67,44 @@ def compile_step(options: Options, call: Call) -> Compiled:
     return replace(got, plan=plan)
 
 
+# Searches `remat="auto"` spends on how many layers of an unrolled stack to recompute
+# (bisection: the count is known to within depth / 2**MAX_LAYER_PROBES).
+MAX_LAYER_PROBES = 4
+
+
+def _fewest_layers(
+    options: Options,
+    call: Call,
+    policy: str,
+    graph: Graph,
+    clock: Clock,
+    got: Compiled,
+    driver: _Driver,
+    tried: list[str],
+) -> Compiled:
+    """`policy` fits on every layer of the unrolled stack and no lighter policy fits:
+    the fastest plan recomputing only the stack's first layers, the fewest that fit
+    (each layer recomputed costs its forward again). Bisection on the count, one
+    search a probe; the memory a count saves grows with it."""
+    lo, hi, best = 0, driver.stack_layers, got  # 0 layers is the lighter policy: no fit
+    for _ in range(MAX_LAYER_PROBES):
+        if hi - lo <= 1 or clock.out_of_time():
+            break
+        mid = (lo + hi) // 2
+        probe = _Driver(options, call, policy, graph, clock, remat_layers=mid).compile()
+        if isinstance(probe, Infeasible):
+            tried.append(f"remat={policy} on the first {mid} layers: {probe.why.splitlines()[0]}")
+            lo = mid
+            continue
+        tried.append(
+            f"remat={policy} on the first {mid} layers: {probe.plan.cost.step_s * 1e3:.4g} ms"
+        )
+        hi = mid
+        if probe.plan.cost.step_s < best.plan.cost.step_s:
+            best = probe
+    return best
+
+
 def _cached(options: Options, call: Call, graph: Graph, clock: Clock, plan: Plan):
     """The cached `plan` bound to this trace (the passes it was made after run again), or
     None when it does not bind (then the search runs)."""
@@ -93,11 +131,16 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
         if best is not None and clock.out_of_time():
             clock.skip("remat policies " + ", ".join(REMAT_POLICIES[k:]))
             break
-        got = _Driver(options, call, policy, graph, clock).compile()
+        driver = _Driver(options, call, policy, graph, clock)
+        got = driver.compile()
         if isinstance(got, Infeasible):
             tried.append(f"remat={policy}: {got.why.splitlines()[0]}")
             continue
         tried.append(f"remat={policy}: {got.plan.cost.step_s * 1e3:.4g} ms")
+        if best is None and k > 0 and driver.stack_layers > 1:
+            # the policy before did not fit: fewer layers of this one may (recomputing
+            # less); bisect on how many of the unrolled stack's first layers it covers
+            got = _fewest_layers(options, call, policy, graph, clock, got, driver, tried)
         if best is None or got.plan.cost.step_s < best.plan.cost.step_s:
             best = got
         if not got.memory_bound:  # nothing held back by memory: more remat only adds work

@@ -479,6 +479,7 @@ class RematReport:
     # layers unrolled in Python (`passes.remat_unrolled`): the stack and each layer's change
     stack: str = ""
     layers: tuple[LayerRemat, ...] = ()
+    stack_layers: int = 0  # the stack's depth (`layers` may cover fewer of them)
 
     @property
     def applied(self) -> bool:
@@ -516,7 +517,8 @@ class RematReport:
             flops = sum(r.recompute_flops for r in self.layers)
             unrolled = (
                 f"remat ({self.policy}): layer stack {self.stack}: the backward pass of "
-                f"{len(self.layers)} layers recomputes {self.layers[-1].recomputed} residuals a "
+                f"{_which(self.layers, self.stack_layers)} recomputes "
+                f"{self.layers[-1].recomputed} residuals a "
                 f"layer (keeps {self.layers[-1].stored}), {format_bytes(saved)} less kept "
                 f"between the passes for {flops:.3g} more FLOPs a call",
             )
@@ -534,25 +536,39 @@ class RematReport:
         return "\n".join(self.notes())
 
 
-def rematerialize(graph: Graph, policy: str) -> tuple[Graph, RematReport]:
+def rematerialize(
+    graph: Graph, policy: str, layers: int | None = None
+) -> tuple[Graph, RematReport]:
     """`remat(graph, policy)` and then, on layers unrolled in Python (`find_stacks`),
-    `remat_unrolled.remat_layers` over each stack's layers; with what changed."""
+    `remat_unrolled.remat_layers` over the stack's layers (with `layers`, only its first
+    `layers`: their residuals are kept longest; at the start of the backward pass, the
+    peak, every layer's are held); with what changed."""
     out = remat(graph, policy)
     report = remat_report(graph, out, policy)
     if policy == "none":
         return out, report
     for stack in find_stacks(out):
         back = {b.index: b.nodes for b in stack.backward}
-        out, layers = remat_layers(
+        n = len(stack.forward)
+        out, changed = remat_layers(
             out,
             [b.nodes for b in stack.forward],
             [back.get(b.index, ()) for b in stack.forward],
             policy,
+            layers=None if layers is None else range(min(layers, n)),
         )
-        if layers:
-            report = replace(report, stack=stack.describe(), layers=report.layers + layers)
+        if changed:
+            report = replace(
+                report, stack=stack.describe(), layers=report.layers + changed, stack_layers=n
+            )
             break  # node ids moved: one stack a pass (the first, the model's layers)
     return out, report
+
+
+def _which(layers: tuple[LayerRemat, ...], of: int) -> str:
+    if len(layers) >= of:
+        return f"{len(layers)} layers"
+    return f"layers {layers[0].index}-{layers[-1].index} of {of}"
 
 
 def remat_report(before: Graph, after: Graph, policy: str = "") -> RematReport:

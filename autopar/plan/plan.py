@@ -215,6 +215,9 @@ class Plan:
     grad_accumulation: int | None = None
     # the rematerialization policy applied before search ("dots", "selective", "full"), or None
     remat: str | None = None
+    # of a stack of layers unrolled in Python, how many (the first ones) `remat` covers;
+    # None: all of them (or no such stack)
+    remat_layers: int | None = None
     # wall seconds of each phase of the `.plan()` call that made this plan ("capture",
     # "build", one per engine, "polish", "compile check", ..., "other", "total"; see
     # `autopar.compile.clock`); not in the plan file unless `to_json(timings=True)`
@@ -286,6 +289,8 @@ class Plan:
             "grad_accumulation": self.grad_accumulation,
             "remat": self.remat,
         }
+        if self.remat_layers is not None:
+            d["remat_layers"] = self.remat_layers
         if timings and self.phases:
             d["phases"] = dict(self.phases)
         return d
@@ -327,6 +332,7 @@ class Plan:
                 precision=d.get("precision"),
                 grad_accumulation=d.get("grad_accumulation"),
                 remat=d.get("remat"),
+                remat_layers=d.get("remat_layers"),
                 phases=d.get("phases"),
             )
         except (KeyError, TypeError, ValueError) as e:
