@@ -71,6 +71,8 @@ ENGINES: dict[str, Engine] = {
     "fsdp": lambda p, pins, info: _dp(p, {**engines.fsdp_pins(p), **pins}, info),
     "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }
+# The argument specs a recipe engine fixes (the equal-price memory polish keeps them).
+RECIPE_PINS = {"data": engines.data_pins, "fsdp": engines.fsdp_pins}
 AUTO_ENGINES = ("recursive", "dp", "data")
 # Run by `auto` only when none of AUTO_ENGINES' plans (nor their ZeRO retries) fits the
 # budget: `fsdp` is `dp` with every argument pinned sharded, so it trades time for
@@ -167,7 +169,8 @@ def search(
             if better.peak_memory_bytes <= max(memory_budget, cost.peak_memory_bytes):
                 info[key]["polished_s"] = saved
                 choice, cost = polished, better
-        return leaner(choice, cost, pins, key)
+        recipe = RECIPE_PINS[name](problem) if name in RECIPE_PINS else {}
+        return leaner(choice, cost, {**recipe, **pins}, key)
 
     def leaner(choice, cost: Cost, pins, key: str) -> tuple[list[int], Cost]:
         """The plan with `lean_arguments`, when that keeps its price and saves memory."""
