@@ -86,7 +86,7 @@ def _fewest_layers(
     the fastest plan recomputing only the stack's first layers, the fewest that fit
     (each layer recomputed costs its forward again). Bisection on the count, one
     search a probe; the memory a count saves grows with it."""
-    lo, hi, best = 0, driver.stack_layers, got  # 0 layers is the lighter policy: no fit
+    lo, hi, best = 0, driver.stack_layers, got  # 0 layers is remat=none, which did not fit
     for _ in range(MAX_LAYER_PROBES):
         if hi - lo <= 1 or clock.out_of_time():
             break

@@ -76,7 +76,7 @@ RECIPE_PINS = {"data": engines.data_pins, "fsdp": engines.fsdp_pins}
 AUTO_ENGINES = ("recursive", "dp", "data")
 # Run by `auto` only when none of AUTO_ENGINES' plans (nor their ZeRO retries) fits the
 # budget: `fsdp` is `dp` with every argument pinned sharded, so it trades time for
-# memory and never beats an unpinned plan on time under the objective they share.
+# memory; its optimum is never below the unpinned one under the objective they share.
 AUTO_MEMORY_FALLBACK = ("fsdp",)
 
 
@@ -103,7 +103,8 @@ def search(
     pinned: Mapping[int, int] = {},  # noqa: B006
     clock: Any = None,
 ) -> SearchResult:
-    """Run `engine` ("auto" tries them all); if its plan does not fit `memory_budget`,
+    """Run `engine` ("auto": `AUTO_ENGINES`, then `fsdp` if no plan fits); if its plan
+    does not fit `memory_budget`,
     retry with the optimizer state sharded over every device (ZeRO-1; ZeRO-2 is the
     same in one fused step), with the parameters sharded too (ZeRO-3), and then, for
     functions with loops, with ZeRO-3 and each loop held to a strategy whose stacked
