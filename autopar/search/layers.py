@@ -155,7 +155,8 @@ def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
     ]
     if not families:
         return label
-    # Unnamed ops (optimizer updates) follow their labelled neighbours.
+    # Ops outside every layer's names (optimizer updates, jnp scopes) follow their labelled
+    # neighbours.
     nb = problem.neighbours()
     n_in = problem.num_inputs
     free = [v >= n_in and label[v] is None for v in range(len(names))]
