@@ -5,6 +5,7 @@ from pinned nodes (`propagate`, used by the baselines), and the `data` and
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import deque
 from collections.abc import Mapping
 
@@ -104,7 +105,21 @@ def refine(
     return choice
 
 
+# recursive's plans per problem (weakly held) and pins: `auto` runs it as an engine and
+# again as the start of dp's descent on the same problem
+_RECURSIVE_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 8) -> list[int]:  # noqa: B006
+    """`_recursive`, once per (problem, pins, sweeps)."""
+    memo = _RECURSIVE_PLANS.setdefault(problem, {})
+    key = (tuple(sorted(pinned.items())), sweeps)
+    if key not in memo:
+        memo[key] = tuple(_recursive(problem, pinned, sweeps))
+    return list(memo[key])
+
+
+def _recursive(problem: Problem, pinned: Mapping[int, int], sweeps: int) -> list[int]:
     """MindSpore's double-recursive programming (D-Rec) on named mesh axes.
 
     Outer loop: one cut per mesh axis, slow (inter-node) axes first. A
