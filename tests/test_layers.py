@@ -168,3 +168,51 @@ def test_search_driver_reports_the_reduction():
     res = search(p, "dp", float("inf"))
     lay = LY.find_layers(p)
     assert all(res.choice[v] == res.choice[int(lay.phi[v])] for v in range(len(res.choice)))
+
+
+def test_layers_of_a_model_written_without_modules_are_merged():
+    """A decoder written as plain functions (no modules: its ops' names are jnp's scopes,
+    einsum specs, `_where`, `tril`), its blocks in `params["layers"]`: the attention ops
+    between a layer's weights join that layer, so every middle layer folds into one."""
+    import jax.numpy as jnp
+
+    L, d, S, B, V = 6, 32, 16, 4, 64
+    sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+
+    def layer(x, p):
+        q, k, v = (jnp.einsum("bsd,de->bse", x, p[w]) for w in ("wq", "wk", "wv"))
+        s = jnp.einsum("bqd,bkd->bqk", q, k) / jnp.sqrt(d)
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -1e9)
+        x = x + jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v) @ p["wo"]
+        return x + jax.nn.silu(x @ p["w1"]) @ p["w2"]
+
+    def step(params, tokens):
+        def loss(params):
+            x = params["embed"][tokens]
+            for p in params["layers"]:
+                x = layer(x, p)
+            return jnp.mean((x @ params["head"]) ** 2)
+
+        g = jax.grad(loss)(params)
+        return jax.tree.map(lambda w, gw: w - 0.1 * gw, params, g)
+
+    block = {w: sds(d, d) for w in ("wq", "wk", "wv", "wo")} | {
+        "w1": sds(d, 4 * d),
+        "w2": sds(4 * d, d),
+    }
+    params = {"embed": sds(V, d), "layers": [block] * L, "head": sds(d, V)}
+    graph = capture(step, (params, jax.ShapeDtypeStruct((B, S), jnp.int32)))
+    profile = cost_models.load("h100-sxm")
+    mesh = MeshInfo.build(tuple(MESH), tuple(MESH.values()), None, profile.devices_per_node)
+    p = build_problem(graph, mesh, CostModel(profile, mesh))
+    lay = LY.find_layers(p)
+    assert lay.groups["layers"]["merged"] == L - 3, lay.groups  # all but 0, 1 and L-1
+    labels = LY._label(p, LY.KEEP)
+    # the attention core reads only its own layer's values: all of it is labelled (ops
+    # reading the residual stream touch two layers and stay global, as they should)
+    core = [
+        v
+        for v in range(p.num_inputs, len(labels))
+        if "bqd,bkd->bqk" in p.graph.nodes[v - p.num_inputs].name_stack
+    ]
+    assert len(core) >= 2 * L and all(labels[v] is not None for v in core)
