@@ -1,0 +1,105 @@
+"""What a rematerialization pass changed, per scan pair and per unrolled layer, and the
+plan notes that say so (`autopar.passes.remat`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.errors import format_bytes
+from autopar.passes.remat_unrolled import LayerRemat
+
+
+@dataclass(frozen=True)
+class PairRemat:
+    """One forward/backward scan pair, before and after `remat`."""
+
+    forward: str  # the forward scan's key (source line and name stack)
+    backward: str
+    layers: int  # the loop length
+    residuals_before: int  # stored per-layer values the backward reads
+    residuals_after: int
+    bytes_before: int  # all layers
+    bytes_after: int
+    recompute_flops: float  # backward FLOPs added per call (all layers)
+
+    @property
+    def bytes_per_layer_before(self) -> int:
+        return self.bytes_before // self.layers
+
+    @property
+    def bytes_per_layer_after(self) -> int:
+        return self.bytes_after // self.layers
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+
+@dataclass(frozen=True)
+class RematReport:
+    policy: str
+    pairs: tuple[PairRemat, ...]
+    # layers unrolled in Python (`passes.remat_unrolled`): the stack and each layer's change
+    stack: str = ""
+    layers: tuple[LayerRemat, ...] = ()
+    stack_layers: int = 0  # the stack's depth (`layers` may cover fewer of them)
+
+    @property
+    def applied(self) -> bool:
+        """Whether the pass changed anything: some residual is recomputed."""
+        return any(p.residuals_after < p.residuals_before for p in self.pairs) or any(
+            r.recomputed for r in self.layers
+        )
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(p.bytes_before for p in self.pairs)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(p.bytes_after for p in self.pairs)
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    @property
+    def recompute_flops(self) -> float:
+        return sum(p.recompute_flops for p in self.pairs)
+
+    def notes(self) -> tuple[str, ...]:
+        """Lines for a plan's warnings/notes."""
+        if not self.pairs and not self.layers:
+            return (
+                f"remat ({self.policy}): nothing to rematerialize: no forward/backward scan "
+                "pair and no stack of layers unrolled in Python was found",
+            )
+        unrolled = ()
+        if self.layers:
+            saved = sum(r.recomputed_bytes for r in self.layers)
+            flops = sum(r.recompute_flops for r in self.layers)
+            unrolled = (
+                f"remat ({self.policy}): layer stack {self.stack}: the backward pass of "
+                f"{_which(self.layers, self.stack_layers)} recomputes "
+                f"{self.layers[-1].recomputed} residuals a "
+                f"layer (keeps {self.layers[-1].stored}), {format_bytes(saved)} less kept "
+                f"between the passes for {flops:.3g} more FLOPs a call",
+            )
+        return unrolled + tuple(
+            f"remat ({self.policy}): the backward loop at {p.backward} recomputes "
+            f"{p.residuals_before - p.residuals_after} of {p.residuals_before} residuals of "
+            f"{p.forward}: stored {format_bytes(p.bytes_after)} instead of "
+            f"{format_bytes(p.bytes_before)} ({format_bytes(p.bytes_per_layer_after)} a layer "
+            f"instead of {format_bytes(p.bytes_per_layer_before)}, {p.layers} layers) for "
+            f"{p.recompute_flops:.3g} more FLOPs a call"
+            for p in self.pairs
+        )
+
+    def __str__(self) -> str:
+        return "\n".join(self.notes())
+
+
+def _which(layers: tuple[LayerRemat, ...], of: int) -> str:
+    if len(layers) >= of:
+        return f"{len(layers)} layers"
+    return f"layers {layers[0].index}-{layers[-1].index} of {of}"
