@@ -106,6 +106,9 @@ def measure(name: str, fn, args, mesh, donate=(), **options) -> dict:
     t = time.perf_counter()
     jaxpr = jax.make_jaxpr(fn)(*args)
     trace = time.perf_counter() - t
+    # The trace warmed JAX's caches of the jitted functions it called (jnp's, flax's);
+    # clear them so the capture inside `.plan()` traces from as cold a start as it did.
+    jax.clear_caches()
     common = dict(mesh=mesh, donate_argnums=donate, progress=False, **options)
     with tempfile.TemporaryDirectory() as cache, warnings.catch_warnings():
         warnings.simplefilter("ignore")

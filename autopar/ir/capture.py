@@ -161,6 +161,15 @@ def _describe(tree: Any) -> str:
     return f"<pytree of {len(leaves)} leaves>"
 
 
+@functools.lru_cache(maxsize=65536)
+def _tensor_type(shape: tuple, dtype: Any) -> TensorType:
+    try:
+        dt = np.dtype(np.float32 if dtype is None else dtype)
+    except TypeError:  # extended dtypes (PRNG keys): priced as their uint32 words
+        dt = np.dtype(np.uint32)
+    return TensorType(tuple(int(d) for d in shape), dt)
+
+
 class _Builder:
     def __init__(self):
         self.values: list[TensorType] = []
@@ -168,12 +177,7 @@ class _Builder:
         self.consts: dict[int, Any] = {}
 
     def new_value(self, aval) -> int:
-        shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        try:
-            dtype = np.dtype(getattr(aval, "dtype", np.float32))
-        except TypeError:  # extended dtypes (PRNG keys): priced as their uint32 words
-            dtype = np.dtype(np.uint32)
-        self.values.append(TensorType(shape, dtype))
+        self.values.append(_tensor_type(getattr(aval, "shape", ()), getattr(aval, "dtype", None)))
         return len(self.values) - 1
 
     def const(self, value, aval) -> int:
@@ -298,14 +302,16 @@ def _source(eqn, site: Site) -> Site:
     """(`file.py:LINE` of the first frame that made `eqn` outside JAX, Flax, optax,
     transformers and autopar; the frame JAX names when that one is a library's, else
     ""). An eqn with no frame outside JAX takes the call site's."""
-    frames = list(_compat.source_info_util.user_frames(eqn.source_info.traceback))
-    if not frames:
+    first = None
+    for file, where in _compat.eqn_frames(eqn):
+        if first is None:
+            first = where
+        if not is_library_file(file):
+            return (where, "" if where is first else first)
+    if first is None:
         return site
-    where = lambda f: f"{f.file_name.rsplit('/', 1)[-1]}:{f.start_line}"  # noqa: E731
-    user = next((f for f in frames if not is_library_file(f.file_name)), None)
-    if user is None:  # all library: the call site's user line, when there is one
-        return (site[0], where(frames[0])) if site[0] != "<unknown>" else (where(frames[0]), "")
-    return (where(user), "" if user is frames[0] else where(frames[0]))
+    # all library: the call site's user line, when there is one
+    return (site[0], first) if site[0] != "<unknown>" else (first, "")
 
 
 def _join(a: str, b: str) -> str:
