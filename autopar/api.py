@@ -28,8 +28,10 @@ from autopar.compile import (
     make_plan,
 )
 from autopar.compile.cache import cache_dir as _cache_dir
+from autopar.compile.cache import source_key
 from autopar.compile.progress import Progress
 from autopar.compile.progress import enabled as _progress_enabled
+from autopar.compile.step import plan_by_source
 from autopar.errors import AutoparError, MeshError, MicrobatchError, PipelineError, did_you_mean
 from autopar.frontends import Bound, bind, check_static_argnames, unwrap
 from autopar.ir.capture import abstractify_tree, fn_name
@@ -79,8 +81,16 @@ class Parallelized:
 
     # ---- public -------------------------------------------------------------------------
     def plan(self, *args, **kwargs) -> Plan:
-        """Search (or load) the plan for these arguments. Abstract args are fine."""
-        return self._get(*self._bind(args, kwargs)).plan
+        """Search (or load) the plan for these arguments. Abstract args are fine. With
+        the plan cache on, an unchanged program's plan is read without tracing it
+        (`compile.fingerprint`); calling the function still traces and checks it."""
+        call, bound = self._bind(args, kwargs)
+        if (bound.key, *self._key(call)) not in self._cache:
+            options = self._traced_options(bound)
+            found = plan_by_source(options, call, self._source_key(options, call, bound))
+            if found is not None:
+                return found
+        return self._get(call, bound).plan
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """Lower the sharded program, like `jax.jit(fn).lower(*args)`."""
@@ -148,19 +158,26 @@ class Parallelized:
         statics = tuple(_hashable(call.args[i]) for i in call.static)
         return (tree, sig, statics)
 
+    def _traced_options(self, bound: Bound) -> Options:
+        # the driver traces the frontend's pure program, under the slots' names
+        return dataclasses.replace(self.options, fn=bound.program, keywords=bound.program.keywords)
+
+    def _source_key(self, options: Options, call: Call, bound: Bound) -> str | None:
+        if options.cache_dir is None or options.given_plan is not None:
+            return None
+        return source_key(options, call, self.options.fn, bound.key)
+
     def _get(self, call: Call, bound: Bound) -> Compiled:
         key = (bound.key, *self._key(call))
         if key not in self._cache:
-            # the driver traces the frontend's pure program, under the slots' names
             self._programs[key] = bound.program
-            options = dataclasses.replace(
-                self.options, fn=bound.program, keywords=bound.program.keywords
-            )
+            options = self._traced_options(bound)
+            source = self._source_key(options, call, bound)
             if self.options.progress:
                 with Progress():
-                    self._cache[key] = compile_step(options, call)
+                    self._cache[key] = compile_step(options, call, source)
             else:
-                self._cache[key] = compile_step(options, call)
+                self._cache[key] = compile_step(options, call, source)
         return self._cache[key]
 
 

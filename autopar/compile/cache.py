@@ -18,7 +18,15 @@ its phase timings, the key and a hash of each part of the key; a JSON plan file 
 5-10x slower for a 58k-op plan), as JAX's cache keeps serialized executables: the
 directory is trusted like the code. Any change to autopar's code is a miss, so an
 entry is always read by the code that wrote it. A file that does not load or does not
-carry its key is a miss."""
+carry its key is a miss.
+
+A second, trace-free key (`source_key`) lets `.plan()` answer without tracing (a 7B
+step's trace alone takes seconds): the same parts with the program replaced by a
+fingerprint of the user's function (`compile.fingerprint`), the frontend's static
+structure and the arguments' paths and types. It is an alias file (`*.key`) pointing
+at the entry the traced key stored, written whenever a traced call stores or hits that
+entry. Calls never use it: they trace, and a program the fingerprint missed a change
+in misses the traced key, is searched, and the alias is repointed."""
 
 from __future__ import annotations
 
@@ -120,16 +128,13 @@ def _mesh(mesh) -> list:
     return [type(mesh).__name__, names, sizes]
 
 
-def cache_key(options, call, graph: Graph) -> tuple[str, dict[str, str]]:
-    """The key of one call's plan (`options`: `compile.driver.Options`, `call`: its
-    `Call`, `graph`: the function traced on the call's arguments), and a hash of each
-    part it is made of (kept in the entry, to tell why a later call missed)."""
+def _described(options, call) -> dict:
+    """Every part of a key but the program: code, arguments' roles, meshes, profile, options."""
     from autopar.search import ILP_TIME_LIMIT_S
 
     o = options
-    described = {
+    return {
         "code": code_hash(),
-        "program": program_hash(graph),
         "donate": list(call.donate),
         "static": list(call.static),
         "in_specs": repr(call.in_specs),
@@ -150,9 +155,47 @@ def cache_key(options, call, graph: Graph) -> tuple[str, dict[str, str]]:
             "ilp_time_limit_s": ILP_TIME_LIMIT_S,
         },
     }
+
+
+def _hashed(described: dict) -> tuple[str, dict[str, str]]:
     text = lambda x: json.dumps(x, sort_keys=True, default=repr)
     parts = {k: hashlib.sha256(text(v).encode()).hexdigest()[:16] for k, v in described.items()}
     return hashlib.sha256(text(described).encode()).hexdigest()[:40], parts
+
+
+def cache_key(options, call, graph: Graph) -> tuple[str, dict[str, str]]:
+    """The key of one call's plan (`options`: `compile.driver.Options`, `call`: its
+    `Call`, `graph`: the function traced on the call's arguments), and a hash of each
+    part it is made of (kept in the entry, to tell why a later call missed)."""
+    return _hashed({**_described(options, call), "program": program_hash(graph)})
+
+
+def source_key(options, call, fn, frontend_key) -> str | None:
+    """The trace-free key of one call (`.plan()` only, `compile.fingerprint`): the
+    parts of `cache_key` but the program, which is replaced by a fingerprint of the
+    user's function `fn`, what the frontend made static (`frontend_key`: NNX graph
+    definitions, pytree structures) and the arguments' paths, types and static values.
+    None when `fn` cannot be fingerprinted."""
+    from autopar.compile.fingerprint import fingerprint
+
+    source = fingerprint(fn)
+    if source is None:
+        return None
+    leaves, tree = jax.tree_util.tree_flatten_with_path(call.dyn)
+    args = [
+        (jax.tree_util.keystr(p), tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+        if hasattr(x, "dtype")
+        else (jax.tree_util.keystr(p), type(x).__name__)
+        for p, x in leaves
+    ]
+    statics = [_ADDRESS.sub("", repr(call.args[i])) for i in call.static]
+    described = {
+        **_described(options, call),
+        "source": source,
+        "frontend": _ADDRESS.sub("", repr(frontend_key)),
+        "arguments": [str(tree), args, statics],
+    }
+    return "src-" + _hashed(described)[0]
 
 
 class PlanCache:
@@ -181,6 +224,39 @@ class PlanCache:
             return None
         log.info("plan cache hit: %s", path)
         return plan
+
+    def alias(self, skey: str, function: str) -> Path:
+        return self.path(skey, function).with_suffix(".key")
+
+    def store_alias(self, skey: str, key: str, plan: Plan) -> None:
+        """Point the trace-free key `skey` at the entry `key`, with the result's pytree
+        structure (which only a trace can tell)."""
+        path = self.alias(skey, plan.function)
+        try:
+            out_tree = pickle.dumps(plan.out_tree, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - a pytree node type pickle cannot name
+            out_tree = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".key")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump({"cache_key": key, "out_tree": out_tree}, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("autopar plan cache: cannot write %s (%s)", path, e)
+
+    def load_alias(self, skey: str, function: str) -> tuple[str, Plan, Any] | None:
+        """(entry key, plan, result pytree structure or None) that `skey` points at."""
+        try:
+            d = pickle.loads(self.alias(skey, function).read_bytes())
+            key = d["cache_key"]
+            out_tree = pickle.loads(d["out_tree"]) if d.get("out_tree") else None
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - a broken alias is a miss
+            log.warning("autopar plan cache: ignoring %s (%s)", self.alias(skey, function), e)
+            return None
+        plan = self.load(key, function)
+        return None if plan is None else (key, plan, out_tree)
 
     def store(self, key: str, plan: Plan, parts: dict[str, str] | None = None) -> Path | None:
         path = self.path(key, plan.function)

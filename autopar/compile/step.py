@@ -9,21 +9,24 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+import jax
+
 from autopar.compile.cache import PlanCache, cache_key
 from autopar.compile.clock import Clock
 from autopar.compile.driver import Call, Compiled, Infeasible, Options, _Driver, log
 from autopar.errors import AutoparError, MemoryBudgetError
-from autopar.ir.capture import capture, fn_name
+from autopar.ir.capture import abstractify_tree, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.passes.remat import POLICIES as REMAT_POLICIES
 from autopar.plan.plan import Plan
 
 
-def compile_step(options: Options, call: Call) -> Compiled:
+def compile_step(options: Options, call: Call, source: str | None = None) -> Compiled:
     """The plan and `jax.jit` for this call: from the plan cache when it has one for
     it (`compile.cache`), else searched (and stored there). The plan records the
     seconds of each phase; under `time_limit=` the work left out is named in a
-    warning (and the plan is not stored)."""
+    warning (and the plan is not stored). `source`: the call's trace-free key
+    (`cache.source_key`), pointed at the entry for `.plan()` in later processes."""
     clock = Clock(options.time_limit)
     single = len(options.meshes) == 1
     log.info("tracing %s", fn_name(options.fn))
@@ -47,6 +50,8 @@ def compile_step(options: Options, call: Call) -> Compiled:
                 info = {"status": "hit", "path": str(cache.path(key, graph.name))}
                 if hit.phases and "total" in hit.phases:
                     info["searched_s"] = hit.phases["total"]
+                if source is not None:
+                    cache.store_alias(source, key, got.plan)
                 return replace(got, plan=replace(got.plan, phases=clock.report(), cache=info))
     got = _compile(options, call, graph, clock)
     if clock.skipped:
@@ -60,11 +65,44 @@ def compile_step(options: Options, call: Call) -> Compiled:
     if cache is not None and not clock.skipped:
         with clock.phase("cache"):
             path = cache.store(key, plan, parts)
+            if path is not None and source is not None:
+                cache.store_alias(source, key, plan)
         plan = replace(
             plan, cache={"status": "stored" if path else "not stored", "path": str(path or "")}
         )
         plan = replace(plan, phases=clock.report())
     return replace(got, plan=plan)
+
+
+def plan_by_source(options: Options, call: Call, source: str | None) -> Plan | None:
+    """`.plan()` without tracing: the plan the trace-free key `source` points at in the
+    plan cache (stored by an earlier `compile_step` of the same call), or None. Calls
+    never take this path: they trace, and bind the plan the traced key finds."""
+    if options.cache_dir is None or options.given_plan is not None or source is None:
+        return None
+    clock = Clock()
+    with clock.phase("cache"):
+        got = PlanCache(options.cache_dir).load_alias(source, fn_name(options.fn))
+    if got is None:
+        return None
+    key, plan, out_tree = got
+    shape = dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
+    meshes = [m for m in options.meshes if dict(zip(m.axis_names, m.axis_sizes)) == shape]
+    info = {
+        "status": "hit",
+        "key": "source",
+        "path": str(PlanCache(options.cache_dir).path(key, plan.function)),
+    }
+    if plan.phases and "total" in plan.phases:
+        info["searched_s"] = plan.phases["total"]
+    return replace(
+        plan,
+        in_tree=jax.tree_util.tree_structure(abstractify_tree(call.dyn)),
+        out_tree=out_tree,
+        jax_mesh=meshes[0] if meshes else None,
+        phases=clock.report(),
+        cache=info,
+    )
 
 
 # Searches `remat="auto"` spends on how many layers of an unrolled stack to recompute
