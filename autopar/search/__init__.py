@@ -25,22 +25,13 @@ log = logging.getLogger("autopar")  # shown by `autopar.compile.progress`
 
 def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
     from autopar.search.layers import solve_dp_layered  # repeated layers solved once
-    from autopar.search.solvers.dp import _forest_descent
 
     g = problem.cost_graph().restrict(pinned)
-    sol = solve_dp_layered(problem, g, pinned)
+    # where dp guesses, recursive's plan is polished the same way (the cheaper is kept)
+    start = lambda: g.lower_choice(engines.recursive(problem, pinned), pinned)  # noqa: E731
+    sol = solve_dp_layered(problem, g, pinned, start=start)
     info.update(optimal=sol.optimal, gap=sol.gap)
-    choice = list(sol.choice)
-    if not sol.optimal:
-        # dp guessed part of the graph and polished the guess locally, which can stall
-        # in a poor optimum (e.g. a channel-split conv paying a 128 MB all-to-all);
-        # polish recursive's plan the same way too and keep the cheaper one.
-        cost, edges = g.presolve()
-        start = g.lower_choice(engines.recursive(problem, pinned), pinned)
-        other, _ = _forest_descent(cost, edges, start)
-        if g.total(other) < g.total(choice):
-            choice = list(other)
-    return g.lift_choice(choice, pinned)
+    return g.lift_choice(list(sol.choice), pinned)
 
 
 def _ilp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:

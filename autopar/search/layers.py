@@ -73,14 +73,15 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from autopar.search.build import Problem
 from autopar.search.solvers.costgraph import CostGraph, Solution
 from autopar.search.solvers.dp import solve_dp
+from autopar.search.solvers.forest import forest_descent
 
 __all__ = ["Layers", "find_layers", "quotient", "solve_dp_layered"]
 
@@ -285,21 +286,24 @@ def solve_dp_layered(
     pinned: Mapping[int, int] = {},  # noqa: B006
     memory_budget: float = float("inf"),
     keep: int = KEEP,
+    start: Callable[[], Sequence[int]] | None = None,
 ) -> Solution:
     """``solve_dp`` on ``g`` (the problem's cost graph, pins applied) with repeated
-    layers folded into one; the plan is lifted back to every node of ``g``."""
+    layers folded into one; the plan is lifted back to every node of ``g``. When dp had
+    to guess, ``start()`` (a plan of ``g``) is polished by forest descent too, on the
+    quotient (its representatives' strategies), and the cheaper plan kept."""
     if not ENABLED:
-        return solve_dp(g, memory_budget)
-    start = time.perf_counter()
+        return _with_start(g, solve_dp(g, memory_budget), start)
+    t0 = time.perf_counter()
     layers = find_layers(problem, pinned, keep)
     if layers.merged == 0:
         # nothing to fold (a shallow model): the graph is as small as a quotient, so
         # its guessed kernel gets the quotient's polish (patience 3 left GPT-1.3B's
         # data-parallel plan a layer norm split on its hidden dim, a 64 MiB all-to-all
         # a later forest removes)
-        return solve_dp(g, memory_budget, polish=POLISH)
+        return _with_start(g, solve_dp(g, memory_budget, polish=POLISH), start)
     q, idx = quotient(g, layers.phi)
-    detect_s = time.perf_counter() - start
+    detect_s = time.perf_counter() - t0
     sol = solve_dp(q, memory_budget, polish=POLISH)
     starts = {"free": sol.cost}
     state = sorted({int(idx[i]) for i in problem.aliases.values() if i not in pinned})
@@ -312,6 +316,13 @@ def solve_dp_layered(
         starts["state_priced"] = q.total(x)
         if starts["state_priced"] < sol.cost and q.memory(x) <= memory_budget:
             sol = other
+    if not sol.optimal and start is not None:
+        rep = np.empty(q.num_nodes(), dtype=np.int64)
+        own = layers.phi == np.arange(len(idx))  # representatives and unmerged nodes
+        rep[idx[own]] = np.flatnonzero(own)
+        full = start()
+        sol = _with_start(q, sol, lambda: [int(full[v]) for v in rep])
+        starts["start"] = sol.info.get("start_cost")
     choice = tuple(int(sol.choice[k]) for k in idx)
     info = dict(sol.info)
     info["layers"] = {
@@ -328,6 +339,22 @@ def solve_dp_layered(
         memory=g.memory(choice),
         optimal=False,  # optimal among layer-uniform plans at best
         gap=None,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - t0,
         info=info,
     )
+
+
+def _with_start(g: CostGraph, sol: Solution, start: Callable[[], Sequence[int]] | None) -> Solution:
+    """``sol``, or the forest descent of ``start()`` on ``g`` where that is cheaper; dp
+    guessed part of the graph and polished the guess locally, which can stall in a poor
+    optimum (a channel-split conv paying a 128 MB all-to-all), so another start is
+    polished the same way."""
+    if sol.optimal or start is None:
+        return sol
+    cost, edges = g.presolve()
+    other, _ = forest_descent(cost, edges, start())
+    value = g.total(other)
+    info = {**sol.info, "start_cost": value}
+    if value < g.total(sol.choice):
+        return replace(sol, choice=tuple(other), cost=value, memory=g.memory(other), info=info)
+    return replace(sol, info=info)
