@@ -25,6 +25,18 @@ class Spec:
     dims: tuple[Axes, ...]
     partial: Axes = ()
 
+    # Specs key many of the search's tables: the hash is computed once (it is not
+    # pickled: string hashes differ between processes).
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dims, self.partial))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @staticmethod
     def replicated(rank: int) -> Spec:
         return Spec(((),) * rank)

@@ -36,6 +36,18 @@ class TensorType:
     def __str__(self) -> str:
         return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
 
+    # Types key many of the search's tables: the hash is computed once (it is not
+    # pickled: string hashes differ between processes).
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.dtype))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
 
 @dataclass(frozen=True, eq=False)
 class Node:

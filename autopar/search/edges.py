@@ -73,6 +73,9 @@ def build_edges(graph, cost, strategies, source, share: float, combinable: froze
     n_in = len(graph.inputs)
     edges: dict[tuple[int, int], np.ndarray] = {}
     cache: dict = {}
+    # repeated layers share strategy tables: a matrix per (tables, positions, type)
+    # is made once, without collecting and hashing their specs again
+    same: dict = {}
     uses: dict[int, int] = {}
     for node in graph.nodes:
         for x in node.inputs:
@@ -84,10 +87,14 @@ def build_edges(graph, cost, strategies, source, share: float, combinable: froze
                 continue  # constants: any slice is free
             u, k = source[x]
             t = graph.values[x]
-            src = tuple(s.out_specs[k] for s in strategies[u])
-            dst = tuple(s.in_specs[j] for s in strategies[v_cg])
             s = share if x in combinable else None
-            add_edge(edges, u, v_cg, reshard_matrix(cost, t, src, dst, cache, uses[x], s))
+            key = (id(strategies[u]), k, id(strategies[v_cg]), j, t, uses[x], s)
+            m = same.get(key)
+            if m is None:
+                src = tuple(st.out_specs[k] for st in strategies[u])
+                dst = tuple(st.in_specs[j] for st in strategies[v_cg])
+                m = same[key] = reshard_matrix(cost, t, src, dst, cache, uses[x], s)
+            add_edge(edges, u, v_cg, m)
     return edges
 
 
@@ -131,9 +138,13 @@ def reshard_matrix(
     key = (t, src, dst, uses, share)
     m = cache.get(key)
     if m is None:
-        m = np.array([[price(a, b) for b in dst] for a in src], dtype=np.float64).reshape(
-            len(src), len(dst)
-        )
+        # strategies repeat their operands' specs: price each distinct pair once
+        rows, cols = dict.fromkeys(src), dict.fromkeys(dst)
+        small = np.array([[price(a, b) for b in cols] for a in rows], dtype=np.float64)
+        small = small.reshape(len(rows), len(cols))
+        row = {a: i for i, a in enumerate(rows)}
+        col = {b: i for i, b in enumerate(cols)}
+        m = small[np.ix_([row[a] for a in src], [col[b] for b in dst])]
         m.setflags(write=False)
         cache[key] = m
     return m

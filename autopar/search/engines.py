@@ -153,22 +153,42 @@ def _recursive(problem: Problem, pinned: Mapping[int, int], sweeps: int) -> list
     )
     penalty = _replication_penalty(problem)
     small = _latency_bound(problem)
+    # Repeated layers share strategy tables (`build` makes one per distinct op): the
+    # candidates of a (table, current strategy, axis) and the penalty of a (node kind,
+    # strategy, axis) are computed once, not once per layer.
+    kinds: dict = {}
+    kind = [kinds.setdefault(_penalty_kind(problem, v), len(kinds)) for v in range(n)]
+    cand_memo: dict = {}
+    pen_memo: dict = {}
+
+    def candidates(v: int, ai: int) -> list[int]:
+        strats = problem.strategies[v]
+        key = (id(strats), choice[v], ai, small[v])
+        got = cand_memo.get(key)
+        if got is None:
+            base = strats[choice[v]].assignment
+            got = [
+                i
+                for i, s in enumerate(strats)
+                if all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
+            ]
+            if small[v]:  # not worth a collective: stays whole along this axis
+                got = [i for i in got if strats[i].assignment[ai : ai + 1] in ((), (None,))] or got
+            cand_memo[key] = got
+        return got
+
+    def pen(v: int, i: int, ai: int) -> float:
+        key = (kind[v], i, ai)
+        got = pen_memo.get(key)
+        if got is None:
+            got = pen_memo[key] = penalty(v, i, ai)
+        return got
 
     def decide(v: int, ai: int, decided: np.ndarray) -> None:
-        base = problem.strategies[v][choice[v]].assignment
-        cands = [
-            i
-            for i, s in enumerate(problem.strategies[v])
-            if all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
-        ]
-        if small[v]:  # not worth a collective: stays whole along this axis
-            cands = [
-                i
-                for i in cands
-                if problem.strategies[v][i].assignment[ai : ai + 1] in ((), (None,))
-            ] or cands
+        cands = candidates(v, ai)
         edge = edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
-        scores = [problem.node_time[v][i] + penalty(v, i, ai) + edge[i] for i in cands]
+        times = problem.node_time[v]
+        scores = [times[i] + pen(v, i, ai) + edge[i] for i in cands]
         choice[v] = cands[int(np.argmin(scores))]
         decided[v] = True
 
@@ -214,6 +234,21 @@ def _latency_bound(problem: Problem) -> list[bool]:
         biggest = max((g.values[x].nbytes for x in values), default=0)
         out.append(biggest / bandwidth < latency)
     return out
+
+
+def _penalty_kind(problem: Problem, v: int):
+    """What `_replication_penalty` of node `v` depends on besides the strategy and axis:
+    its strategy table, its inputs' types and whether each is priced (and as a weight),
+    its outputs' types. Nodes of one kind (the same op in every layer) share penalties."""
+    g, n_in = problem.graph, problem.num_inputs
+    if v < n_in:
+        return ("input",)
+    node = g.nodes[v - n_in]
+    ins = tuple(
+        (g.values[x], x in problem.source and problem.source[x][0] < n_in, x in problem.source)
+        for x in node.inputs
+    )
+    return (id(problem.strategies[v]), ins, tuple(g.values[x] for x in node.outputs))
 
 
 def _replication_penalty(problem: Problem):

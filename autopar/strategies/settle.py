@@ -23,12 +23,21 @@ def settle_partials(
     partial (e.g. a weight gradient before its reduce-scatter). A value some use takes
     as the same partial sum (a linear op passing it through) stays partial: its
     settled spec is its own. value id -> spec."""
+    partial = {
+        v
+        for node, specs in zip(graph.nodes, op_out_specs)
+        for v, sp in zip(node.outputs, specs)
+        if sp.partial
+    }
     wants: dict[int, Counter[Spec]] = {}
     for node, specs in zip(graph.nodes, op_in_specs):
-        for v, sp in zip(dict.fromkeys(node.inputs), specs):
-            wants.setdefault(v, Counter())[sp] += 1
+        # a value an op reads twice in one spec counts once (x * x)
+        for v, sp in dict.fromkeys(zip(node.inputs, specs)):
+            if v in partial:
+                wants.setdefault(v, Counter())[sp] += 1
     for v, sp in zip(graph.outputs, output_specs):
-        wants.setdefault(v, Counter())[sp] += 1
+        if v in partial:
+            wants.setdefault(v, Counter())[sp] += 1
     out: dict[int, Spec] = {}
     for node, specs in zip(graph.nodes, op_out_specs):
         for v, sp in zip(node.outputs, specs):
