@@ -295,3 +295,44 @@ def test_render_draws_the_layout_boxes_and_labels(small_plan, tmp_path):
     # with their mesh coordinates, data major
     coords = {t for t in texts if re.fullmatch(r"data \d,model \d", t)}
     assert coords == {f"data {i},model {j}" for i in range(2) for j in range(4)}, coords
+
+
+def test_render_draws_the_pipeline_schedule(small_plan, tmp_path):
+    """A pipelined plan's picture has the schedule: one row per stage, every slot's
+    micro-batch, and the schedule line with the bubble (`autopar.plan.schedule`)."""
+    import dataclasses
+    import re
+
+    import matplotlib
+
+    from autopar.plan.schedule import schedule_line, timeline
+
+    plan = Plan.from_json(json.loads(small_plan.read_text()))
+    record = {
+        "stages": 2,
+        "microbatches": 3,
+        "schedule": "1f1b",
+        "axis": "stage",
+        "scans": [
+            {"op": "scan@1", "stages": [[0, 1], [1, 2]], "reverse": False, "seconds": 4e-3},
+            {"op": "scan@2", "stages": [[0, 1], [1, 2]], "reverse": True, "seconds": 8e-3},
+        ],
+        "fused": [{"forward": "scan@1", "backward": "scan@2", "head": [], "head_seconds": 3e-4}],
+    }
+    piped = dataclasses.replace(plan, pipeline=record)
+    out = tmp_path / "piped.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        render.render_plan(piped, out, top=2)
+    texts = [
+        re.sub(r"<[^>]+>", "", t)
+        for t in re.findall(r"<text[^>]*>(.*?)</text>", out.read_text(), re.S)
+    ]
+    body = html.unescape("\n".join(texts))
+    assert "stage 0" in body and "stage 1" in body
+    assert "bubble" in body and "held per" in body
+    slots = [t for t in timeline(record).slots if t.micro is not None]
+    labels = [t for t in texts if re.fullmatch(r"[FBH]\d", html.unescape(t))]
+    assert len(labels) == len(slots)  # forward, head and backward slots, each labelled
+    assert schedule_line(timeline(record)).split(";")[0].removeprefix("schedule: ") in body.replace(
+        "\n", " "
+    )

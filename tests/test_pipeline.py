@@ -15,6 +15,7 @@ from helpers import assert_trees_close, replay_from_file, run_steps
 import autopar
 from autopar.errors import MicrobatchError, PipelineError
 from autopar.examples.models import gpt
+from autopar.plan.schedule import timeline
 
 MESH = {"stage": 2, "data": 2, "model": 2}
 CLUSTER = "cpu"
@@ -79,6 +80,19 @@ def test_pipelined_training_matches_single_device(schedule):
         assert all("stage" not in sp.used_axes for o in head for sp in o.out_specs)
     else:
         assert "fused" not in p
+    # the schedule the lowering runs, as the plan, inspect and render show it
+    t = timeline(p)
+    assert not t.estimated and 0 < t.seconds <= plan.cost.step_s
+    held = [t.in_flight(s) for s in range(2)]
+    assert held == ([3, 1] if name == "1f1b" else [4, 4]), held
+    assert f"micro-batches held per stage: {held[0]}, {held[1]}" in str(plan)
+    assert f"bubble {t.bubble:.0%}" in str(plan)
+    from autopar.tools.inspect import inspect_summary, render_inspect
+
+    assert inspect_summary(plan)["schedule"]["held_per_stage"] == held
+    text = render_inspect(plan)
+    assert "== pipeline schedule (" in text and f"held per stage: {held[0]}, {held[1]})" in text
+    assert ("F0 H0 B0" if name == "1f1b" else "B0 B1 B2 B3") in text  # the last stage's row
 
 
 def test_compiled_pipeline_moves_activations_with_collective_permute(capfd):

@@ -97,12 +97,17 @@ def make_plan(
     pipeline = None
     if pipelined is not None:
         keys = op_keys(g)
+        # each op's priced seconds under the chosen strategy (the schedule's slot times)
+        n_in = problem.num_inputs
+        priced = lambda i: float(problem.node_time[n_in + i][result.choice[n_in + i]])  # noqa: E731
         pipeline = {
             **pipelined.pipe.to_json(),
             "scans": [
                 {
                     "op": keys[i],
                     "stages": [list(r) for r in layer_ranges(g.nodes[i], pipelined.pipe)],
+                    "reverse": bool(g.nodes[i].params["reverse"]),
+                    "seconds": priced(i),
                 }
                 for i in pipelined.scans
             ],
@@ -113,6 +118,7 @@ def make_plan(
                     "forward": keys[f.forward],
                     "backward": keys[f.backward],
                     "head": [keys[h] for h in f.head],
+                    "head_seconds": sum(priced(h) for h in f.head),
                 }
                 for f in pipelined.fused
             ]

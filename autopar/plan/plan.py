@@ -16,6 +16,7 @@ from autopar.cost.model import Cost
 from autopar.errors import PlanError, format_bytes
 from autopar.ir.graph import Graph
 from autopar.ir.ops import CONTRACTIONS
+from autopar.plan.schedule import schedule_line, timeline
 from autopar.sharding import MeshInfo, Spec
 
 FORMAT = "autopar.plan/1"
@@ -414,6 +415,7 @@ class Plan:
                     for s in p["scans"]
                 )
             )
+            lines.append("  " + schedule_line(timeline(p)))
         for name, info in self.search_info.items():
             if name == "skipped":  # engines `auto` left out, with why
                 lines += [f"  {e}: not run ({why})" for e, why in info.items()]

@@ -9,6 +9,7 @@ from collections import Counter
 from autopar.errors import format_bytes
 from autopar.ir.ops import CONTRACTIONS
 from autopar.plan.plan import Plan, is_note
+from autopar.plan.schedule import schedule_line, timeline
 from autopar.tools.inspect.format import (
     comm_key,
     format_seconds,
@@ -235,6 +236,18 @@ def inspect_summary(plan: Plan, by: str = "param") -> dict:
         "warnings": list(plan.warnings),
         "by": by,
     }
+    if plan.pipeline:
+        t = timeline(plan.pipeline)
+        out["schedule"] = {
+            "schedule": t.schedule,
+            "stages": t.stages,
+            "microbatches": t.microbatches,
+            "pipelined_s": t.seconds,
+            "bubble": t.bubble,
+            "estimated": t.estimated,
+            "held_per_stage": [t.in_flight(s) for s in range(t.stages)],
+            "slots": t.rows(width=10**6),
+        }
     if by == "param":
         out["inputs"] = inputs
     elif by == "op":
@@ -393,6 +406,14 @@ def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
         tables.append(t)
     else:
         raise ValueError(f"unknown view {by!r}; choose param, op or layer")
+    if plan.pipeline:
+        t = timeline(plan.pipeline)
+        sched = Table(
+            f"pipeline schedule ({schedule_line(t).removeprefix('schedule: ')})",
+            ["stage", "slots in order (F/B/H<micro-batch>: forward, backward, head; . idle)"],
+        )
+        sched.rows = [line.split(": ", 1) for line in t.rows()]
+        tables.append(sched)
     tables.append(
         Table(
             "warnings",

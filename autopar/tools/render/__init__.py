@@ -1,6 +1,6 @@
 """`autopar render`: a picture of a plan (PNG, SVG or PDF; matplotlib, Agg backend).
 
-The picture has two parts:
+The picture has two parts (three for a pipelined plan):
 
 * **Layers** (left): the model's layers in program order, grouped the way
   `autopar inspect --by layer` groups them (`autopar.tools.inspect.layer_of_path` /
@@ -15,6 +15,10 @@ The picture has two parts:
   rectangle (rows: dim 0; columns: the other dims) cut into one tile per shard
   along every sharded dimension and labelled with the mesh-axis coordinates of
   the devices holding it. The dark tile is one device's share.
+* **Schedule** (bottom, pipelined plans only): the pipeline's slots per stage over
+  time (`autopar.plan.schedule`): forward, backward and head slots labelled with their
+  micro-batch, idle ones hatched, with the bubble and the micro-batches each stage
+  holds.
 
 Everything is computed from the plan file alone; no function or devices needed.
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from autopar.errors import RenderError, format_bytes
 from autopar.plan.plan import Plan
+from autopar.plan.schedule import Timeline, schedule_line, timeline
 from autopar.tools.inspect.format import format_seconds, full_bytes, shape_text
 from autopar.tools.render.layout import (
     DEFAULT_TOP,
@@ -360,7 +361,9 @@ def render_plan(plan: Plan, out: str | Path, top: int = DEFAULT_TOP, title: str 
     cap_h = 0.13 * (caption.count("\n") + 1) if params else 0.0
     header_h = 0.45 + sub_h + max(0.25, cap_h) + 0.1
     body_h = max(layers_h + legend_h, p_rows * cell_h + 0.3)
-    fig_h = header_h + body_h
+    sched = timeline(plan.pipeline) if plan.pipeline else None
+    sched_h = 1.2 + 0.32 * sched.stages if sched else 0.0
+    fig_h = header_h + body_h + sched_h
     fig = Figure(figsize=(fig_w, fig_h), dpi=110)
 
     def axes(x, y, w, h):  # inches from the top-left corner
@@ -426,5 +429,67 @@ def render_plan(plan: Plan, out: str | Path, top: int = DEFAULT_TOP, title: str 
         )
         _draw_param(pax, pg, plan, axis_colour)
 
+    if sched is not None:
+        sax = axes(0.9, header_h + body_h + 0.45, fig_w - 1.2, sched_h - 1.15)
+        _draw_schedule(sax, sched)
+
     fig.savefig(out, format=fmt)
     return out
+
+
+_SLOT_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "head": "#59a14f"}
+
+
+def _draw_schedule(ax, t: Timeline) -> None:
+    """The pipeline's slots per stage over time (`autopar.plan.schedule`): forward,
+    backward and head slots labelled with their micro-batch, idle slots hatched."""
+    from matplotlib.patches import Patch
+
+    scale, unit = (1.0, "slot units") if t.estimated else (1e3, "ms")
+    label = sum(1 for s in t.slots if s.stage == 0) <= 64
+    for s in t.slots:
+        x, w = s.start * scale, s.seconds * scale
+        if s.kind == "idle":
+            ax.broken_barh(
+                [(x, w)],
+                (s.stage - 0.4, 0.8),
+                facecolors="#eeeeee",
+                edgecolors="#bbbbbb",
+                hatch="///",
+                linewidth=0.3,
+            )
+            continue
+        ax.broken_barh(
+            [(x, w)],
+            (s.stage - 0.4, 0.8),
+            facecolors=_SLOT_COLOURS[s.kind],
+            edgecolors="white",
+            linewidth=0.5,
+        )
+        if label:
+            ax.text(
+                x + w / 2,
+                s.stage,
+                f"{s.kind[0].upper()}{s.micro}",
+                ha="center",
+                va="center",
+                fontsize=5.5,
+                color="white",
+            )
+    ax.set_ylim(t.stages - 0.5, -0.5)
+    ax.set_yticks(range(t.stages), [f"stage {i}" for i in range(t.stages)], fontsize=7)
+    ax.set_xlim(0, t.seconds * scale)
+    ax.set_xlabel(unit, fontsize=7)
+    ax.tick_params(axis="x", labelsize=6.5)
+    ax.set_title(textwrap.fill(schedule_line(t), 160), fontsize=7.5, loc="left")
+    handles = [Patch(facecolor=c, label=k) for k, c in _SLOT_COLOURS.items()]
+    handles.append(Patch(facecolor="#eeeeee", edgecolor="#bbbbbb", hatch="///", label="idle"))
+    ax.legend(
+        handles=handles,
+        fontsize=6.5,
+        loc="upper left",
+        # under the axis label: 0.4 inches below the axes
+        bbox_to_anchor=(0.0, -0.4 / (ax.get_position().height * ax.figure.get_figheight())),
+        ncols=len(handles),
+        frameon=False,
+    )

@@ -1,0 +1,152 @@
+"""The pipeline schedule a plan runs, slot by slot: which micro-batch each stage works
+on in every slot of the lowered program (`autopar.lower.pipeline`), and what is idle.
+`autopar inspect` prints it, `autopar render` draws it, `Plan.summary` gives its
+bubble. It is read from the plan's `pipeline` record alone.
+
+The slots are the lowering's, in order:
+
+* a loop pipelined on its own (GPipe, or a loop no backward loop pairs with):
+  `M + S - 1` slots; in slot `i` stage `s` runs micro-batch `i - s` (a reversed
+  loop, a backward pass: `i - (S - 1 - s)`); a stage with no micro-batch in a slot
+  computes on zeros and drops the result (idle).
+* a 1F1B pair (`fused`): `S - 1` forward slots, then `M` ticks of a forward slot, the
+  head on the last stage (the other stages wait) and a backward slot, then `S - 1`
+  backward slots; the forward slot `i` runs micro-batch `i - s`, the backward slot `b`
+  micro-batch `b - (S - 1 - s)`.
+
+Every slot is lock-step: all stages start it together. A slot lasts the priced time
+of its loop over its `M + S - 1` slots (the plan records each pipelined loop's price,
+`seconds`, and the head's, `head_seconds`, over all micro-batches); a plan file
+without them gets unit slots (forward 1, backward 2, head 0) and says so
+(`Timeline.estimated`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Slot", "Timeline", "schedule_line", "timeline"]
+
+FORWARD, BACKWARD, HEAD, IDLE = "forward", "backward", "head", "idle"
+
+
+@dataclass(frozen=True)
+class Slot:
+    stage: int
+    start: float  # seconds from the first pipelined slot
+    seconds: float
+    kind: str  # FORWARD, BACKWARD, HEAD or IDLE
+    micro: int | None  # the micro-batch, None when idle
+    loop: str  # the op key of the loop (or head) the slot belongs to
+
+
+@dataclass(frozen=True)
+class Timeline:
+    stages: int
+    microbatches: int
+    schedule: str
+    slots: tuple[Slot, ...]
+    seconds: float  # the pipelined part of the step, end to end
+    estimated: bool  # unit slot times (the plan records no prices)
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of stage-seconds spent idle (filling, draining, waiting)."""
+        idle = sum(s.seconds for s in self.slots if s.kind == IDLE)
+        return idle / (self.stages * self.seconds) if self.seconds else 0.0
+
+    def in_flight(self, stage: int) -> int:
+        """The most micro-batches whose forward slot ran on `stage` and whose backward
+        slot has not yet: how many micro-batches' saved activations it holds at once."""
+        live = peak = 0
+        for s in sorted(
+            (s for s in self.slots if s.stage == stage and s.micro is not None),
+            key=lambda s: s.start,
+        ):
+            live += {FORWARD: 1, BACKWARD: -1}.get(s.kind, 0)
+            peak = max(peak, live)
+        return peak
+
+    def rows(self, width: int = 96) -> list[str]:
+        """One line per stage: `F3` forward of micro-batch 3, `B3` its backward, `H3`
+        the head, `.` idle; slots in order, each as wide as its label (no time scale)."""
+        lines = []
+        for st in range(self.stages):
+            cells = [
+                "." if s.micro is None else f"{s.kind[0].upper()}{s.micro}"
+                for s in self.slots
+                if s.stage == st
+            ]
+            text = " ".join(cells)
+            if len(text) > width:
+                text = text[: width - 3] + "..."
+            lines.append(f"stage {st}: {text}")
+        return lines
+
+
+def timeline(pipeline: dict) -> Timeline:
+    """The slots of the plan's `pipeline` record (`Plan.pipeline`)."""
+    S, M = int(pipeline["stages"]), int(pipeline["microbatches"])
+    fused = {f["forward"]: f for f in pipeline.get("fused", ())}
+    backward_of_fused = {f["backward"] for f in pipeline.get("fused", ())}
+    scans = {s["op"]: s for s in pipeline["scans"]}
+    estimated = any("seconds" not in s for s in pipeline["scans"])
+    ticks = M + S - 1
+
+    def slot_s(scan: dict, reverse: bool) -> float:
+        if estimated:
+            return 2.0 if reverse else 1.0
+        return float(scan["seconds"]) / ticks
+
+    slots: list[Slot] = []
+    t = 0.0
+
+    def run(kind: str, seconds: float, micro_of, loop: str) -> None:
+        nonlocal t
+        for s in range(S):
+            m = micro_of(s)
+            ok = m is not None and 0 <= m < M
+            slots.append(Slot(s, t, seconds, kind if ok else IDLE, m if ok else None, loop))
+        t += seconds
+
+    for scan in pipeline["scans"]:
+        op = scan["op"]
+        if op in backward_of_fused:
+            continue
+        if op in fused:
+            f = fused[op]
+            back = scans[f["backward"]]
+            tf, tb = slot_s(scan, False), slot_s(back, True)
+            th = 0.0 if estimated else float(f.get("head_seconds", 0.0)) / M
+            for i in range(S - 1):
+                run(FORWARD, tf, lambda s, i=i: i - s, op)
+            for j in range(M):
+                run(FORWARD, tf, lambda s, j=j: S - 1 + j - s, op)
+                if th:
+                    run(HEAD, th, lambda s, j=j: j if s == S - 1 else None, "head")
+                run(BACKWARD, tb, lambda s, j=j: j - (S - 1 - s), f["backward"])
+            for k in range(S - 1):
+                run(BACKWARD, tb, lambda s, k=k: M + k - (S - 1 - s), f["backward"])
+        else:
+            reverse = bool(scan.get("reverse", False))
+            kind, ts = (BACKWARD if reverse else FORWARD), slot_s(scan, reverse)
+            for i in range(ticks):
+                run(kind, ts, lambda s, i=i, r=reverse: i - (S - 1 - s) if r else i - s, op)
+    return Timeline(S, M, str(pipeline.get("schedule", "")), tuple(slots), t, estimated)
+
+
+def schedule_line(t: Timeline) -> str:
+    """One line for `Plan.summary`: the schedule, its pipelined time and bubble, and how
+    many micro-batches' activations each stage holds at once."""
+    name = {"1f1b": "1F1B", "gpipe": "GPipe"}.get(t.schedule, t.schedule)
+    held = ", ".join(str(t.in_flight(s)) for s in range(t.stages))
+    span = (
+        "unit slot times (the plan records no prices)"
+        if t.estimated
+        else (f"{t.seconds * 1e3:.4g} ms pipelined")
+    )
+    return (
+        f"schedule: lock-step {name}, {t.stages} stages x {t.microbatches} micro-batches, "
+        f"{span}, bubble {t.bubble:.0%} of the stages' time; micro-batches held per "
+        f"stage: {held}"
+    )

@@ -1,0 +1,78 @@
+"""The pipeline schedule read from a plan's `pipeline` record (`autopar.plan.schedule`):
+the slots the lowering runs, the bubble and the micro-batches each stage holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.plan.schedule import BACKWARD, FORWARD, HEAD, IDLE, schedule_line, timeline
+
+
+def _record(S: int, M: int, fused: bool, seconds=True) -> dict:
+    ticks = M + S - 1
+    fwd = {"op": "scan@1", "stages": [], "reverse": False}
+    bwd = {"op": "scan@9", "stages": [], "reverse": True}
+    if seconds:
+        fwd["seconds"], bwd["seconds"] = 1.0 * ticks, 2.0 * ticks  # slots of 1 s and 2 s
+    rec = {"stages": S, "microbatches": M, "axis": "stage", "scans": [fwd, bwd]}
+    rec["schedule"] = "1f1b" if fused else "gpipe"
+    if fused:
+        rec["fused"] = [
+            {"forward": "scan@1", "backward": "scan@9", "head": ["x"], "head_seconds": 0.5 * M}
+        ]
+    return rec
+
+
+def _check_dependencies(t) -> None:
+    """Each stage runs every micro-batch's forward and backward once, the backward after
+    the forward; a forward starts after the stage before finished it, a backward after
+    the stage after finished its own (and, on the last stage, after the head)."""
+    end = {}
+    for s in t.slots:
+        if s.micro is not None:
+            key = (s.kind, s.stage, s.micro)
+            assert key not in end, key
+            end[key] = (s.start, s.start + s.seconds)
+    S, M = t.stages, t.microbatches
+    for m in range(M):
+        for st in range(S):
+            f, b = end[(FORWARD, st, m)], end[(BACKWARD, st, m)]
+            assert f[1] <= b[0]
+            if st:
+                assert end[(FORWARD, st - 1, m)][1] <= f[0]
+            if st < S - 1:
+                assert end[(BACKWARD, st + 1, m)][1] <= b[0]
+            elif (HEAD, st, m) in end:
+                assert f[1] <= end[(HEAD, st, m)][0] and end[(HEAD, st, m)][1] <= b[0]
+
+
+@pytest.mark.parametrize("S,M", [(2, 4), (4, 8), (4, 2), (3, 1)])
+def test_lock_step_1f1b_slots(S, M):
+    t = timeline(_record(S, M, fused=True))
+    _check_dependencies(t)
+    # stage s frees a micro-batch 2 (S - 1 - s) ticks after saving it (autopar.lower.pipeline)
+    assert [t.in_flight(s) for s in range(S)] == [min(M, 2 * (S - 1 - s) + 1) for s in range(S)]
+    tick, head = 1.0 + 2.0, 0.5
+    total = (M + S - 1) * tick + M * head
+    assert t.seconds == pytest.approx(total)
+    busy = S * M * tick + M * head  # every stage's slots for every micro-batch, one head each
+    assert t.bubble == pytest.approx(1 - busy / (S * total))
+    assert sum(s.seconds for s in t.slots if s.kind == IDLE) == pytest.approx(S * total - busy)
+
+
+@pytest.mark.parametrize("S,M", [(2, 4), (4, 8)])
+def test_gpipe_slots(S, M):
+    t = timeline(_record(S, M, fused=False))
+    _check_dependencies(t)
+    assert [t.in_flight(s) for s in range(S)] == [M] * S  # all saved until the backward loop
+    assert t.bubble == pytest.approx((S - 1) / (M + S - 1))
+    first = [s.micro for s in t.slots if s.stage == S - 1 and s.kind == FORWARD]
+    assert first == list(range(M))
+
+
+def test_unpriced_record_is_marked_estimated():
+    t = timeline(_record(2, 4, fused=True, seconds=False))
+    assert t.estimated and "unit slot times" in schedule_line(t)
+    _check_dependencies(t)
+    rows = t.rows()
+    assert rows[0].startswith("stage 0: F0 F1") and rows[1].startswith("stage 1: . F0 B0")
