@@ -59,7 +59,10 @@ ENGINES: dict[str, Engine] = {
     "data": lambda p, pins, info: _dp(
         engines.data_problem(p), {**engines.data_pins(p), **pins}, info
     ),
-    "fsdp": lambda p, pins, info: _dp(p, {**engines.fsdp_pins(p), **pins}, info),
+    # ZeRO-3: parameters sharded and gathered where used, the rest data parallel
+    "fsdp": lambda p, pins, info: _dp(
+        engines.zero3_problem(p), {**engines.fsdp_pins(p), **pins}, info
+    ),
     "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }
 # The argument specs a recipe engine fixes (the equal-price memory polish keeps them).

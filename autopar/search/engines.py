@@ -401,10 +401,37 @@ def data(problem: Problem, pinned: Mapping[int, int] = {}) -> list[int]:  # noqa
     return g.lift_choice(solve_dp_layered(penalized, g, pins).choice, pins)
 
 
-def data_problem(problem: Problem) -> Problem:
+# ops that only cast or re-view a value: a parameter reaches its uses through them
+_VIEWS = frozenset(
+    {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze", "copy"}
+)
+
+
+def parameter_values(problem: Problem) -> frozenset[int]:
+    """The arguments that are not batch-like (parameters, optimizer state) and the values
+    made from them by casts and re-views alone: what ZeRO-3 gathers before each use."""
+    g = problem.graph
+    batch = batch_like_inputs(problem)
+    out = {v for v, b in zip(g.inputs, batch) if not b}
+    for node in g.nodes:
+        if node.op in _VIEWS and node.inputs and node.inputs[0] in out:
+            out.update(node.outputs)
+    return frozenset(out)
+
+
+def zero3_problem(problem: Problem) -> Problem:
+    """What `fsdp` searches (with `fsdp_pins`): ZeRO-3, parameters and optimizer state
+    sharded over every device and gathered where they are used, everything else data
+    parallel: `data_problem`'s penalty on gathering or moving a split value, except the
+    parameters (`parameter_values`)."""
+    return data_problem(problem, exempt=parameter_values(problem))
+
+
+def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Problem:
     """`problem` with `DATA_GATHER_PENALTY` on every edge entry whose reshard gathers or
-    moves a split value: what the `data` engine searches (with `data_pins`). Nodes and
-    strategies are `problem`'s, so a choice made on it is priced on `problem`."""
+    moves a split value (other than the values in `exempt`): what the `data` engine
+    searches (with `data_pins`). Nodes and strategies are `problem`'s, so a choice made
+    on it is priced on `problem`."""
     from dataclasses import replace
 
     g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
@@ -419,7 +446,7 @@ def data_problem(problem: Problem) -> Problem:
     for node in g.nodes:
         v = n_in + node.id
         for j, x in enumerate(node.inputs):
-            if x not in problem.source:
+            if x not in problem.source or x in exempt:
                 continue
             u, k = problem.source[x]
             t = g.values[x]
