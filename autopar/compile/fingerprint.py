@@ -19,7 +19,8 @@ What it cannot see: state the function reads that none of these reach (a global 
 mutated after definition and read through another module, a file read while tracing).
 The key is therefore used only by `.plan()` (the call path always traces and uses the
 traced key, so a program never *runs* on a plan made for another), and a walk that
-meets something too large or too deep gives no key at all (None: `.plan()` traces).
+meets something too large or too deep (more than 16 MiB of arrays, 20k objects) gives
+no key at all (None: `.plan()` traces).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from autopar.ir.capture import is_library_file
 
 MAX_OBJECTS = 20_000  # objects walked before giving up (no key)
 MAX_DEPTH = 24
-MAX_ARRAY_BYTES = 1 << 24  # a constant array larger than this: no key
+MAX_ARRAY_BYTES = 1 << 24  # array bytes hashed in all (closed-over constants); more: no key
 
 
 class _TooBig(Exception):
@@ -99,6 +100,7 @@ class _Walker:
         self.h = hashlib.sha256()
         self.seen: set[int] = set()
         self.count = 0
+        self.array_bytes = 0
 
     def put(self, *parts) -> None:
         self.h.update(("\x1f".join(map(str, parts)) + "\n").encode())
@@ -148,8 +150,8 @@ class _Walker:
         self.put("array", type(x).__name__, shape, dtype)
         if type(x).__name__ in ("ShapeDtypeStruct",) or "Tracer" in type(x).__name__:
             return
-        nbytes = int(getattr(x, "nbytes", 0) or 0)
-        if nbytes > MAX_ARRAY_BYTES:
+        self.array_bytes += int(getattr(x, "nbytes", 0) or 0)
+        if self.array_bytes > MAX_ARRAY_BYTES:
             raise _TooBig
         try:
             self.put(hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest())
