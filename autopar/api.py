@@ -46,6 +46,9 @@ from autopar.search import ENGINES
 __all__ = ["Parallelized", "bind_plan", "compiled_memory", "make_plan", "parallelize"]
 
 
+_UNSET: Any = object()  # `Parallelized._get`: the trace-free key not computed yet
+
+
 class Parallelized:
     """What `parallelize` returns: call it like the function, or `.plan()` / `.lower()`."""
 
@@ -85,12 +88,12 @@ class Parallelized:
         the plan cache on, an unchanged program's plan is read without tracing it
         (`compile.fingerprint`); calling the function still traces and checks it."""
         call, bound = self._bind(args, kwargs)
-        if (bound.key, *self._key(call)) not in self._cache:
-            options = self._traced_options(bound)
-            found = plan_by_source(options, call, self._source_key(options, call, bound))
-            if found is not None:
-                return found
-        return self._get(call, bound).plan
+        if (bound.key, *self._key(call)) in self._cache:
+            return self._get(call, bound).plan
+        options = self._traced_options(bound)
+        source = self._source_key(options, call, bound)
+        found = plan_by_source(options, call, source)
+        return found if found is not None else self._get(call, bound, source).plan
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """Lower the sharded program, like `jax.jit(fn).lower(*args)`."""
@@ -167,12 +170,15 @@ class Parallelized:
             return None
         return source_key(options, call, self.options.fn, bound.key)
 
-    def _get(self, call: Call, bound: Bound) -> Compiled:
+    def _get(self, call: Call, bound: Bound, source: str | None = _UNSET) -> Compiled:
+        """The compiled program of this call; `source` is its trace-free cache key when
+        the caller already has it (`plan`)."""
         key = (bound.key, *self._key(call))
         if key not in self._cache:
             self._programs[key] = bound.program
             options = self._traced_options(bound)
-            source = self._source_key(options, call, bound)
+            if source is _UNSET:
+                source = self._source_key(options, call, bound)
             if self.options.progress:
                 with Progress():
                     self._cache[key] = compile_step(options, call, source)

@@ -9,6 +9,7 @@ over `data`, replicated on dim 1; a `+P[model]` suffix marks a partial sum.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,22 +21,31 @@ from jax.sharding import PartitionSpec
 Axes = tuple[str, ...]
 
 
-@dataclass(frozen=True, order=True)
-class Spec:
-    dims: tuple[Axes, ...]
-    partial: Axes = ()
+def hash_once(cls):
+    """Class decorator for a frozen dataclass that keys many of the search's tables
+    (`Spec`, `TensorType`): its hash, of its fields, is computed once per object and
+    kept out of pickles (string hashes differ between processes)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
 
-    # Specs key many of the search's tables: the hash is computed once (it is not
-    # pickled: string hashes differ between processes).
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.dims, self.partial))
+            h = hash(tuple(getattr(self, n) for n in names))
             object.__setattr__(self, "_hash", h)
         return h
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    cls.__hash__, cls.__getstate__ = __hash__, __getstate__
+    return cls
+
+
+@hash_once
+@dataclass(frozen=True, order=True)
+class Spec:
+    dims: tuple[Axes, ...]
+    partial: Axes = ()
 
     @staticmethod
     def replicated(rank: int) -> Spec:

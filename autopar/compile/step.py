@@ -80,9 +80,9 @@ def plan_by_source(options: Options, call: Call, source: str | None) -> Plan | N
     never take this path: they trace, and bind the plan the traced key finds."""
     if options.cache_dir is None or options.given_plan is not None or source is None:
         return None
-    clock = Clock()
+    clock, cache = Clock(), PlanCache(options.cache_dir)
     with clock.phase("cache"):
-        got = PlanCache(options.cache_dir).load_alias(source, fn_name(options.fn))
+        got = cache.load_alias(source, fn_name(options.fn))
     if got is None:
         return None
     key, plan, out_tree = got
@@ -91,7 +91,7 @@ def plan_by_source(options: Options, call: Call, source: str | None) -> Plan | N
     info = {
         "status": "hit",
         "key": "source",
-        "path": str(PlanCache(options.cache_dir).path(key, plan.function)),
+        "path": str(cache.path(key, plan.function)),
     }
     if plan.phases and "total" in plan.phases:
         info["searched_s"] = plan.phases["total"]

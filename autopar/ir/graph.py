@@ -15,7 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from autopar.sharding import hash_once
 
+
+@hash_once
 @dataclass(frozen=True)
 class TensorType:
     shape: tuple[int, ...]
@@ -35,18 +38,6 @@ class TensorType:
 
     def __str__(self) -> str:
         return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
-
-    # Types key many of the search's tables: the hash is computed once (it is not
-    # pickled: string hashes differ between processes).
-    def __hash__(self) -> int:
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.shape, self.dtype))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
 
 @dataclass(frozen=True, eq=False)

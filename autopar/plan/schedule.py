@@ -39,6 +39,11 @@ class Slot:
     micro: int | None  # the micro-batch, None when idle
     loop: str  # the op key of the loop (or head) the slot belongs to
 
+    @property
+    def label(self) -> str:
+        """`F3` forward of micro-batch 3, `B3` its backward, `H3` the head, `.` idle."""
+        return "." if self.micro is None else f"{self.kind[0].upper()}{self.micro}"
+
 
 @dataclass(frozen=True)
 class Timeline:
@@ -68,16 +73,11 @@ class Timeline:
         return peak
 
     def rows(self, width: int = 96) -> list[str]:
-        """One line per stage: `F3` forward of micro-batch 3, `B3` its backward, `H3`
-        the head, `.` idle; slots in order, each as wide as its label (no time scale)."""
+        """One line per stage: the slots' labels (`Slot.label`) in order, each as wide
+        as its label (no time scale)."""
         lines = []
         for st in range(self.stages):
-            cells = [
-                "." if s.micro is None else f"{s.kind[0].upper()}{s.micro}"
-                for s in self.slots
-                if s.stage == st
-            ]
-            text = " ".join(cells)
+            text = " ".join(s.label for s in self.slots if s.stage == st)
             if len(text) > width:
                 text = text[: width - 3] + "..."
             lines.append(f"stage {st}: {text}")

@@ -138,13 +138,9 @@ def reshard_matrix(
     key = (t, src, dst, uses, share)
     m = cache.get(key)
     if m is None:
-        # strategies repeat their operands' specs: price each distinct pair once
-        rows, cols = dict.fromkeys(src), dict.fromkeys(dst)
-        small = np.array([[price(a, b) for b in cols] for a in rows], dtype=np.float64)
-        small = small.reshape(len(rows), len(cols))
-        row = {a: i for i, a in enumerate(rows)}
-        col = {b: i for i, b in enumerate(cols)}
-        m = small[np.ix_([row[a] for a in src], [col[b] for b in dst])]
+        m = np.array([[price(a, b) for b in dst] for a in src], dtype=np.float64).reshape(
+            len(src), len(dst)
+        )
         m.setflags(write=False)
         cache[key] = m
     return m

@@ -447,30 +447,21 @@ def _draw_schedule(ax, t: Timeline) -> None:
 
     scale, unit = (1.0, "slot units") if t.estimated else (1e3, "ms")
     label = sum(1 for s in t.slots if s.stage == 0) <= 64
+    idle = {"facecolors": "#eeeeee", "edgecolors": "#bbbbbb", "hatch": "///", "linewidth": 0.3}
     for s in t.slots:
         x, w = s.start * scale, s.seconds * scale
-        if s.kind == "idle":
-            ax.broken_barh(
-                [(x, w)],
-                (s.stage - 0.4, 0.8),
-                facecolors="#eeeeee",
-                edgecolors="#bbbbbb",
-                hatch="///",
-                linewidth=0.3,
-            )
-            continue
-        ax.broken_barh(
-            [(x, w)],
-            (s.stage - 0.4, 0.8),
-            facecolors=_SLOT_COLOURS[s.kind],
-            edgecolors="white",
-            linewidth=0.5,
+        busy = s.kind != "idle"
+        style = (
+            {"facecolors": _SLOT_COLOURS[s.kind], "edgecolors": "white", "linewidth": 0.5}
+            if busy
+            else idle
         )
-        if label:
+        ax.broken_barh([(x, w)], (s.stage - 0.4, 0.8), **style)
+        if label and busy:
             ax.text(
                 x + w / 2,
                 s.stage,
-                f"{s.kind[0].upper()}{s.micro}",
+                s.label,
                 ha="center",
                 va="center",
                 fontsize=5.5,
