@@ -35,6 +35,7 @@ from autopar.compile.step import plan_by_source
 from autopar.errors import AutoparError, MeshError, MicrobatchError, PipelineError, did_you_mean
 from autopar.frontends import Bound, bind, check_static_argnames, unwrap
 from autopar.ir.capture import abstractify_tree, fn_name
+from autopar.lower.rolled import RolledIO, abstract_inputs
 from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve
 from autopar.passes.pipeline import SCHEDULES
 from autopar.passes.precision import compute_dtype_of
@@ -99,7 +100,8 @@ class Parallelized:
         """Lower the sharded program, like `jax.jit(fn).lower(*args)`."""
         call, bound = self._bind(args, kwargs)
         c = self._get(call, bound)
-        return lowered(c.jitted, call.flat, c.plan, c.mesh)
+        flat = abstract_inputs(c.roll, call.flat) if c.roll else call.flat
+        return lowered(c.jitted, flat, c.plan, c.mesh)
 
     def __call__(self, *args, **kwargs):
         call, bound = self._bind(args, kwargs)
@@ -113,13 +115,22 @@ class Parallelized:
             )
         c = self._get(call, bound)
         flat = call.flat
-        for x, r in zip(flat, c.plan.inputs):
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(call.dyn)[0]]
+        for x, p in zip(flat, paths):
             if isinstance(x, jax.Array) and x.is_deleted():
                 raise AutoparError(
-                    f"{fn_name(self.fn)}: argument {r.path} {r.dtype}{list(r.shape)} was deleted, most "
-                    f"likely donated to an earlier call (donate_argnums={self.options.donate_argnums}); "
+                    f"{fn_name(self.fn)}: argument {jax.tree_util.keystr(p)} {x.dtype}{list(x.shape)} "
+                    "was deleted, most likely donated to an earlier call "
+                    f"(donate_argnums={self.options.donate_argnums}); "
                     "pass the updated value that call returned instead"
                 )
+        program = self._programs[(bound.key, *self._key(call))]
+        if c.roll is not None:  # unrolled layers rolled into a pipeline: leaves to groups
+            if c.io is None:
+                specs = [r.spec.to_pspec() for r in c.plan.inputs]
+                c.io = RolledIO(c.roll, c.mesh, specs, c.plan.pipeline["axis"])
+            outs = c.io.outputs(c.jitted(*c.io.inputs(flat)))
+            return program.finish(jax.tree_util.tree_unflatten(c.roll.out_tree, outs), bound.nodes)
         placed = [
             jax.device_put(x, NamedSharding(c.mesh, r.spec.to_pspec()))
             if isinstance(x, jax.Array | np.ndarray)
@@ -127,7 +138,6 @@ class Parallelized:
             for x, r in zip(flat, c.plan.inputs)
         ]
         outs = c.jitted(*placed)
-        program = self._programs[(bound.key, *self._key(call))]
         return program.finish(jax.tree_util.tree_unflatten(c.graph.out_tree, outs), bound.nodes)
 
     # ---- internals ----------------------------------------------------------------------

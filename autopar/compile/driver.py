@@ -50,6 +50,7 @@ from autopar.errors import (
 from autopar.ir.capture import abstractify_tree, arg_names, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
+from autopar.lower.rolled import abstract_inputs
 from autopar.passes.accumulate import accumulate, batch_problem
 from autopar.passes.pipeline import (
     Pipeline,
@@ -65,6 +66,7 @@ from autopar.passes.pipeline import (
 from autopar.passes.precision import describe as describe_precision
 from autopar.passes.precision import mixed_precision
 from autopar.passes.remat import rematerialize
+from autopar.passes.roll import Roll, roll
 from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan, TensorRecord
 from autopar.search import search
@@ -135,6 +137,10 @@ class Compiled:
     # some option (mesh shape, pipeline, engine) was turned away or reshaped by the
     # memory budget: more rematerialization might let a faster one fit
     memory_bound: bool = False
+    # `graph` is the user's step with its unrolled layers rolled into loops: how its
+    # inputs and outputs stand for the user's leaves (`autopar.lower.rolled`)
+    roll: Roll | None = None
+    io: Any = None  # its `autopar.lower.rolled.RolledIO`, made on the first call
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,7 @@ class _Driver:
         self.single = len(options.meshes) == 1
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
+        self._rolled: dict = {}  # (graph, stages, mesh) -> `_looped`
 
     def _capture(self, args: tuple, mesh=None) -> Graph:
         """Trace the function on `args` under `mesh` (default: the mesh, when there is
@@ -258,9 +265,16 @@ class _Driver:
         reused: dict[int, Spec] = {}
         if o.given_plan is not None:
             mesh = _mesh_for_plan(o.meshes, o.given_plan)
-            mismatch = plan_mismatch(o.given_plan, graph, self._info(mesh))
+            looped, rolled = graph, None
+            if (o.given_plan.pipeline or {}).get("rolled"):  # made on the rolled layers
+                got = self._looped(graph, o.given_plan.pipeline["stages"], mesh)
+                if isinstance(got, Infeasible):
+                    raise got.error
+                looped, rolled = got
+            mismatch = plan_mismatch(o.given_plan, looped, self._info(mesh))
             if mismatch is None:
-                return self._replay(graph, attach(o.given_plan, graph, mesh), mesh)
+                plan = attach(o.given_plan, looped, mesh)
+                return self._replay(looped, plan, mesh, rolled)
             if not o.allow_partial:
                 raise PlanError(mismatch)
             reused = reusable_specs(o.given_plan, graph, self._info(mesh))
@@ -310,7 +324,7 @@ class _Driver:
         is skipped. Infeasible when no try gives a plan within the memory budget."""
         o, call = self.o, self.call
         tries, failures = self._tries(graph)
-        floors = [step_floor(graph, mesh.size, o.profile, p) for _, mesh, p in tries]
+        floors = [step_floor(_graph_of(graph, p), mesh.size, o.profile, p) for _, mesh, p in tries]
         ranked, best, skipped, memory_bound = [], math.inf, 0, False
         order = sorted(range(len(tries)), key=lambda i: (floors[i], i))
         for step, i in enumerate(order):
@@ -321,16 +335,23 @@ class _Driver:
             if ranked and self.clock.out_of_time():
                 self.clock.skip(left_out(tries, order[step:], self.remat_policy))
                 break
-            info = self._info(mesh)
+            info, g = self._info(mesh), _graph_of(graph, pipelined)
             log.info(
                 "mesh %s: pricing the strategies of %d ops",
                 try_name(info.shape, pipelined),
-                len(graph.nodes),
+                len(g.nodes),
                 extra={"autopar_step": (step + 1, len(tries))},
             )
             with self.clock.phase("build"):
-                problem = build_problem(graph, info, CostModel(o.profile, info), pipelined)
-            pins = user_pins(problem, call.dyn, call.in_specs) if call.in_specs is not None else {}
+                problem = build_problem(g, info, CostModel(o.profile, info), pipelined)
+            pins = {}
+            if call.in_specs is not None and g is not graph:
+                pins = MeshError(
+                    f"{self.name}: in_specs= cannot pin the leaves of layers unrolled in Python "
+                    "once they are rolled into a pipeline; drop in_specs= or pipeline_stages="
+                )
+            elif call.in_specs is not None:
+                pins = user_pins(problem, call.dyn, call.in_specs)
             if isinstance(pins, MeshError):
                 result = Infeasible(pins)
             else:
@@ -376,14 +397,17 @@ class _Driver:
                     remat_layers=self.remat_layers if self.remat_policy else None,
                     warnings=(*notes, *plan.warnings),
                 )
-                jitted = jit_from_plan(graph, plan, mesh, call.donate, pipelined)
+                g, rolled = _graph_of(graph, pipelined), _roll_of(pipelined)
+                donate = rolled.donated(call.donate) if rolled else call.donate
+                jitted = jit_from_plan(g, plan, mesh, donate, pipelined)
             if (
                 isinstance(mesh, Mesh)
                 and plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * o.memory_budget
             ):
                 log.info("compiling %s to check its memory", info_str(plan))
                 with self.clock.phase("compile check"):
-                    compiled = compiled_memory(lowered(jitted, call.flat, plan, mesh).compile())
+                    flat = abstract_inputs(rolled, call.flat) if rolled else call.flat
+                    compiled = compiled_memory(lowered(jitted, flat, plan, mesh).compile())
                 plan = replace(plan, compiled_memory_bytes=compiled)
                 if compiled > o.memory_budget:
                     rejected.append(f"{info_str(plan)}: compiled {format_bytes(compiled)}")
@@ -400,7 +424,7 @@ class _Driver:
                 )
             plan = replace(plan, warnings=(*lead, *plan.warnings))
             memory_bound = found.memory_bound or bool(rejected) or "+zero" in plan.engine
-            return Compiled(graph, plan, problem, jitted, mesh, memory_bound)
+            return Compiled(g, plan, problem, jitted, mesh, memory_bound, rolled)
         return Infeasible(
             MemoryBudgetError(
                 f"every plan the cost model fit into {format_bytes(o.memory_budget)} needs more once compiled by XLA:\n  "
@@ -409,16 +433,18 @@ class _Driver:
             )
         )
 
-    def _replay(self, graph: Graph, plan: Plan, mesh) -> Compiled:
+    def _replay(self, graph: Graph, plan: Plan, mesh, rolled: Roll | None = None) -> Compiled:
         """The given plan, bound to this trace, as it is (no search)."""
         pipelined = None
         if plan.pipeline:
-            pipelined = self._pipelined(graph, Pipeline.from_json(plan.pipeline), mesh)
+            pipe = Pipeline.from_json(plan.pipeline)
+            pipelined = self._pipelined(graph, pipe, mesh, rolled)
             if isinstance(pipelined, Infeasible):
                 raise pipelined.error
+        donate = rolled.donated(self.call.donate) if rolled else self.call.donate
         with self.clock.phase("plan"):
-            jitted = jit_from_plan(graph, plan, mesh, self.call.donate, pipelined)
-        return Compiled(graph, plan, None, jitted, mesh)
+            jitted = jit_from_plan(graph, plan, mesh, donate, pipelined)
+        return Compiled(graph, plan, None, jitted, mesh, roll=rolled)
 
     def _accumulated(self, graph: Graph) -> Graph:
         """`graph` with its per-micro-batch part in a loop (`autopar.passes.accumulate`); the
@@ -454,34 +480,14 @@ class _Driver:
             if "stage" not in mesh.axis_names:
                 return [None]
             S = dict(zip(mesh.axis_names, mesh.axis_sizes))["stage"]
-            if not pipelined_scans(graph, Pipeline(S, 1)):
-                loops = [n.params["length"] for n in graph.nodes if n.body is not None]
-                return Infeasible(
-                    PipelineError(
-                        f"{S} stages: "
-                        + (
-                            f"no scan's length ({loops}) is a multiple of {S}"
-                            if loops
-                            else no_layer_loop(graph)
-                        )
-                    )
-                )
         checked = _applies(check_pipeline, Pipeline(S, 1), self._info(mesh))
         if isinstance(checked, Infeasible):
             return checked
+        looped = self._looped(graph, S, mesh)
+        if isinstance(looped, Infeasible):
+            return looped
+        graph, rolled = looped
         scans = pipelined_scans(graph, Pipeline(S, 1))
-        if not scans:
-            loops = [n.params["length"] for n in graph.nodes if n.body is not None]
-            return Infeasible(
-                PipelineError(
-                    f"{self.name}: pipeline_stages={S} pipelines a loop over layers, but "
-                    + (
-                        f"no scan's length ({loops}) is a multiple of {S}"
-                        if loops
-                        else no_layer_loop(graph)
-                    )
-                )
-            )
         batch = batch_size(graph, scans)
         counts = (
             [o.microbatches]
@@ -490,7 +496,8 @@ class _Driver:
         )
         out, skipped = [], []
         for m in counts:
-            got = self._pipelined(graph, Pipeline(S, m, o.pipeline_schedule or "1f1b"), mesh)
+            pipe = Pipeline(S, m, o.pipeline_schedule or "1f1b")
+            got = self._pipelined(graph, pipe, mesh, rolled)
             if not isinstance(got, Infeasible):
                 out.append(got)
             elif o.microbatches is not None:
@@ -503,16 +510,51 @@ class _Driver:
             )
         return out
 
-    def _pipelined(self, graph: Graph, pipe: Pipeline, mesh) -> PipelinedScans | Infeasible:
+    def _looped(self, graph: Graph, S: int, mesh) -> tuple[Graph, Roll | None] | Infeasible:
+        """The graph whose loops `S` stages pipeline: `graph` when a scan over layers
+        splits into `S`, else `graph` with its stack of layers unrolled in Python rolled
+        into loops (`autopar.passes.roll`) and the `Roll`; Infeasible when neither."""
+        if pipelined_scans(graph, Pipeline(S, 1)):
+            return graph, None
+        key = (id(graph), S, tuple(mesh.axis_sizes))
+        if key not in self._rolled:
+            stacks = find_stacks(graph)
+            fits = [s for s in stacks if len(s.forward) % S == 0]
+            if fits:
+                self._rolled[key] = _applies(roll, graph, fits[0], S, mesh)
+            else:
+                loops = [n.params["length"] for n in graph.nodes if n.body is not None]
+                why = (
+                    f"no scan's length ({loops}) is a multiple of {S}"
+                    if loops
+                    else "; ".join(
+                        f"the {len(s.forward)} layers of {s.template} (unrolled in Python) do not "
+                        f"split into {S} equal stages"
+                        for s in stacks
+                    )
+                    or no_layer_loop()
+                )
+                self._rolled[key] = Infeasible(
+                    PipelineError(f"{self.name}: pipeline_stages={S} pipelines layers, but {why}")
+                )
+        return self._rolled[key]
+
+    def _pipelined(
+        self, graph: Graph, pipe: Pipeline, mesh, rolled: Roll | None = None
+    ) -> PipelinedScans | Infeasible:
         """Capture the function again at the micro-batch size and pair its scans with
-        `graph`'s pipelined ones; Infeasible where the step does not pipeline so."""
+        `graph`'s pipelined ones (`rolled`: `graph` is the trace with its unrolled
+        stack rolled into loops; so is the micro-batch trace); Infeasible where the
+        step does not pipeline so."""
         checked = _applies(check_pipeline, pipe, self._info(mesh))
         if isinstance(checked, Infeasible):
             return checked
         scans = pipelined_scans(graph, pipe)
         name, args, static = self.name, self.call.args, self.call.static
         dyn, tree = jax.tree_util.tree_flatten(self.call.dyn)
-        keep = set(find_aliases(graph).values())
+        keep = {
+            p for i in find_aliases(graph).values() for p in (rolled.inputs[i] if rolled else [i])
+        }
         flat = _applies(micro_args, dyn, batch_size(graph, scans), pipe.microbatches, name, keep)
         if isinstance(flat, Infeasible):
             return flat
@@ -520,6 +562,10 @@ class _Driver:
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
         log.info("tracing %s at the micro-batch size", name)
         micro, _ = self._prepare(self._capture(margs, mesh))
+        if rolled is not None:
+            micro = _applies(_roll_like, micro, rolled, mesh)
+            if isinstance(micro, Infeasible):
+                return micro
         mscans = pipelined_scans(micro, pipe)
         if len(mscans) != len(scans):
             return Infeasible(
@@ -535,8 +581,9 @@ class _Driver:
             if isinstance(labels, Infeasible):
                 return labels
             bodies[i] = (with_full_consts(micro_node.body, full_node.body), labels)
+        extra = {"graph": graph, "roll": rolled} if rolled is not None else {}
         if pipe.schedule != "1f1b":
-            return PipelinedScans(pipe, bodies)
+            return PipelinedScans(pipe, bodies, **extra)
         if scans != mscans:
             why = f"{name}: the captures at the two batch sizes do not line up"
         else:
@@ -546,11 +593,34 @@ class _Driver:
             elif not fused:
                 why = f"{name}: no forward loop is followed by its backward loop"
             else:
-                return PipelinedScans(pipe, bodies, fused)
+                return PipelinedScans(pipe, bodies, fused, **extra)
         if self.o.pipeline_schedule == "1f1b":
             return Infeasible(PipelineError(f"pipeline_schedule='1f1b': {why}"))
         log.info("1F1B does not apply (%s); GPipe", why)
-        return PipelinedScans(replace(pipe, schedule="gpipe"), bodies)
+        return PipelinedScans(replace(pipe, schedule="gpipe"), bodies, **extra)
+
+
+def _graph_of(graph: Graph, pipelined: PipelinedScans | None) -> Graph:
+    """The graph a try searches: the rolled one when its pipeline rolled the layers."""
+    return pipelined.graph if pipelined is not None and pipelined.graph is not None else graph
+
+
+def _roll_of(pipelined: PipelinedScans | None) -> Roll | None:
+    return None if pipelined is None else pipelined.roll
+
+
+def _roll_like(graph: Graph, like: Roll, mesh) -> Graph:
+    """`graph` (the step traced again, at another batch size) with the stack `like`
+    rolled the same way."""
+    for stack in find_stacks(graph):
+        if stack.template == like.template and len(stack.forward) == like.layers:
+            got, again = roll(graph, stack, like.stages, mesh)
+            if (again.inputs, again.outputs) == (like.inputs, like.outputs):
+                return got
+    raise PipelineError(
+        f"{graph.name}: traced again, the step does not have the same {like.layers} layers of "
+        f"{like.template}; pipelining needs the same layers at any batch size"
+    )
 
 
 def _mesh_for_plan(meshes: Sequence, plan: Plan) -> Mesh | AbstractMesh:

@@ -55,21 +55,11 @@ def offline_warning(plan: Plan, budget: float) -> str:
     )
 
 
-def no_layer_loop(graph) -> str:
-    """Why a graph offers no loop over layers to pipeline, in terms of the user's model:
-    its layers unrolled in Python (a stack `passes.stacks` finds), or no layers at all."""
-    from autopar.passes.stacks import find_stacks
-
-    stacks = find_stacks(graph)
-    if stacks:
-        s = stacks[0]
-        return (
-            f"its {len(s.forward)} layers {s.template} are unrolled in Python, and autopar "
-            "pipelines only a loop over layers so far (flax.linen.scan, nnx.scan, "
-            "jax.lax.scan over stacked weights); rematerialization (remat=) does work on "
-            "them"
-        )
+def no_layer_loop() -> str:
+    """Why a graph offers no layers to pipeline: neither a loop nor a stack unrolled
+    in Python (`passes.stacks` found none)."""
     return (
-        "it has no loop over layers and no stack of repeated layers was found (pipelining "
-        "needs layers under flax.linen.scan, nnx.scan or jax.lax.scan)"
+        "it has no loop over layers and no stack of repeated layers unrolled in Python was "
+        "found (layers are told apart by their parameters' paths: `h_0`, `layers/3`, ...; "
+        "a loop is flax.linen.scan, nnx.scan or jax.lax.scan over stacked weights)"
     )

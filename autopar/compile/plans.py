@@ -112,6 +112,8 @@ def make_plan(
                 for i in pipelined.scans
             ],
         }
+        if pipelined.roll is not None:  # a stack unrolled in Python, rolled into loops
+            pipeline["rolled"] = pipelined.roll.to_json()
         if pipelined.fused:
             pipeline["fused"] = [
                 {

@@ -139,3 +139,24 @@ def check_graph(g: Graph) -> None:
             raise ValueError(f"output %{v} is never defined")
     if len(g.inputs) != len(g.input_paths) or len(g.outputs) != len(g.output_paths):
         raise ValueError("paths do not match inputs/outputs")
+
+
+def find_aliases(graph: Graph) -> dict[int, int]:
+    """Outputs that are updated versions of inputs: the same path below the argument
+    name (`state/params/w` ~ `out/0/params/w` or `out/params/w`) and the same type.
+    Unique matches only."""
+    by_rest: dict[str, list[int]] = {}
+    for i, p in enumerate(graph.input_paths):
+        by_rest.setdefault(p.partition("/")[2], []).append(i)
+    aliases: dict[int, int] = {}
+    for o, p in enumerate(graph.output_paths):
+        rest = p.partition("/")[2]
+        cands = by_rest.get(rest) or by_rest.get(rest.partition("/")[2]) or []
+        if len(cands) == 1:
+            i = cands[0]
+            if (
+                graph.values[graph.inputs[i]] == graph.values[graph.outputs[o]]
+                and i not in aliases.values()
+            ):
+                aliases[o] = i
+    return aliases

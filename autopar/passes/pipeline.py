@@ -105,11 +105,16 @@ class Fused:
 @dataclass(frozen=True)
 class PipelinedScans:
     """What the lowering needs: the pipeline, and per pipelined scan node id its body at
-    the micro-batch size with its labels; with the 1F1B schedule, the fused loop pairs."""
+    the micro-batch size with its labels; with the 1F1B schedule, the fused loop pairs;
+    for a stack unrolled in Python, the rolled graph and its `Roll`."""
 
     pipe: Pipeline
     scans: Mapping[int, tuple[Graph, ScanLabels]]
     fused: tuple[Fused, ...] = ()
+    # a layer stack unrolled in Python, rolled into loops (`autopar.passes.roll`): the
+    # rolled graph the pipeline applies to, and how its leaves stand for the user's
+    graph: Graph | None = None
+    roll: Any = None
 
     def head_nodes(self) -> frozenset[int]:
         return frozenset(n for f in self.fused for n in f.head)

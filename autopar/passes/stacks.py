@@ -33,9 +33,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from autopar.ir.graph import Graph
+from autopar.ir.graph import Graph, Node
 
-__all__ = ["Block", "LayerStack", "find_stacks"]
+__all__ = ["Block", "LayerStack", "find_stacks", "signature"]
 
 _INDEXED = re.compile(r"(.*?)(\d+)")
 _FWD, _BWD, _OTHER = 0, 1, 2
@@ -146,7 +146,7 @@ def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
             if (
                 read
                 and not oread
-                and other.endswith("/" + tpl.split("/", 1)[-1])
+                and _mirrors(other, tpl)
                 and orun.keys() == run.keys()
                 and all(sig(orun[i], False) == sig(run[i], False) for i in run)
             ):
@@ -155,6 +155,18 @@ def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
         if read:
             out.append((tpl, [_Layer(i, tuple(run[i]), tuple(sorted(state[i]))) for i in run]))
     return sorted(out, key=lambda c: (c[0].count("/"), -len(c[1]), c[0], c[1][0].index))
+
+
+def _mirrors(other: str, template: str) -> bool:
+    """Whether template `other` (`state/1/0/mu/params/h_<i>`) ends like `template`
+    (`state/0/params/h_<i>`) below the components where they part: the optimizer
+    state mirroring a parameter run, whether both are arguments of their own or sit in
+    one train-state tuple."""
+    a, b = other.split("/"), template.split("/")
+    common = 0
+    while common < min(len(a), len(b)) and a[-1 - common] == b[-1 - common]:
+        common += 1
+    return other != template and common >= 2 and common >= len(b) - 2
 
 
 def _runs(items: list[int], same) -> list[list[int]]:
@@ -177,6 +189,18 @@ def _simple(v) -> bool:
     return all(map(_simple, v)) if type(v) is tuple else type(v) in _SIMPLE
 
 
+def signature(graph: Graph, node: Node) -> tuple:
+    """An op's structure: primitive, operand and result types, plain-data params; two
+    layers' ops with equal signatures compute the same function of their operands."""
+    vals = graph.values
+    return (
+        node.op,
+        tuple(vals[v] for v in node.inputs),
+        tuple(vals[v] for v in node.outputs),
+        tuple((k, v) for k, v in node.params.items() if _simple(v)),
+    )
+
+
 class _Stack:
     """The analysis of one candidate run of layers (numbered 0..n-1 here)."""
 
@@ -194,13 +218,7 @@ class _Stack:
     def sig(self, i: int) -> int:
         """An op's structure as a small int: primitive, types, simple params."""
         if i not in self._sigs:
-            n, vals = self.g.nodes[i], self.g.values
-            key = (
-                n.op,
-                tuple(vals[v] for v in n.inputs),
-                tuple(vals[v] for v in n.outputs),
-                tuple((k, v) for k, v in n.params.items() if _simple(v)),
-            )
+            key = signature(self.g, self.g.nodes[i])
             self._sigs[i] = self._interned.setdefault(key, len(self._interned))
         return self._sigs[i]
 

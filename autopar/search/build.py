@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopar.cost.model import FUSED_OPS, CostModel, node_flops, rate_dtype
-from autopar.ir.graph import Graph, Node, TensorType
+from autopar.ir.graph import Graph, Node, TensorType, find_aliases
 from autopar.passes.pipeline import SUM, Pipeline, PipelinedScans, stage_layers, sub_mesh
 from autopar.search.edges import (
     add_edge,
@@ -150,25 +150,15 @@ def input_strategies(t: TensorType, mesh: MeshInfo, partial: bool = False) -> tu
     return tuple(out)
 
 
-def find_aliases(graph: Graph) -> dict[int, int]:
-    """Outputs that are updated versions of inputs: the same path below the argument
-    name (`state/params/w` ~ `out/0/params/w` or `out/params/w`) and the same type.
-    Unique matches only."""
-    by_rest: dict[str, list[int]] = {}
-    for i, p in enumerate(graph.input_paths):
-        by_rest.setdefault(p.partition("/")[2], []).append(i)
-    aliases: dict[int, int] = {}
-    for o, p in enumerate(graph.output_paths):
-        rest = p.partition("/")[2]
-        cands = by_rest.get(rest) or by_rest.get(rest.partition("/")[2]) or []
-        if len(cands) == 1:
-            i = cands[0]
-            if (
-                graph.values[graph.inputs[i]] == graph.values[graph.outputs[o]]
-                and i not in aliases.values()
-            ):
-                aliases[o] = i
-    return aliases
+def _rolled_groups(pipelined: PipelinedScans | None) -> frozenset[int]:
+    """The inputs of a rolled graph that group one leaf of every stage's layer."""
+    roll = pipelined.roll if pipelined is not None else None
+    return frozenset(i for i, ms in enumerate(roll.inputs) if len(ms) > 1) if roll else frozenset()
+
+
+def _stage_major(strategies: tuple[Strategy, ...], axis: str) -> tuple[Strategy, ...]:
+    """The strategies that split dim 0 over `axis` first (each stage's rows its own)."""
+    return tuple(s for s in strategies if s.out_specs[0].dims[0][:1] == (axis,))
 
 
 def build_problem(
@@ -198,11 +188,14 @@ def build_problem(
     source: dict[int, tuple[int, int]] = {}
     flops = np.zeros(n_in + len(graph.nodes))
     cache: dict = {}
+    groups = _rolled_groups(pipelined)
     for i, v in enumerate(graph.inputs):
         t = graph.values[v]
-        key = ("input", t, i in carried)
+        key = ("input", t, i in carried, i in groups)
         if key not in cache:
             cache[key] = input_strategies(t, mesh, partial=i in carried)
+            if i in groups:  # each stage holds its own layers' leaf (`autopar.lower.rolled`)
+                cache[key] = _stage_major(cache[key], pipelined.pipe.axis)
         strategies.append(cache[key])
         source[v] = (i, 0)
     bodies: dict[int, ScanBody] = {}

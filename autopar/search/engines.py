@@ -323,14 +323,15 @@ def _max_sharded(problem: Problem, i: int) -> int:
 
 
 def data_pins(problem: Problem) -> dict[int, int]:
+    """Batch-like arguments split over the batch, the rest replicated (or as little
+    split as their strategies allow: a rolled layer group keeps its stage split)."""
     batch = batch_like_inputs(problem)
-    none = tuple([None] * len(problem.mesh.axis_names))
-    return {
-        i: _batch_spec(problem, i)
-        if batch[i]
-        else {s.assignment: k for k, s in enumerate(problem.strategies[i])}[none]
-        for i in range(problem.num_inputs)
-    }
+
+    def least(i: int) -> int:
+        specs = [s.out_specs[0] for s in problem.strategies[i]]
+        return min(range(len(specs)), key=lambda k: (len(specs[k].used_axes), k))
+
+    return {i: _batch_spec(problem, i) if batch[i] else least(i) for i in range(problem.num_inputs)}
 
 
 def optimizer_state_inputs(problem: Problem) -> set[int]:

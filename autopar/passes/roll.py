@@ -1,0 +1,556 @@
+"""Rolling a layer stack unrolled in Python into loops over stages, to pipeline it.
+
+The pipeline (`autopar.passes.pipeline`, `autopar.lower.pipeline`) runs a `scan` over
+layers, its per-layer inputs split over the mesh's stage axis. A model that unrolls its
+layers in Python (`for i in range(n): x = Block(name=f"h_{i}")(x)`, NNX's list of
+blocks, every `transformers` Flax model) has no such loop, so `roll` writes one: with
+`n = S k` layers on `S` stages, stage `s` runs layers `s k .. s k + k - 1`, and
+
+* the forward pass becomes a `scan` of length `S` whose body is layers `0..k-1`'s ops
+  (each step one stage's `k` layers); its carry is the residual stream, its `ys` the
+  values other ops read per layer (the backward pass's residuals);
+* the backward pass becomes a reversed `scan` of the same shape whose body is the
+  first-run stage's backward ops (`autopar.passes.stacks` finds both);
+* each parameter leaf `t` of layer slot `j` becomes one **group**: the leaves of layers
+  `j, k + j, ..., (S - 1) k + j` concatenated along dim 0 (stacked, for scalars). Split
+  over the stage axis on dim 0, the rows stage `s` holds are exactly layer `s k + j`'s
+  leaf, so the caller assembles a group from the user's per-layer arrays without a copy
+  (`jax.make_array_from_single_device_arrays`; `autopar.lower.rolled`), and splits the
+  updated group back the same way. Optimizer state that mirrors the parameters
+  (`Block.state`) is grouped alike.
+
+The ops outside the stack (embedding, head, loss, optimizer) stay as they are and read
+one layer's value as a row of its group or of a loop's `ys`. The rolled function is
+captured again, so what follows (search, pipeline, lowering) sees ordinary scans.
+`Roll` records how the rolled graph's inputs and outputs stand for the user's leaves.
+docs/algorithms.md, "Pipelining layers unrolled in Python", has the reasoning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import networkx as nx
+import numpy as np
+
+from autopar.errors import PipelineError
+from autopar.ir.capture import capture
+from autopar.ir.eval import bind_node, run_nodes
+from autopar.ir.graph import Graph, find_aliases
+from autopar.passes.stacks import LayerStack, signature
+
+SCOPE = "rolled_layers"  # name scope of the loops `roll` writes
+
+
+@dataclass(frozen=True)
+class Roll:
+    """How a rolled graph's flat inputs and outputs stand for the user's: per rolled
+    input (output) the user's flat positions it holds, one (a leaf as it is) or one per
+    stage (a group, stage order); `stacked[i]` when a group of scalars is stacked rather
+    than concatenated along dim 0."""
+
+    stages: int
+    template: str
+    layers: int
+    inputs: tuple[tuple[int, ...], ...]
+    outputs: tuple[tuple[int, ...], ...]
+    stacked_in: tuple[bool, ...]
+    stacked_out: tuple[bool, ...]
+    user_outputs: int
+    out_tree: Any = field(default=None, compare=False)
+
+    def to_json(self) -> dict:
+        return {"template": self.template, "layers": self.layers, "stages": self.stages}
+
+    def donated(self, donate: Sequence[int]) -> tuple[int, ...]:
+        """The rolled inputs all of whose leaves the user donates."""
+        return tuple(i for i, ms in enumerate(self.inputs) if set(ms) <= set(donate))
+
+    def describe(self) -> str:
+        k = self.layers // self.stages
+        groups = sum(len(m) > 1 for m in self.inputs)
+        return (
+            f"{self.layers} x {self.template} unrolled in Python, rolled into loops over "
+            f"{self.stages} stages of {k} layers; {groups} leaves grouped per layer slot "
+            "(layer s*k+j of every stage s), split over the stage axis"
+        )
+
+
+@dataclass
+class _Loop:
+    """One rolled loop: its chunks (node ids per stage, sorted), run in `order`."""
+
+    chunks: list[list[int]]
+    reverse: bool
+    consts: list[int] = field(default_factory=list)  # ref values, the same for all chunks
+    carry: list[tuple[int, tuple[int, int]]] = field(default_factory=list)  # (init, source)
+    xs: list[tuple[int, tuple]] = field(default_factory=list)  # (ref value, how it's built)
+    ys: list[tuple[int, int]] = field(default_factory=list)  # (position, output index)
+    ys_in: list[int] = field(default_factory=list)  # carries whose per-chunk input is a ys
+
+    @property
+    def order(self) -> list[int]:
+        n = len(self.chunks)
+        return list(range(n - 1, -1, -1) if self.reverse else range(n))
+
+    @property
+    def ref(self) -> int:
+        return self.order[0]
+
+    def next(self, c: int) -> int:
+        return c - 1 if self.reverse else c + 1
+
+
+class _Rolling:
+    """The analysis of one stack on `S` stages (`roll`)."""
+
+    def __init__(self, g: Graph, stack: LayerStack, S: int):
+        fwd = stack.forward
+        L = len(fwd)
+        if S < 2 or L % S:
+            raise PipelineError(
+                f"the {L} layers of {stack.template} (unrolled in Python) do not split into "
+                f"{S} equal stages; pick pipeline_stages that divides {L}"
+            )
+        self.g, self.stack, self.S, self.k = g, stack, S, L // S
+        leaves = [b.params + b.state for b in fwd]
+        if len({len(lv) for lv in leaves}) != 1:
+            raise PipelineError(f"the layers of {stack.template} hold different leaves")
+        self.leaf = {g.inputs[p]: (n, t) for n, lv in enumerate(leaves) for t, p in enumerate(lv)}
+        k = self.k
+        self.groups = [
+            tuple(leaves[s * k + j][t] for s in range(S))
+            for j in range(k)
+            for t in range(len(leaves[0]))
+        ]
+        self.vgroup = {
+            g.inputs[p]: (i, s) for i, ms in enumerate(self.groups) for s, p in enumerate(ms)
+        }
+        by_index = {b.index: n for n, b in enumerate(fwd)}
+        loops = [_Loop(self._chunks([b.nodes for b in fwd]), reverse=False)]
+        if stack.backward:
+            bwd: list = [None] * L
+            for b in stack.backward:
+                bwd[by_index[b.index]] = b.nodes
+            loops.append(_Loop(self._chunks(bwd), reverse=True))
+        self.loops = loops
+        self.made = {}  # value -> (loop, chunk, position, output index)
+        for li, lp in enumerate(loops):
+            for c, chunk in enumerate(lp.chunks):
+                for q, i in enumerate(chunk):
+                    for r, v in enumerate(g.nodes[i].outputs):
+                        self.made[v] = (li, c, q, r)
+        for li, lp in enumerate(loops):
+            self._classify(li, lp)
+        self.rows: dict[int, tuple[Any, int]] = {}  # value -> (stacked array's key, row)
+        for gi, ms in enumerate(self.groups):
+            self.rows.update((g.inputs[p], (("group", gi), s)) for s, p in enumerate(ms))
+        for li, lp in enumerate(loops):
+            for q, r in lp.ys:
+                for c, ch in enumerate(lp.chunks):
+                    self.rows[g.nodes[ch[q]].outputs[r]] = (("ys", li, (q, r)), c)
+            carry_in = self._carry_in(li)
+            for ci in lp.ys_in:
+                for c, v in enumerate(carry_in[ci]):
+                    self.rows.setdefault(v, (("ys", li, ("in", ci)), c))
+        self.units = self._per_layer_ops()
+        try:
+            self.sequence = self._order()
+        except nx.NetworkXUnfeasible:  # the per-layer ops do not roll (a chain across layers)
+            for nodes in self.units.values():
+                for n in nodes:
+                    for y in g.nodes[n].outputs:
+                        self.rows.pop(y, None)
+            self.units = {}
+            self.sequence = self._order()
+
+    def _chunks(self, blocks: Sequence[Sequence[int]]) -> list[list[int]]:
+        g, k = self.g, self.k
+        chunks = [sorted(i for b in blocks[s * k : (s + 1) * k] for i in b) for s in range(self.S)]
+        sigs = [[signature(g, g.nodes[i]) for i in ch] for ch in chunks]
+        for s, sg in enumerate(sigs[1:], 1):
+            if sg != sigs[0]:
+                at = next((q for q, (a, b) in enumerate(zip(sg, sigs[0])) if a != b), len(sg))
+                where = g.nodes[chunks[s][min(at, len(chunks[s]) - 1)]].key
+                raise PipelineError(
+                    f"layers {s * k}..{(s + 1) * k - 1} of {self.stack.template} differ from "
+                    f"layers 0..{k - 1} at op {at} ({where}); every stage must run the same ops"
+                )
+        return chunks
+
+    # ------------------------------------------------------------------ analysis
+    def _classify(self, li: int, lp: _Loop) -> None:
+        """Sort what the reference chunk reads from outside into loop constants, carries
+        and per-stage inputs (`xs`), and what it makes for others into `ys`."""
+        g, S = self.g, self.S
+        ref, nodes = lp.ref, self.g.nodes
+        seen: dict[int, tuple] = {}
+        for q, i in enumerate(lp.chunks[ref]):
+            for a, x in enumerate(nodes[i].inputs):
+                ys = [nodes[lp.chunks[c][q]].inputs[a] for c in range(S)]
+                kind = self._kind(li, lp, x, ys)
+                if seen.setdefault(x, kind) != kind:
+                    raise PipelineError(
+                        f"the layers of {self.stack.template} read {g.values[x]} at "
+                        f"{nodes[i].key} in two ways across stages; they cannot be rolled"
+                    )
+        for x, kind in seen.items():
+            if kind[0] == "const":
+                lp.consts.append(x)
+            elif kind[0] == "carry":
+                lp.carry.append((x, kind[1]))
+            elif kind[0] not in ("inner", "literal"):
+                lp.xs.append((x, kind))
+                if kind[0] == "ys" and kind[2][0] == "in":
+                    ys_in = self.loops[kind[1]].ys_in
+                    ys_in += [kind[2][1]] if kind[2][1] not in ys_in else []
+        carried = {pos for _, pos in lp.carry}
+        gout, sets = set(g.outputs), [set(ch) for ch in lp.chunks]
+        for q, i in enumerate(lp.chunks[ref]):
+            for r in range(len(nodes[i].outputs)):
+                for c in range(S):
+                    if (q, r) in carried and c == lp.order[-1]:
+                        continue  # the final carry: bound as it is
+                    v = nodes[lp.chunks[c][q]].outputs[r]
+                    inside = sets[c] | (sets[lp.next(c)] if (q, r) in carried else set())
+                    if set(g.consumers.get(v, ())) - inside or v in gout:
+                        lp.ys.append((q, r))
+                        break
+
+    def _kind(self, li: int, lp: _Loop, x: int, ys: list[int]) -> tuple:
+        """How value `x`, read by the reference chunk, is had per chunk (its copies `ys`,
+        one per chunk): made inside ("inner"), a literal, a group's row, the same for
+        all (a loop constant), the previous chunk's output (a carry), another loop's
+        `ys` or carry in, or anything else, stacked per chunk ("stack")."""
+        g, made, ref = self.g, self.made, lp.ref
+        at = lambda y: made.get(y, (None,) * 4)  # noqa: E731
+        if at(x)[:2] == (li, ref):
+            if any(at(y)[:2] != (li, c) or at(y)[2:] != at(x)[2:] for c, y in enumerate(ys)):
+                raise PipelineError(f"the stages' copies of {g.values[x]} do not line up")
+            return ("inner",)
+        if x in g.consts:
+            return ("literal",) if self._same_literal(ys) else ("stack", tuple(ys))
+        if x in self.vgroup:
+            gi = self.vgroup[x][0]
+            if all(self.vgroup.get(y) == (gi, c) for c, y in enumerate(ys)):
+                return ("group", gi)
+        if all(y == x for y in ys):
+            return ("const",)
+        prev = {c: lp.next(c) for c in range(self.S)}
+        others = [(c, y) for c, y in enumerate(ys) if c != ref]
+        if all(at(y)[:2] == (li, next(p for p, n in prev.items() if n == c)) for c, y in others):
+            pos = {at(y)[2:] for _, y in others}
+            if len(pos) == 1:
+                return ("carry", pos.pop())
+        for lj in range(li):
+            if all(at(y)[:2] == (lj, c) and at(y)[2:] == at(x)[2:] for c, y in enumerate(ys)):
+                return ("ys", lj, at(x)[2:])
+            for ci, vals in enumerate(self._carry_in(lj)):
+                if list(ys) == vals:
+                    return ("ys", lj, ("in", ci))
+        return ("stack", tuple(ys))
+
+    def _carry_in(self, li: int) -> list[list[int]]:
+        """Per carry of loop `li`, the value each chunk reads as it (chunk order)."""
+        lp, nodes = self.loops[li], self.g.nodes
+        out = []
+        for init, (q, r) in lp.carry:
+            vals = [init] * self.S
+            for c in range(self.S):
+                if c != lp.ref:
+                    before = next(p for p in range(self.S) if lp.next(p) == c)
+                    vals[c] = nodes[lp.chunks[before][q]].outputs[r]
+            out.append(vals)
+        return out
+
+    # ------------------------------------------------------------------ the rolled function
+    def _per_layer_ops(self) -> dict[tuple[int, int], list[int]]:
+        """The ops outside the stack that each layer repeats on its own values (the
+        optimizer's update of its leaves): per (slot j, position q), the op of every
+        stage's layer `s k + j`, run as one op over the stages (`jax.vmap`). An op is
+        layer `l`'s when every per-layer value it reads is `l`'s (its leaves, what its
+        ops hand out, what its per-layer ops make); a slot whose stages' op sequences
+        differ is left as it is."""
+        g, k, S = self.g, self.k, self.S
+        layer_of = {v: self.leaf[v][0] for v in self.leaf}
+        block_layer = {i: n for n, b in enumerate(self.stack.forward) for i in b.nodes}
+        by_index = {b.index: n for n, b in enumerate(self.stack.forward)}
+        for b in self.stack.backward:
+            block_layer.update((i, by_index[b.index]) for i in b.nodes)
+        for v, (key, _) in self.rows.items():
+            if key[0] == "ys" and key[2][0] != "in":
+                layer_of[v] = block_layer[g.producer[v]]
+        inside = {i for lp in self.loops for ch in lp.chunks for i in ch}
+        per: dict[int, list[int]] = {}
+        for n in g.nodes:
+            if n.id in inside:
+                continue
+            layers = {layer_of[x] for x in n.inputs if x in layer_of}
+            if len(layers) == 1:
+                lay = layers.pop()
+                per.setdefault(lay, []).append(n.id)
+                layer_of.update((y, lay) for y in n.outputs)
+        units: dict[tuple[int, int], list[int]] = {}
+        for j in range(k):
+            seqs = [per.get(s * k + j, []) for s in range(S)]
+            sigs = [[signature(g, g.nodes[i]) for i in sq] for sq in seqs]
+            if not seqs[0] or any(sg != sigs[0] for sg in sigs[1:]):
+                continue
+            for q in range(len(seqs[0])):
+                nodes = [sq[q] for sq in seqs]
+                units[(j, q)] = nodes
+                for s, i in enumerate(nodes):
+                    for r, y in enumerate(g.nodes[i].outputs):
+                        self.rows[y] = (("op", j, q, r), s)
+        return units
+
+    def _order(self) -> list[tuple]:
+        """Loops, per-layer ops and the other ops in an order that respects every read:
+        ("loop", i), ("op", (j, q)) or ("node", id), program order where it is free.
+        Raises where an op outside the stack sits between its layers."""
+        g = self.g
+        owner: dict[int, tuple] = {
+            i: ("loop", li) for li, lp in enumerate(self.loops) for ch in lp.chunks for i in ch
+        }
+        owner.update((i, ("op", u)) for u, nodes in self.units.items() for i in nodes)
+        dg = nx.DiGraph()
+        first: dict[tuple, int] = {}
+        for n in g.nodes:
+            unit = owner.get(n.id, ("node", n.id))
+            first.setdefault(unit, n.id)
+            dg.add_node(unit)
+            for x in n.inputs:
+                p = g.producer.get(x)
+                if p is not None:
+                    src = owner.get(p, ("node", p))
+                    if src != unit:
+                        dg.add_edge(src, unit)
+        try:
+            return list(nx.lexicographical_topological_sort(dg, key=lambda u: first[u]))
+        except nx.NetworkXUnfeasible:
+            if self.units:
+                raise
+            cyc = nx.find_cycle(dg)
+            ops = [g.nodes[u[1]].key for e in cyc for u in e if u[0] == "node"]
+            raise PipelineError(
+                f"an op outside the layers of {self.stack.template} reads one layer and feeds "
+                f"a later one ({ops[0] if ops else 'between the layers'}); such a stack cannot "
+                "be rolled into a loop"
+            ) from None
+
+    def function(self, roll: Roll):
+        g, S, rows = self.g, self.S, self.rows
+        gin = {p: i for i, ms in enumerate(roll.inputs) for p in ms}
+
+        def fn(*flat):
+            env: dict[int, Any] = {}
+            stacked: dict[Any, Any] = {}
+            for p, v in enumerate(g.inputs):
+                i = gin[p]
+                if len(roll.inputs[i]) == 1:
+                    env[v] = flat[i]
+            for gi, ms in enumerate(self.groups):
+                x = flat[gin[ms[0]]]
+                t = g.values[g.inputs[ms[0]]]
+                stacked[("group", gi)] = x if t.rank == 0 else x.reshape((S, *t.shape))
+
+            def read(v):
+                if v in env:
+                    return env[v]
+                if v in rows:
+                    key, row = rows[v]
+                    env[v] = stacked[key][row]
+                    return env[v]
+                return jnp.asarray(g.consts[v])
+
+            for kind, i in self.sequence:
+                if kind == "node":
+                    run_nodes([g.nodes[i]], read, env)
+                elif kind == "op":
+                    self._run_op(i, read, stacked)
+                else:
+                    self._run_loop(i, read, env, stacked)
+            outs = []
+            for ms, st in zip(roll.outputs, roll.stacked_out):
+                vals = [g.outputs[o] for o in ms]
+                if len(ms) == 1:
+                    outs.append(read(vals[0]))
+                    continue
+                keys = {rows[v][0] if v in rows else None for v in vals}
+                if (
+                    len(keys) == 1
+                    and None not in keys
+                    and [rows[v][1] for v in vals] == list(range(S))
+                ):
+                    whole = stacked[keys.pop()]
+                    outs.append(whole if st else whole.reshape((-1, *whole.shape[2:])))
+                else:
+                    parts = [read(v) for v in vals]
+                    outs.append(jnp.stack(parts) if st else jnp.concatenate(parts, axis=0))
+            return outs
+
+        return fn
+
+    def _batched(self, values: Sequence[int]) -> Any:
+        """The key of the stacked array whose rows are `values`, in stage order, or None."""
+        keys = {self.rows[v][0] if v in self.rows else None for v in values}
+        in_order = [self.rows.get(v, (None, -1))[1] for v in values] == list(range(self.S))
+        return keys.pop() if len(keys) == 1 and None not in keys and in_order else None
+
+    def _same_literal(self, values: Sequence[int]) -> bool:
+        c = self.g.consts
+        return all(v in c and _same_const(c[values[0]], c[v]) for v in values)
+
+    def _run_op(self, unit: tuple[int, int], read, stacked: dict) -> None:
+        """One per-layer op of every stage at once, `jax.vmap`ped over the stages."""
+        nodes = [self.g.nodes[i] for i in self.units[unit]]
+        ref = nodes[0]
+        args, axes = [], []
+        for a, x in enumerate(ref.inputs):
+            copies = [n.inputs[a] for n in nodes]
+            key = self._batched(copies)
+            if key is not None:
+                args.append(stacked[key])
+                axes.append(0)
+            elif all(y == x for y in copies) or self._same_literal(copies):
+                args.append(read(x))
+                axes.append(None)
+            else:
+                args.append(jnp.stack([read(y) for y in copies]))
+                axes.append(0)
+        outs = jax.vmap(lambda *xs: bind_node(ref, xs), in_axes=axes)(*args)
+        for r, y in enumerate(outs):
+            stacked[("op", *unit, r)] = y
+
+    def _run_loop(self, li: int, read, env: dict, stacked: dict) -> None:
+        g, lp, S = self.g, self.loops[li], self.S
+        nodes = [g.nodes[i] for i in lp.chunks[lp.ref]]
+        ref_out = lambda pos: nodes[pos[0]].outputs[pos[1]]  # noqa: E731
+        consts = {x: read(x) for x in lp.consts}
+        xs = []
+        for _, kind in lp.xs:
+            if kind[0] == "group":
+                xs.append(stacked[("group", kind[1])])
+            elif kind[0] == "ys":
+                xs.append(stacked[("ys", kind[1], kind[2])])
+            elif (key := self._batched(kind[1])) is not None:  # a per-layer op's rows
+                xs.append(stacked[key])
+            else:
+                xs.append(jnp.stack([read(y) for y in kind[1]]))
+        xs_ids = [x for x, _ in lp.xs]
+        carry_ids = [x for x, _ in lp.carry]
+
+        def body(carry, xs):
+            local = dict(zip(carry_ids, carry))
+            local.update(zip(xs_ids, xs))
+            local.update(consts)
+            lread = lambda v: local[v] if v in local else jnp.asarray(g.consts[v])  # noqa: E731
+            run_nodes(nodes, lread, local)
+            ys = [local[ref_out(p)] for p in lp.ys] + [carry[ci] for ci in lp.ys_in]
+            return [local[ref_out(pos)] for _, pos in lp.carry], ys
+
+        with jax.named_scope(SCOPE):
+            final, ys = jax.lax.scan(
+                body, [read(x) for x in carry_ids], xs, length=S, reverse=lp.reverse
+            )
+        last = lp.chunks[lp.order[-1]]
+        for (_, (q, r)), val in zip(lp.carry, final):
+            env[g.nodes[last[q]].outputs[r]] = val
+        for pos, y in zip([*lp.ys, *(("in", ci) for ci in lp.ys_in)], ys):
+            stacked[("ys", li, pos)] = y
+
+
+def _same_const(a, b) -> bool:
+    if a is b:
+        return True
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
+
+
+def _group_path(path: str, template: str, indices: Sequence[int]) -> str:
+    """`params/h_3/attn/w` -> `params/h_<3,7>/attn/w` (the group of layers 3 and 7)."""
+    base = template.rsplit("/", 1)[-1].removesuffix("<i>")
+    comps = path.split("/")
+    first = f"{base}{indices[0]}"
+    at = max((i for i, c in enumerate(comps) if c == first), default=None)
+    if at is None:
+        return f"{path} <{','.join(map(str, indices))}>"
+    comps[at] = f"{base}<{','.join(map(str, indices))}>"
+    return "/".join(comps)
+
+
+def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tuple[Graph, Roll]:
+    """`graph` with `stack`'s layers run as loops over `stages` stages (module doc),
+    and how its inputs and outputs stand for `graph`'s. Raises PipelineError, naming
+    the op, where the stack does not roll."""
+    r = _Rolling(graph, stack, stages)
+    g, S = graph, stages
+    indices = [b.index for b in stack.forward]
+    member = {}  # user input position -> group
+    for gi, ms in enumerate(r.groups):
+        member.update((p, gi) for p in ms)
+    inputs, stacked_in, in_paths, done = [], [], [], set()
+    for p in range(len(g.inputs)):
+        gi = member.get(p)
+        if gi is None:
+            inputs.append((p,))
+            stacked_in.append(False)
+            in_paths.append(g.input_paths[p])
+        elif gi not in done:
+            done.add(gi)
+            ms = r.groups[gi]
+            inputs.append(ms)
+            stacked_in.append(g.values[g.inputs[p]].rank == 0)
+            ids = [indices[r.leaf[g.inputs[m]][0]] for m in ms]
+            in_paths.append(_group_path(g.input_paths[ms[0]], stack.template, ids))
+    aliases = {i: o for o, i in find_aliases(g).items()}
+    out_group = {}
+    for gi, ms in enumerate(r.groups):
+        os_ = [aliases.get(p) for p in ms]
+        if None not in os_:
+            out_group.update((o, gi) for o in os_)
+    outputs, stacked_out, out_paths, done = [], [], [], set()
+    for o in range(len(g.outputs)):
+        gi = out_group.get(o)
+        if gi is None:
+            outputs.append((o,))
+            stacked_out.append(False)
+            out_paths.append(g.output_paths[o])
+        elif gi not in done:
+            done.add(gi)
+            os_ = tuple(aliases[p] for p in r.groups[gi])
+            outputs.append(os_)
+            stacked_out.append(g.values[g.outputs[o]].rank == 0)
+            ids = [indices[r.leaf[g.inputs[m]][0]] for m in r.groups[gi]]
+            out_paths.append(_group_path(g.output_paths[os_[0]], stack.template, ids))
+    info = Roll(
+        S,
+        stack.template,
+        len(stack.forward),
+        tuple(inputs),
+        tuple(outputs),
+        tuple(stacked_in),
+        tuple(stacked_out),
+        len(g.outputs),
+        g.out_tree,
+    )
+    args = []
+    for ms, st in zip(inputs, stacked_in):
+        t = g.values[g.inputs[ms[0]]]
+        shape = t.shape if len(ms) == 1 else (S,) if st else (S * t.shape[0], *t.shape[1:])
+        args.append(jax.ShapeDtypeStruct(shape, t.dtype))
+    new = capture(r.function(info), args, (), mesh)
+    flat = lambda n: jax.tree_util.tree_structure(tuple(range(n)))  # noqa: E731
+    new = replace(
+        new,
+        input_paths=tuple(in_paths),
+        output_paths=tuple(out_paths),
+        in_tree=flat(len(inputs)),
+        out_tree=flat(len(outputs)),
+        name=graph.name,
+    )
+    return new, info
