@@ -399,6 +399,8 @@ class _Driver:
                 )
                 g, rolled = _graph_of(graph, pipelined), _roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
+                if rolled is not None:
+                    plan = replace(plan, warnings=(*plan.warnings, rolled.describe()))
                 jitted = jit_from_plan(g, plan, mesh, donate, pipelined)
             if (
                 isinstance(mesh, Mesh)

@@ -143,15 +143,20 @@ def check_graph(g: Graph) -> None:
 
 def find_aliases(graph: Graph) -> dict[int, int]:
     """Outputs that are updated versions of inputs: the same path below the argument
-    name (`state/params/w` ~ `out/0/params/w` or `out/params/w`) and the same type.
-    Unique matches only."""
+    name (`state/params/w` ~ `out/0/params/w`, `out/params/w`, or NNX's `out/1/0/w` for
+    the first node's new state) and the same type: the longest tail of the output's
+    path that some input's path below its argument name equals. Unique matches only."""
     by_rest: dict[str, list[int]] = {}
     for i, p in enumerate(graph.input_paths):
         by_rest.setdefault(p.partition("/")[2], []).append(i)
     aliases: dict[int, int] = {}
     for o, p in enumerate(graph.output_paths):
-        rest = p.partition("/")[2]
-        cands = by_rest.get(rest) or by_rest.get(rest.partition("/")[2]) or []
+        comps = p.split("/")[1:]
+        cands: list[int] = []
+        for k in range(len(comps)):
+            cands = by_rest.get("/".join(comps[k:]), [])
+            if cands:
+                break
         if len(cands) == 1:
             i = cands[0]
             if (

@@ -1,0 +1,273 @@
+"""Pipelining layers unrolled in Python (`autopar.passes.roll`, `autopar.lower.rolled`):
+decoders written as public Flax code writes them (a `transformers`-style Llama whose
+layers sit in a collection named `0..n-1`, a GPT-2 with `h_<i>` blocks, an NNX model
+with a list of blocks) train with `pipeline_stages=2` exactly like `jax.jit`, with the
+user's parameter pytree in and out and each layer's leaves on its own stage's devices."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from helpers import assert_trees_close
+
+import autopar
+
+MESH = {"stage": 2, "data": 2, "model": 2}
+B, T, D, VOCAB, LAYERS, M = 8, 16, 32, 64, 4, 2
+# Adam's eps: a GPT-2 key bias has an exactly zero gradient (softmax ignores it), and
+# Adam turns rounding noise of order 1e-9 into a full step at eps=1e-8, so two correct
+# programs would disagree there by the learning rate
+EPS = 1e-4
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class RMSNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],))
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+class LlamaAttention(nn.Module):
+    heads: int = 4
+    kv_heads: int = 2  # grouped-query attention
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        b, s, d = x.shape
+        hd = d // self.heads
+        q = nn.Dense(self.heads * hd, use_bias=False, name="q_proj")(x)
+        k = nn.Dense(self.kv_heads * hd, use_bias=False, name="k_proj")(x)
+        v = nn.Dense(self.kv_heads * hd, use_bias=False, name="v_proj")(x)
+        q = rotate(q.reshape(b, s, self.heads, hd), cos, sin)
+        k = rotate(k.reshape(b, s, self.kv_heads, hd), cos, sin)
+        v = v.reshape(b, s, self.kv_heads, hd)
+        rep = self.heads // self.kv_heads
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        w = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd)
+        w = jax.nn.softmax(jnp.where(mask, w, jnp.finfo(w.dtype).min), -1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, d)
+        return nn.Dense(d, use_bias=False, name="o_proj")(out)
+
+
+class LlamaLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        x = x + LlamaAttention(name="self_attn")(RMSNorm(name="input_layernorm")(x), cos, sin, mask)
+        h = RMSNorm(name="post_attention_layernorm")(x)
+        gate = nn.Dense(2 * D, use_bias=False, name="gate_proj")(h)
+        up = nn.Dense(2 * D, use_bias=False, name="up_proj")(h)
+        return x + nn.Dense(D, use_bias=False, name="down_proj")(nn.silu(gate) * up)
+
+
+class LlamaLayers(nn.Module):
+    """As `transformers`' FlaxLlamaLayerCollection: blocks named 0..n-1."""
+
+    n: int
+
+    def setup(self):
+        self.blocks = [LlamaLayer(name=str(i)) for i in range(self.n)]
+
+    def __call__(self, x, cos, sin, mask):
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        return x
+
+
+class Llama(nn.Module):
+    n: int = LAYERS
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(VOCAB, D, name="embed_tokens")(ids)
+        s = ids.shape[1]
+        inv = 1.0 / (10000.0 ** (jnp.arange(0, D // 8) / (D // 8)))
+        angles = jnp.arange(s)[:, None].astype(jnp.float32) * inv
+        cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+        mask = jnp.tril(jnp.ones((s, s), bool))[None, None]
+        x = LlamaLayers(self.n, name="layers")(x, cos, sin, mask)
+        return nn.Dense(VOCAB, use_bias=False, name="lm_head")(RMSNorm(name="norm")(x))
+
+
+class GPT2Block(nn.Module):
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        b, s, d = x.shape
+        h = nn.LayerNorm(name="ln_1")(x)
+        q, k, v = jnp.split(nn.Dense(3 * d, name="c_attn")(h), 3, -1)  # fused qkv, with bias
+        heads = lambda t: t.reshape(b, s, self.heads, -1).transpose(0, 2, 1, 3)  # noqa: E731
+        q, k, v = heads(q), heads(k), heads(v)
+        w = q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(q.shape[-1])
+        w = jnp.where(jnp.tril(jnp.ones((s, s), bool)), w, -1e9)
+        a = (jax.nn.softmax(w, -1) @ v).transpose(0, 2, 1, 3).reshape(b, s, d)
+        x = x + nn.Dense(d, name="c_proj")(a)
+        h = nn.Dense(4 * d, name="c_fc")(nn.LayerNorm(name="ln_2")(x))
+        return x + nn.Dense(d, name="mlp_proj")(jax.nn.gelu(h))
+
+
+class GPT2(nn.Module):
+    n: int = LAYERS
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(VOCAB, D, name="wte")(ids) + nn.Embed(T, D, name="wpe")(
+            jnp.arange(ids.shape[1])
+        )
+        for i in range(self.n):
+            x = GPT2Block(name=f"h_{i}")(x)
+        return nn.Dense(VOCAB, name="lm_head")(nn.LayerNorm(name="ln_f")(x))
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(LAYERS)])
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _batch(i: int):
+    """Position-dependent token ids, a different batch every step."""
+    return (jnp.arange(B * T).reshape(B, T) * 7 + 3 * i) % VOCAB
+
+
+def _loss(logits, ids):
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
+
+def _linen(model):
+    params = model.init(jax.random.key(0), _batch(0))
+    tx = optax.adamw(1e-2, eps=EPS)
+
+    def step(params, opt_state, ids):
+        loss, grads = jax.value_and_grad(lambda p: _loss(model.apply(p, ids), ids))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, params, tx.init(params)
+
+
+def _parallel(step):
+    return autopar.parallelize(
+        step, mesh=MESH, pipeline_stages=2, microbatches=M, pipeline_schedule="1f1b"
+    )
+
+
+def _on_stage(leaf, stage: int, mesh) -> bool:
+    devices = set(mesh.devices[stage].flat)
+    return leaf.sharding.device_set == devices
+
+
+def _check_linen(model, layer_path):
+    step, params, opt_state = _linen(model)
+    par = _parallel(step)
+    ref = jax.jit(step)
+    a, b = (params, opt_state), (params, opt_state)
+    for i in range(3):
+        *a, loss_a = ref(*a, _batch(i))
+        *b, loss_b = par(*b, _batch(i))
+        assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+    assert_trees_close(b, a, what="params and optimizer state after 3 steps")
+    assert jax.tree.structure(b) == jax.tree.structure(a)  # the user's pytree, unchanged
+    plan = par.plan(params, opt_state, _batch(0))
+    assert plan.pipeline["rolled"] == {"template": plan.pipeline["rolled"]["template"],
+                                       "layers": LAYERS, "stages": 2}  # fmt: skip
+    mesh = par.mesh
+    for layer in range(LAYERS):  # layers 0, 1 on stage 0; 2, 3 on stage 1
+        leaves = jax.tree.leaves(layer_path(b[0], layer))
+        assert leaves and all(_on_stage(x, layer // 2, mesh) for x in leaves)
+    return par, plan, params, opt_state
+
+
+def _permuted_shapes(hlo: str) -> list[tuple[int, ...]]:
+    shapes = re.findall(r"= f32\[([\d,]+)\][^=]*collective-permute\(", hlo)
+    return [tuple(int(d) for d in s.split(",")) for s in shapes]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_llama_unrolled_pipelines_like_jax_jit():
+    par, plan, params, opt_state = _check_linen(
+        Llama(), lambda p, i: p["params"]["layers"][str(i)]
+    )
+    assert plan.pipeline["schedule"] == "1f1b" and plan.pipeline["microbatches"] == M
+    assert plan.pipeline["rolled"]["template"].endswith("layers/<i>")
+    # the stage boundary carries one micro-batch's activations (split over data/model)
+    hlo = par.lower(params, opt_state, _batch(0)).compile().as_text()
+    shapes = _permuted_shapes(hlo)
+    assert shapes, "no collective-permute in the compiled program"
+    per_micro = (B // M) * T * D
+    assert any(T in s and per_micro // 4 <= jnp.prod(jnp.array(s)) <= per_micro for s in shapes)
+
+
+def test_gpt2_unrolled_pipelines_like_jax_jit():
+    _, plan, *_ = _check_linen(GPT2(), lambda p, i: p["params"][f"h_{i}"])
+    assert "h_<i>" in plan.pipeline["rolled"]["template"]
+    assert any("rolled into loops over 2 stages" in w for w in plan.warnings)
+
+
+def test_nnx_list_of_blocks_pipelines_like_nnx_jit():
+    def run(wrap):
+        model = NNXModel(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=EPS), wrt=nnx.Param)
+
+        def step(model, opt, ids):
+            loss, grads = nnx.value_and_grad(lambda m: _loss(m(ids), ids))(model)
+            opt.update(model, grads)
+            return loss
+
+        f = wrap(step)
+        losses = [f(model, opt, _batch(i)) for i in range(3)]
+        return losses, model, opt, f
+
+    ref_losses, ref_model, ref_opt, _ = run(nnx.jit)
+    losses, model, opt, f = run(_parallel)
+    assert_trees_close(losses, ref_losses, what="losses")
+    assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+    assert_trees_close(nnx.state(opt), nnx.state(ref_opt), what="optimizer state")
+    plan = f.plan(model, opt, _batch(0))
+    assert plan.pipeline["rolled"]["layers"] == LAYERS
+    for layer in range(LAYERS):
+        w = model.blocks[layer].up.kernel[...]
+        assert _on_stage(w, layer // 2, f.mesh)
+
+
+def test_a_stack_that_does_not_split_into_the_stages_says_so():
+    step, params, opt_state = _linen(GPT2(n=3))
+    with pytest.raises(autopar.PipelineError, match=r"3 layers of .*h_<i>.* do not split into 2"):
+        _parallel(step).plan(params, opt_state, _batch(0))
