@@ -222,9 +222,7 @@ def _permuted_shapes(hlo: str) -> list[tuple[int, ...]]:
 
 
 def test_llama_unrolled_pipelines_like_jax_jit():
-    par, plan, params, opt_state = _check_linen(
-        Llama(), lambda p, i: p["params"]["layers"][str(i)]
-    )
+    par, plan, params, opt_state = _check_linen(Llama(), lambda p, i: p["params"]["layers"][str(i)])
     assert plan.pipeline["schedule"] == "1f1b" and plan.pipeline["microbatches"] == M
     assert plan.pipeline["rolled"]["template"].endswith("layers/<i>")
     # the stage boundary carries one micro-batch's activations (split over data/model)
@@ -235,6 +233,7 @@ def test_llama_unrolled_pipelines_like_jax_jit():
     assert any(T in s and per_micro // 4 <= jnp.prod(jnp.array(s)) <= per_micro for s in shapes)
 
 
+@pytest.mark.slow  # 45 s; the Llama and NNX tests cover the default run
 def test_gpt2_unrolled_pipelines_like_jax_jit():
     _, plan, *_ = _check_linen(GPT2(), lambda p, i: p["params"][f"h_{i}"])
     assert "h_<i>" in plan.pipeline["rolled"]["template"]
