@@ -211,7 +211,8 @@ class _Driver:
         self.single = len(options.meshes) == 1
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
-        self._rolled: dict = {}  # (graph, stages, mesh) -> `_looped`
+        self._rolled: dict = {}  # (stages, mesh) -> `_looped`
+        self.base: Graph | None = None  # the trace before remat (`compile`)
 
     def _capture(self, args: tuple, mesh=None) -> Graph:
         """Trace the function on `args` under `mesh` (default: the mesh, when there is
@@ -226,28 +227,42 @@ class _Driver:
     def _prepare(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         """The passes every trace goes through before search: mixed precision, remat.
         Returns the graph and the notes for the plan."""
+        graph, notes = self._precision(graph)
+        graph, more = self._remat(graph)
+        return graph, notes + more
+
+    def _precision(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         notes: tuple[str, ...] = tuple(
             f"layer stack: {s.describe()} (unrolled in Python)" for s in find_stacks(graph)
         )
         if self.o.precision is not None:
             notes += describe_precision(graph, self.o.precision).notes()
             graph = mixed_precision(graph, self.o.precision)
-        if self.remat_policy not in (None, "none"):
-            graph, report = rematerialize(graph, self.remat_policy, self.remat_layers)
-            notes += report.notes()
-            self.stack_layers = report.stack_layers
-            if len(report.layers) >= report.stack_layers:
-                self.remat_layers = None  # every layer of the stack (or there is none)
-            if not report.applied:  # the plan records what was applied: nothing
-                if self.o.remat != "auto":
-                    warnings.warn(
-                        f"autopar: {self.name}: remat={self.remat_policy!r} has nothing to "
-                        "rematerialize (no loop over layers and no stack of layers unrolled in "
-                        "Python was found); the plan records remat=None",
-                        stacklevel=6,
-                    )
-                self.remat_policy = None
         return graph, notes
+
+    def _remat(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
+        if self.remat_policy in (None, "none"):
+            return graph, ()
+        graph, report = rematerialize(graph, self.remat_policy, self.remat_layers)
+        self.stack_layers = report.stack_layers
+        if len(report.layers) >= report.stack_layers:
+            self.remat_layers = None  # every layer of the stack (or there is none)
+        if not report.applied:  # the plan records what was applied: nothing
+            if self.o.remat != "auto":
+                warnings.warn(
+                    f"autopar: {self.name}: remat={self.remat_policy!r} has nothing to "
+                    "rematerialize (no loop over layers and no stack of layers unrolled in "
+                    "Python was found); the plan records remat=None",
+                    stacklevel=6,
+                )
+            self.remat_policy = None
+        return graph, report.notes()
+
+    def _remat_rolled(self, graph: Graph) -> Graph:
+        """A rolled graph's loops rematerialized as scans are (`_looped`)."""
+        if self.remat_policy in (None, "none"):
+            return graph
+        return rematerialize(graph, self.remat_policy)[0]
 
     def compile(self) -> Compiled | Infeasible:
         """The fastest plan over the meshes and pipelines, compiled; Infeasible when
@@ -259,7 +274,9 @@ class _Driver:
             with self.clock.phase("capture"):
                 self.graph = self._capture(self.call.args)
         with self.clock.phase("passes"):
-            graph, notes = self._prepare(self.graph)
+            self.base, notes = self._precision(self.graph)  # a pipeline may roll its layers
+            graph, more = self._remat(self.base)
+            notes += more
             if o.grad_accumulation and o.grad_accumulation > 1:
                 graph = self._accumulated(graph)
         reused: dict[int, Spec] = {}
@@ -518,12 +535,25 @@ class _Driver:
         into loops (`autopar.passes.roll`) and the `Roll`; Infeasible when neither."""
         if pipelined_scans(graph, Pipeline(S, 1)):
             return graph, None
-        key = (id(graph), S, tuple(mesh.axis_sizes))
+        key = (S, tuple(mesh.axis_sizes))
         if key not in self._rolled:
-            stacks = find_stacks(graph)
+            # the stack is found and rolled before remat (its copies would sit between
+            # the layers); the rolled loops are then rematerialized as scans are
+            base = self.base
+            stacks = find_stacks(base)
             fits = [s for s in stacks if len(s.forward) % S == 0]
-            if fits:
-                self._rolled[key] = _applies(roll, graph, fits[0], S, mesh)
+            if self.remat_layers is not None:
+                self._rolled[key] = Infeasible(
+                    PipelineError(
+                        f"{self.name}: remat on the first {self.remat_layers} layers only does "
+                        "not apply to a pipelined stack (its stages run one loop body)"
+                    )
+                )
+            elif fits:
+                got = _applies(roll, base, fits[0], S, mesh)
+                if not isinstance(got, Infeasible):
+                    got = (self._remat_rolled(got[0]), got[1])
+                self._rolled[key] = got
             else:
                 loops = [n.params["length"] for n in graph.nodes if n.body is not None]
                 why = (
@@ -563,11 +593,14 @@ class _Driver:
         micro_dyn = iter(jax.tree_util.tree_unflatten(tree, flat))
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
         log.info("tracing %s at the micro-batch size", name)
-        micro, _ = self._prepare(self._capture(margs, mesh))
-        if rolled is not None:
+        if rolled is None:
+            micro, _ = self._prepare(self._capture(margs, mesh))
+        else:
+            micro = self._precision(self._capture(margs, mesh))[0]
             micro = _applies(_roll_like, micro, rolled, mesh)
             if isinstance(micro, Infeasible):
                 return micro
+            micro = self._remat_rolled(micro)
         mscans = pipelined_scans(micro, pipe)
         if len(mscans) != len(scans):
             return Infeasible(

@@ -401,6 +401,24 @@ class _Rolling:
         in_order = [self.rows.get(v, (None, -1))[1] for v in values] == list(range(self.S))
         return keys.pop() if len(keys) == 1 and None not in keys and in_order else None
 
+    def _equal(self, a: int, b: int, depth: int = 4) -> bool:
+        """Whether values `a` and `b` are the same computation: the same value, equal
+        literals, or made by ops of one signature from equal operands (optax computes
+        a bias correction once per leaf; `depth` bounds the walk)."""
+        if a == b:
+            return True
+        g, prod = self.g, self.g.producer
+        if a in g.consts or b in g.consts:
+            return self._same_literal([a, b])
+        if depth == 0 or a not in prod or b not in prod or a in self.rows or b in self.rows:
+            return False
+        na, nb = g.nodes[prod[a]], g.nodes[prod[b]]
+        return (
+            na.outputs.index(a) == nb.outputs.index(b)
+            and signature(g, na) == signature(g, nb)
+            and all(self._equal(x, y, depth - 1) for x, y in zip(na.inputs, nb.inputs))
+        )
+
     def _same_literal(self, values: Sequence[int]) -> bool:
         c = self.g.consts
         return all(v in c and _same_const(c[values[0]], c[v]) for v in values)
@@ -416,7 +434,7 @@ class _Rolling:
             if key is not None:
                 args.append(stacked[key])
                 axes.append(0)
-            elif all(y == x for y in copies) or self._same_literal(copies):
+            elif all(self._equal(x, y) for y in copies):
                 args.append(read(x))
                 axes.append(None)
             else:

@@ -158,15 +158,11 @@ def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
 
 
 def _mirrors(other: str, template: str) -> bool:
-    """Whether template `other` (`state/1/0/mu/params/h_<i>`) ends like `template`
-    (`state/0/params/h_<i>`) below the components where they part: the optimizer
-    state mirroring a parameter run, whether both are arguments of their own or sit in
-    one train-state tuple."""
-    a, b = other.split("/"), template.split("/")
-    common = 0
-    while common < min(len(a), len(b)) and a[-1 - common] == b[-1 - common]:
-        common += 1
-    return other != template and common >= 2 and common >= len(b) - 2
+    """Whether template `other` (`state/1/0/mu/params/h_<i>`, `opt_state/0/mu/h_<i>`)
+    ends in the indexed component of `template` (`state/0/params/h_<i>`): with the same
+    leaves (the caller checks), the optimizer state mirroring a parameter run, whether
+    both are arguments of their own or sit in one train-state tuple."""
+    return other != template and other.split("/")[-1] == template.split("/")[-1]
 
 
 def _runs(items: list[int], same) -> list[list[int]]:
