@@ -270,3 +270,26 @@ def test_a_stack_that_does_not_split_into_the_stages_says_so():
     step, params, opt_state = _linen(GPT2(n=3))
     with pytest.raises(autopar.PipelineError, match=r"3 layers of .*h_<i>.* do not split into 2"):
         _parallel(step).plan(params, opt_state, _batch(0))
+
+
+def test_a_saved_rolled_plan_replays_and_the_cache_hits(tmp_path):
+    """A plan made on the rolled stack binds again: loaded from a file (no search) and
+    from the plan cache; both roll the new trace the same way and train alike."""
+    step, params, opt_state = _linen(GPT2(n=2))
+    first = autopar.parallelize(
+        step, mesh=MESH, pipeline_stages=2, microbatches=M, cache_dir=tmp_path / "cache"
+    )
+    plan = first.plan(params, opt_state, _batch(0))
+    assert plan.pipeline["rolled"]["layers"] == 2
+    plan.save(tmp_path / "plan.json")
+    again = autopar.parallelize(
+        step, mesh=MESH, pipeline_stages=2, plan=autopar.Plan.load(tmp_path / "plan.json")
+    )
+    cached = autopar.parallelize(
+        step, mesh=MESH, pipeline_stages=2, microbatches=M, cache_dir=tmp_path / "cache"
+    )
+    assert cached.plan(params, opt_state, _batch(0)).cache["status"] == "hit"
+    ref = jax.jit(step)(params, opt_state, _batch(0))
+    for par in (again, cached):
+        got = par(params, opt_state, _batch(0))
+        assert_trees_close(got, ref, what="one step from the replayed plan")

@@ -211,7 +211,7 @@ class _Driver:
         self.single = len(options.meshes) == 1
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
-        self._rolled: dict = {}  # (stages, mesh) -> `_looped`
+        self._rolled: dict = {}  # stages -> `_looped`
         self.base: Graph | None = None  # the trace before remat (`compile`)
 
     def _capture(self, args: tuple, mesh=None) -> Graph:
@@ -535,7 +535,7 @@ class _Driver:
         into loops (`autopar.passes.roll`) and the `Roll`; Infeasible when neither."""
         if pipelined_scans(graph, Pipeline(S, 1)):
             return graph, None
-        key = (S, tuple(mesh.axis_sizes))
+        key = S  # the rolled ops do not depend on the mesh's shape
         if key not in self._rolled:
             # the stack is found and rolled before remat (its copies would sit between
             # the layers); the rolled loops are then rematerialized as scans are

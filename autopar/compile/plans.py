@@ -89,6 +89,15 @@ def spec_pins(problem: Problem, specs: dict[int, Spec]) -> dict[int, int]:
     return pins
 
 
+def _stage_layers(node, pipelined: PipelinedScans) -> list[tuple[int, int]]:
+    """The layers each stage runs: the loop's steps, or, for a stack unrolled in Python
+    and rolled (one step per stage), the stack's layers."""
+    if pipelined.roll is None:
+        return layer_ranges(node, pipelined.pipe)
+    k = pipelined.roll.layers // pipelined.roll.stages
+    return [(s * k, (s + 1) * k) for s in range(pipelined.roll.stages)]
+
+
 def make_plan(
     problem: Problem, result, profile, jax_mesh, pipelined: PipelinedScans | None = None
 ) -> Plan:
@@ -105,7 +114,7 @@ def make_plan(
             "scans": [
                 {
                     "op": keys[i],
-                    "stages": [list(r) for r in layer_ranges(g.nodes[i], pipelined.pipe)],
+                    "stages": [list(r) for r in _stage_layers(g.nodes[i], pipelined)],
                     "reverse": bool(g.nodes[i].params["reverse"]),
                     "seconds": priced(i),
                 }
