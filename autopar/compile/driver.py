@@ -212,6 +212,7 @@ class _Driver:
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
         self._rolled: dict = {}  # stages -> `_looped`
+        self._rolled_notes: dict[int, tuple[str, ...]] = {}  # stages -> its remat's notes
         self.base: Graph | None = None  # the trace before remat (`compile`)
 
     def _capture(self, args: tuple, mesh=None) -> Graph:
@@ -258,11 +259,12 @@ class _Driver:
             self.remat_policy = None
         return graph, report.notes()
 
-    def _remat_rolled(self, graph: Graph) -> Graph:
-        """A rolled graph's loops rematerialized as scans are (`_looped`)."""
+    def _remat_rolled(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
+        """A rolled graph's loops rematerialized as scans are (`_looped`), and the notes."""
         if self.remat_policy in (None, "none"):
-            return graph
-        return rematerialize(graph, self.remat_policy)[0]
+            return graph, ()
+        graph, report = rematerialize(graph, self.remat_policy)
+        return graph, report.notes()
 
     def compile(self) -> Compiled | Infeasible:
         """The fastest plan over the meshes and pipelines, compiled; Infeasible when
@@ -416,8 +418,10 @@ class _Driver:
                 )
                 g, rolled = _graph_of(graph, pipelined), _roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
-                if rolled is not None:
-                    plan = replace(plan, warnings=(*plan.warnings, rolled.describe()))
+                if rolled is not None:  # remat ran on the rolled loops, not the layers
+                    kept = [w for w in plan.warnings if not w.startswith("remat (")]
+                    done = self._rolled_notes.get(rolled.stages, ())
+                    plan = replace(plan, warnings=(*kept, rolled.describe(), *done))
                 jitted = jit_from_plan(g, plan, mesh, donate, pipelined)
             if (
                 isinstance(mesh, Mesh)
@@ -552,7 +556,8 @@ class _Driver:
             elif fits:
                 got = _applies(roll, base, fits[0], S, mesh)
                 if not isinstance(got, Infeasible):
-                    got = (self._remat_rolled(got[0]), got[1])
+                    g, self._rolled_notes[S] = self._remat_rolled(got[0])
+                    got = (g, got[1])
                 self._rolled[key] = got
             else:
                 loops = [n.params["length"] for n in graph.nodes if n.body is not None]
@@ -600,7 +605,7 @@ class _Driver:
             micro = _applies(_roll_like, micro, rolled, mesh)
             if isinstance(micro, Infeasible):
                 return micro
-            micro = self._remat_rolled(micro)
+            micro = self._remat_rolled(micro)[0]
         mscans = pipelined_scans(micro, pipe)
         if len(mscans) != len(scans):
             return Infeasible(

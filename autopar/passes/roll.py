@@ -74,9 +74,9 @@ class Roll:
         k = self.layers // self.stages
         groups = sum(len(m) > 1 for m in self.inputs)
         return (
-            f"{self.layers} x {self.template} unrolled in Python, rolled into loops over "
-            f"{self.stages} stages of {k} layers; {groups} leaves grouped per layer slot "
-            "(layer s*k+j of every stage s), split over the stage axis"
+            f"layer stack: {self.layers} x {self.template} (unrolled in Python) rolled into "
+            f"loops over {self.stages} stages of {k} layer{'s' * (k > 1)}; {groups} leaves "
+            "grouped per layer slot (layer s*k+j of every stage s), split over the stage axis"
         )
 
 
@@ -562,9 +562,16 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
         shape = t.shape if len(ms) == 1 else (S,) if st else (S * t.shape[0], *t.shape[1:])
         args.append(jax.ShapeDtypeStruct(shape, t.dtype))
     new = capture(r.function(info), args, (), mesh)
+    # the loops stand for the user's layers: named by the first layer's first line
+    where = graph.nodes[stack.forward[0].nodes[0]].source
+    nodes = tuple(
+        replace(n, source=where) if n.body is not None and SCOPE in n.name_stack else n
+        for n in new.nodes
+    )
     flat = lambda n: jax.tree_util.tree_structure(tuple(range(n)))  # noqa: E731
     new = replace(
         new,
+        nodes=nodes,
         input_paths=tuple(in_paths),
         output_paths=tuple(out_paths),
         in_tree=flat(len(inputs)),
