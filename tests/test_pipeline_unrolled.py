@@ -293,3 +293,36 @@ def test_a_saved_rolled_plan_replays_and_the_cache_hits(tmp_path):
     for par in (again, cached):
         got = par(params, opt_state, _batch(0))
         assert_trees_close(got, ref, what="one step from the replayed plan")
+
+
+class DropoutBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.Dropout(0.1, deterministic=not train)(jax.nn.gelu(nn.Dense(2 * D)(x)))
+        return x + nn.Dense(D)(h)
+
+
+class DropoutModel(nn.Module):
+    @nn.compact
+    def __call__(self, ids, train: bool):
+        x = nn.Embed(VOCAB, D)(ids)
+        for i in range(LAYERS):
+            x = DropoutBlock(name=f"h_{i}")(x, train)
+        return nn.Dense(VOCAB)(x)
+
+
+def test_dropout_in_a_pipeline_warns_that_masks_differ_from_jit():
+    """Dropout masks drawn per micro-batch are another draw than jax.jit's full-batch
+    one: never silent, the warning names the user's dropout line."""
+    model = DropoutModel()
+    params = model.init(jax.random.key(0), _batch(0), False)
+
+    def step(params, ids, rng):
+        def loss(p):
+            return _loss(model.apply(p, ids, True, rngs={"dropout": rng}), ids)
+
+        return jax.grad(loss)(params)
+
+    with pytest.warns(UserWarning, match=r"drawn per micro-batch .*test_pipeline_unrolled.py"):
+        plan = _parallel(step).plan(params, _batch(0), jax.random.key(1))
+    assert any("dropout masks are a different" in w for w in plan.warnings)

@@ -418,6 +418,9 @@ class _Driver:
                 )
                 g, rolled = _graph_of(graph, pipelined), _roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
+                if pipelined is not None and (why := _random_per_microbatch(pipelined)):
+                    warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
+                    plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers
                     kept = [w for w in plan.warnings if not w.startswith("remat (")]
                     done = self._rolled_notes.get(rolled.stages, ())
@@ -638,6 +641,27 @@ class _Driver:
             return Infeasible(PipelineError(f"pipeline_schedule='1f1b': {why}"))
         log.info("1F1B does not apply (%s); GPipe", why)
         return PipelinedScans(replace(pipe, schedule="gpipe"), bodies, **extra)
+
+
+RANDOM_OPS = ("random_bits", "rng_bit_generator", "rng_uniform")
+
+
+def _random_per_microbatch(pipelined: PipelinedScans) -> str | None:
+    """Why a pipelined step's random numbers (dropout masks) differ from `jax.jit`'s:
+    the loop bodies and the 1F1B head draw them per micro-batch, at the micro-batch's
+    shape, so the draw is another one (as random); None when they draw none."""
+    bodies = [body for body, _ in pipelined.scans.values()]
+    ops = [n for b in bodies for n in b.nodes] + [n for f in pipelined.fused for n in f.micro_nodes]
+    drawn = sorted({n.key for n in ops if n.op in RANDOM_OPS})
+    if not drawn:
+        return None
+    return (
+        f"random numbers are drawn per micro-batch inside the pipeline ({drawn[0]}"
+        + (f" and {len(drawn) - 1} more" if len(drawn) > 1 else "")
+        + "): dropout masks are a different (equally random) draw than jax.jit's, so "
+        "steps match jax.jit only in distribution; set the dropout rate to 0 to compare "
+        "numbers"
+    )
 
 
 def _graph_of(graph: Graph, pipelined: PipelinedScans | None) -> Graph:

@@ -390,7 +390,7 @@ class _Rolling:
                     outs.append(whole if st else whole.reshape((-1, *whole.shape[2:])))
                 else:
                     parts = [read(v) for v in vals]
-                    outs.append(jnp.stack(parts) if st else jnp.concatenate(parts, axis=0))
+                    outs.append(_stack(parts) if st else jnp.concatenate(parts, axis=0))
             return outs
 
         return fn
@@ -438,7 +438,7 @@ class _Rolling:
                 args.append(read(x))
                 axes.append(None)
             else:
-                args.append(jnp.stack([read(y) for y in copies]))
+                args.append(_stack([read(y) for y in copies]))
                 axes.append(0)
         outs = jax.vmap(lambda *xs: bind_node(ref, xs), in_axes=axes)(*args)
         for r, y in enumerate(outs):
@@ -458,7 +458,7 @@ class _Rolling:
             elif (key := self._batched(kind[1])) is not None:  # a per-layer op's rows
                 xs.append(stacked[key])
             else:
-                xs.append(jnp.stack([read(y) for y in kind[1]]))
+                xs.append(_stack([read(y) for y in kind[1]]))
         xs_ids = [x for x, _ in lp.xs]
         carry_ids = [x for x, _ in lp.carry]
 
@@ -480,6 +480,33 @@ class _Rolling:
             env[g.nodes[last[q]].outputs[r]] = val
         for pos, y in zip([*lp.ys, *(("in", ci) for ci in lp.ys_in)], ys):
             stacked[("ys", li, pos)] = y
+
+
+def _with_sources(body: Graph, graph: Graph, loop: _Loop | None) -> Graph:
+    """`body` (a rolled loop's, traced through `autopar`'s evaluator) with each op's user
+    line and name stack from the reference chunk's op it was made from: the two are
+    aligned in order, skipping the chunk's ops that tracing elided (a cast to the dtype
+    a value already has). For messages and plan keys only."""
+    if loop is None:
+        return body
+    ref, j, nodes = [graph.nodes[i] for i in loop.chunks[loop.ref]], 0, []
+    for b in body.nodes:
+        while j < len(ref) and ref[j].op != b.op:
+            j += 1
+        if j == len(ref):
+            return body  # not the chunk's ops: leave the lines as traced
+        o = ref[j]
+        j += 1
+        nodes.append(
+            replace(b, source=o.source, name_stack=o.name_stack, library_source=o.library_source)
+        )
+    return replace(body, nodes=tuple(nodes))
+
+
+def _stack(values: Sequence[Any]):
+    """`jnp.stack`, written as a concatenation of `[1, ...]` views (primitives the search
+    has sharding rules for; `jnp.stack` traces to its own)."""
+    return jnp.concatenate([jnp.expand_dims(v, 0) for v in values], axis=0)
 
 
 def _same_const(a, b) -> bool:
@@ -562,10 +589,14 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
         shape = t.shape if len(ms) == 1 else (S,) if st else (S * t.shape[0], *t.shape[1:])
         args.append(jax.ShapeDtypeStruct(shape, t.dtype))
     new = capture(r.function(info), args, (), mesh)
-    # the loops stand for the user's layers: named by the first layer's first line
+    # the loops stand for the user's layers: named by the first layer's first line, and
+    # their bodies' ops by the user's lines of the layers they came from
     where = graph.nodes[stack.forward[0].nodes[0]].source
+    loops = iter(r.loops)
     nodes = tuple(
-        replace(n, source=where) if n.body is not None and SCOPE in n.name_stack else n
+        replace(n, source=where, body=_with_sources(n.body, graph, next(loops, None)))
+        if n.body is not None and SCOPE in n.name_stack
+        else n
         for n in new.nodes
     )
     flat = lambda n: jax.tree_util.tree_structure(tuple(range(n)))  # noqa: E731
