@@ -1,0 +1,265 @@
+"""The pipelines a call can try (`_Driver`'s share): for each mesh with a stage axis,
+the loop over layers to pipeline (a `scan`, or a stack unrolled in Python rolled into
+loops by `autopar.passes.roll`), each micro-batch count, the function traced again at
+the micro-batch size and paired with it; and `Infeasible`, the value an option that
+gives no plan turns into."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import jax
+
+from autopar.compile.notes import no_layer_loop
+from autopar.errors import AutoparError, MemoryBudgetError, MicrobatchError, PipelineError
+from autopar.ir.graph import Graph, find_aliases
+from autopar.passes.pipeline import (
+    Pipeline,
+    PipelinedScans,
+    batch_size,
+    check_pipeline,
+    fuse,
+    micro_args,
+    pipelined_scans,
+    scan_labels,
+    with_full_consts,
+)
+from autopar.passes.remat import rematerialize
+from autopar.passes.roll import Roll, roll
+from autopar.passes.stacks import find_stacks
+
+log = logging.getLogger("autopar")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Infeasible:
+    """Why an option (a remat policy, a mesh, a pipeline, a micro-batch count) gives no
+    plan: the error the user gets when it was the only one to try."""
+
+    error: AutoparError
+
+    @property
+    def why(self) -> str:
+        return self.error.message
+
+    @property
+    def memory(self) -> bool:
+        return isinstance(self.error, MemoryBudgetError)
+
+
+def _applies(fn: Callable[..., T], *args) -> T | Infeasible:
+    """`fn(*args)` of a pass that raises the user's error where a pipeline or a
+    micro-batch count does not fit the step (naming the op): that error as a value."""
+    try:
+        return fn(*args)
+    except (PipelineError, MicrobatchError) as e:
+        return Infeasible(e)
+
+
+class PipelineTries:
+    """The pipeline half of `compile.driver._Driver` (which sets the attributes read
+    here: options `o`, `call`, `name`, the trace before remat `base`, the remat policy
+    and layer count, and `_rolled`/`_rolled_notes`, the rolled stacks per stage count)."""
+
+    def _remat_rolled(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
+        """A rolled graph's loops rematerialized as scans are (`_looped`), and the notes."""
+        if self.remat_policy in (None, "none"):
+            return graph, ()
+        graph, report = rematerialize(graph, self.remat_policy)
+        return graph, report.notes()
+
+    def _pipelines(self, graph: Graph, mesh) -> list[PipelinedScans | None] | Infeasible:
+        """The pipelines to try on `mesh`: none, or `pipeline_stages` with each candidate
+        micro-batch count (`microbatches`, else S, 2S and 4S where they cut the batch);
+        Infeasible when `mesh` or the step allows none."""
+        o = self.o
+        if o.pipeline_stages is None:
+            return [None]
+        S = o.pipeline_stages
+        if S == "auto":  # one candidate mesh of `pipeline_meshes`: its stage axis
+            if "stage" not in mesh.axis_names:
+                return [None]
+            S = dict(zip(mesh.axis_names, mesh.axis_sizes))["stage"]
+        checked = _applies(check_pipeline, Pipeline(S, 1), self._info(mesh))
+        if isinstance(checked, Infeasible):
+            return checked
+        looped = self._looped(graph, S, mesh)
+        if isinstance(looped, Infeasible):
+            return looped
+        graph, rolled = looped
+        scans = pipelined_scans(graph, Pipeline(S, 1))
+        batch = batch_size(graph, scans)
+        counts = (
+            [o.microbatches]
+            if o.microbatches is not None
+            else [m for m in (S, 2 * S, 4 * S, 8 * S, 12 * S) if batch % m == 0] or [1]
+        )
+        out, skipped = [], []
+        for m in counts:
+            pipe = Pipeline(S, m, o.pipeline_schedule or "1f1b")
+            got = self._pipelined(graph, pipe, mesh, rolled)
+            if not isinstance(got, Infeasible):
+                out.append(got)
+            elif o.microbatches is not None:
+                return got
+            else:  # e.g. a batch of 1 traces to different ops
+                skipped.append(f"{m} micro-batches: {got.why}")
+        if not out:
+            return Infeasible(
+                PipelineError("no micro-batch count works:\n  " + "\n  ".join(skipped))
+            )
+        return out
+
+    def _looped(self, graph: Graph, S: int, mesh) -> tuple[Graph, Roll | None] | Infeasible:
+        """The graph whose loops `S` stages pipeline: `graph` when a scan over layers
+        splits into `S`, else `graph` with its stack of layers unrolled in Python rolled
+        into loops (`autopar.passes.roll`) and the `Roll`; Infeasible when neither."""
+        if pipelined_scans(graph, Pipeline(S, 1)):
+            return graph, None
+        key = S  # the rolled ops do not depend on the mesh's shape
+        if key not in self._rolled:
+            # the stack is found and rolled before remat (its copies would sit between
+            # the layers); the rolled loops are then rematerialized as scans are
+            base = self.base
+            stacks = find_stacks(base)
+            fits = [s for s in stacks if len(s.forward) % S == 0]
+            if self.remat_layers is not None:
+                self._rolled[key] = Infeasible(
+                    PipelineError(
+                        f"{self.name}: remat on the first {self.remat_layers} layers only does "
+                        "not apply to a pipelined stack (its stages run one loop body)"
+                    )
+                )
+            elif fits:
+                got = _applies(roll, base, fits[0], S, mesh)
+                if not isinstance(got, Infeasible):
+                    g, self._rolled_notes[S] = self._remat_rolled(got[0])
+                    got = (g, got[1])
+                self._rolled[key] = got
+            else:
+                loops = [n.params["length"] for n in graph.nodes if n.body is not None]
+                why = (
+                    f"no scan's length ({loops}) is a multiple of {S}"
+                    if loops
+                    else "; ".join(
+                        f"the {len(s.forward)} layers of {s.template} (unrolled in Python) do not "
+                        f"split into {S} equal stages"
+                        for s in stacks
+                    )
+                    or no_layer_loop()
+                )
+                self._rolled[key] = Infeasible(
+                    PipelineError(f"{self.name}: pipeline_stages={S} pipelines layers, but {why}")
+                )
+        return self._rolled[key]
+
+    def _pipelined(
+        self, graph: Graph, pipe: Pipeline, mesh, rolled: Roll | None = None
+    ) -> PipelinedScans | Infeasible:
+        """Capture the function again at the micro-batch size and pair its scans with
+        `graph`'s pipelined ones (`rolled`: `graph` is the trace with its unrolled
+        stack rolled into loops; so is the micro-batch trace); Infeasible where the
+        step does not pipeline so."""
+        checked = _applies(check_pipeline, pipe, self._info(mesh))
+        if isinstance(checked, Infeasible):
+            return checked
+        scans = pipelined_scans(graph, pipe)
+        name, args, static = self.name, self.call.args, self.call.static
+        dyn, tree = jax.tree_util.tree_flatten(self.call.dyn)
+        keep = {
+            p for i in find_aliases(graph).values() for p in (rolled.inputs[i] if rolled else [i])
+        }
+        flat = _applies(micro_args, dyn, batch_size(graph, scans), pipe.microbatches, name, keep)
+        if isinstance(flat, Infeasible):
+            return flat
+        micro_dyn = iter(jax.tree_util.tree_unflatten(tree, flat))
+        margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
+        log.info("tracing %s at the micro-batch size", name)
+        if rolled is None:
+            micro, _ = self._prepare(self._capture(margs, mesh))
+        else:
+            micro = self._precision(self._capture(margs, mesh))[0]
+            micro = _applies(_roll_like, micro, rolled, mesh)
+            if isinstance(micro, Infeasible):
+                return micro
+            micro = self._remat_rolled(micro)[0]
+        mscans = pipelined_scans(micro, pipe)
+        if len(mscans) != len(scans):
+            return Infeasible(
+                PipelineError(
+                    f"{name}: at the micro-batch size the function has {len(mscans)} pipelinable "
+                    f"loops instead of {len(scans)}; pipelining needs the same loops at any batch size"
+                )
+            )
+        bodies = {}
+        for i, j in zip(scans, mscans):
+            full_node, micro_node = graph.nodes[i], micro.nodes[j]
+            labels = _applies(scan_labels, full_node, micro_node, pipe.microbatches, full_node.key)
+            if isinstance(labels, Infeasible):
+                return labels
+            bodies[i] = (with_full_consts(micro_node.body, full_node.body), labels)
+        extra = {"graph": graph, "roll": rolled} if rolled is not None else {}
+        if pipe.schedule != "1f1b":
+            return PipelinedScans(pipe, bodies, **extra)
+        if scans != mscans:
+            why = f"{name}: the captures at the two batch sizes do not line up"
+        else:
+            fused = _applies(fuse, graph, micro, bodies, pipe.microbatches)
+            if isinstance(fused, Infeasible):
+                why = fused.why
+            elif not fused:
+                why = f"{name}: no forward loop is followed by its backward loop"
+            else:
+                return PipelinedScans(pipe, bodies, fused, **extra)
+        if self.o.pipeline_schedule == "1f1b":
+            return Infeasible(PipelineError(f"pipeline_schedule='1f1b': {why}"))
+        log.info("1F1B does not apply (%s); GPipe", why)
+        return PipelinedScans(replace(pipe, schedule="gpipe"), bodies, **extra)
+
+
+RANDOM_OPS = ("random_bits", "rng_bit_generator", "rng_uniform")
+
+
+def random_per_microbatch(pipelined: PipelinedScans) -> str | None:
+    """Why a pipelined step's random numbers (dropout masks) differ from `jax.jit`'s:
+    the loop bodies and the 1F1B head draw them per micro-batch, at the micro-batch's
+    shape, so the draw is another one (as random); None when they draw none."""
+    bodies = [body for body, _ in pipelined.scans.values()]
+    ops = [n for b in bodies for n in b.nodes] + [n for f in pipelined.fused for n in f.micro_nodes]
+    drawn = sorted({n.key for n in ops if n.op in RANDOM_OPS})
+    if not drawn:
+        return None
+    return (
+        f"random numbers are drawn per micro-batch inside the pipeline ({drawn[0]}"
+        + (f" and {len(drawn) - 1} more" if len(drawn) > 1 else "")
+        + "): dropout masks are a different (equally random) draw than jax.jit's, so "
+        "steps match jax.jit only in distribution; set the dropout rate to 0 to compare "
+        "numbers"
+    )
+
+
+def graph_of(graph: Graph, pipelined: PipelinedScans | None) -> Graph:
+    """The graph a try searches: the rolled one when its pipeline rolled the layers."""
+    return pipelined.graph if pipelined is not None and pipelined.graph is not None else graph
+
+
+def roll_of(pipelined: PipelinedScans | None) -> Roll | None:
+    return None if pipelined is None else pipelined.roll
+
+
+def _roll_like(graph: Graph, like: Roll, mesh) -> Graph:
+    """`graph` (the step traced again, at another batch size) with the stack `like`
+    rolled the same way."""
+    for stack in find_stacks(graph):
+        if stack.template == like.template and len(stack.forward) == like.layers:
+            got, again = roll(graph, stack, like.stages, mesh)
+            if (again.inputs, again.outputs) == (like.inputs, like.outputs):
+                return got
+    raise PipelineError(
+        f"{graph.name}: traced again, the step does not have the same {like.layers} layers of "
+        f"{like.template}; pipelining needs the same layers at any batch size"
+    )
