@@ -115,13 +115,17 @@ class Parallelized:
             )
         c = self._get(call, bound)
         flat = call.flat
-        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(call.dyn)[0]]
+        paths = [r.path for r in c.plan.inputs]
+        if c.roll is not None:  # the plan's inputs are the rolled ones: a leaf's group
+            paths = [""] * len(flat)
+            for r, ms in zip(c.plan.inputs, c.roll.inputs):
+                for m in ms:
+                    paths[m] = r.path
         for x, p in zip(flat, paths):
             if isinstance(x, jax.Array) and x.is_deleted():
                 raise AutoparError(
-                    f"{fn_name(self.fn)}: argument {jax.tree_util.keystr(p)} {x.dtype}{list(x.shape)} "
-                    "was deleted, most likely donated to an earlier call "
-                    f"(donate_argnums={self.options.donate_argnums}); "
+                    f"{fn_name(self.fn)}: argument {p} {x.dtype}{list(x.shape)} was deleted, most "
+                    f"likely donated to an earlier call (donate_argnums={self.options.donate_argnums}); "
                     "pass the updated value that call returned instead"
                 )
         program = self._programs[(bound.key, *self._key(call))]
