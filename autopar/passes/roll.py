@@ -216,8 +216,9 @@ class _Rolling:
                     if (q, r) in carried and c == lp.order[-1]:
                         continue  # the final carry: bound as it is
                     v = nodes[lp.chunks[c][q]].outputs[r]
-                    inside = sets[c] | (sets[lp.next(c)] if (q, r) in carried else set())
-                    if set(g.consumers.get(v, ())) - inside or v in gout:
+                    after = sets[lp.next(c)] if (q, r) in carried else ()  # as the carry
+                    readers = g.consumers.get(v, ())
+                    if v in gout or any(u not in sets[c] and u not in after for u in readers):
                         lp.ys.append((q, r))
                         break
 
