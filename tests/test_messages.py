@@ -256,8 +256,9 @@ def test_pipeline_auto_without_a_layer_loop_says_why():
     why = (
         "pipeline_stages='auto' returned an unpipelined plan: {'stage': 2, 'model': 4}, "
         "{'stage': 4, 'model': 2}, {'stage': 8}: it has no loop over layers and no stack of "
-        "repeated layers was found (pipelining needs layers under flax.linen.scan, nnx.scan "
-        "or jax.lax.scan)"
+        "repeated layers unrolled in Python was found (layers are told apart by their "
+        "parameters' paths: `h_0`, `layers/3`, ...; a loop is flax.linen.scan, nnx.scan or "
+        "jax.lax.scan over stacked weights)"
     )
     assert why in plan.warnings
     assert f"  warning: {why}" in plan.summary()

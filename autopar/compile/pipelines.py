@@ -152,9 +152,12 @@ class PipelineTries:
                     )
                     or no_layer_loop()
                 )
-                self._rolled[key] = Infeasible(
-                    PipelineError(f"{self.name}: pipeline_stages={S} pipelines layers, but {why}")
+                head = (
+                    f"{S} stages: "  # `notes.no_pipeline_why` groups the meshes by reason
+                    if self.o.pipeline_stages == "auto"
+                    else f"{self.name}: pipeline_stages={S} pipelines layers, but "
                 )
+                self._rolled[key] = Infeasible(PipelineError(head + why))
         return self._rolled[key]
 
     def _pipelined(

@@ -152,9 +152,11 @@ def find_aliases(graph: Graph) -> dict[int, int]:
     aliases: dict[int, int] = {}
     for o, p in enumerate(graph.output_paths):
         comps = p.split("/")[1:]
+        # longest tail first; the empty one (a bare array argument) only for `out`, `out/0`
+        tails = ["/".join(comps[k:]) for k in range(len(comps))] + [""] * (len(comps) <= 1)
         cands: list[int] = []
-        for k in range(len(comps)):
-            cands = by_rest.get("/".join(comps[k:]), [])
+        for tail in tails:
+            cands = by_rest.get(tail, [])
             if cands:
                 break
         if len(cands) == 1:
