@@ -8,8 +8,9 @@ layer `s k + j`'s leaf. Each such leaf therefore lives on its stage's devices on
 `RolledIO` builds the group from the leaves' device buffers, and the leaves from the
 group's, with `jax.make_array_from_single_device_arrays`: no copy and no transfer once
 the leaves are where the plan puts them (the first call moves them there; every later
-call gets back what the previous one returned). A group the plan does not split over
-the stage axis, stage-major, is concatenated and split by copying, and the plan says so.
+call gets back what the previous one returned). The search offers a group only
+stage-major strategies; were one not split so, it would be concatenated and split by
+copying (a fallback that keeps the numbers right).
 """
 
 from __future__ import annotations
@@ -68,11 +69,6 @@ class RolledIO:
         ]
         self.stage_of = {d: idx[k] for idx, d in np.ndenumerate(mesh.devices)}
         self.in_specs = list(in_specs)
-        self.copied: list[int] = [  # groups built by copying (not split stage-major)
-            i
-            for i, (ms, sp) in enumerate(zip(roll.inputs, in_specs))
-            if len(ms) > 1 and member_spec(sp, axis) is None
-        ]
 
     def inputs(self, flat: Sequence[Any]) -> list:
         out = []
