@@ -81,8 +81,15 @@ def measure(name: str, scan: bool, **options) -> dict:
         "predicted_ms": round(plan.cost.step_s * 1e3, 4),
         "predicted_peak_mib": round(plan.cost.peak_memory_bytes / 2**20, 2),
         "compiled_mib": round(
-            (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-             - mem.alias_size_in_bytes) / 2**20, 2),  # fmt: skip
+            (
+                mem.argument_size_in_bytes
+                + mem.output_size_in_bytes
+                + mem.temp_size_in_bytes
+                - mem.alias_size_in_bytes
+            )
+            / 2**20,
+            2,
+        ),  # fmt: skip
         "compiled_temp_mib": round(mem.temp_size_in_bytes / 2**20, 2),
         "collective_permutes": len(re.findall(r"collective-permute\(", hlo)),
         "cpu_step_ms": round(statistics.median(times) * 1e3, 1),
