@@ -381,13 +381,9 @@ class _Rolling:
                 if len(ms) == 1:
                     outs.append(read(vals[0]))
                     continue
-                keys = {rows[v][0] if v in rows else None for v in vals}
-                if (
-                    len(keys) == 1
-                    and None not in keys
-                    and [rows[v][1] for v in vals] == list(range(S))
-                ):
-                    whole = stacked[keys.pop()]
+                key = self._batched(vals)
+                if key is not None:  # one stacked array's rows, in order: as it is
+                    whole = stacked[key]
                     outs.append(whole if st else whole.reshape((-1, *whole.shape[2:])))
                 else:
                     parts = [read(v) for v in vals]
