@@ -552,3 +552,22 @@ def trace_hint(
         "Check that the function runs under jax.jit with these shapes; pass Python "
         "scalars/configs through static_argnums."
     )
+
+
+def lines_from(graph: Graph, ref: Sequence[Node]) -> Graph:
+    """`graph` (traced again from `ref`'s ops through autopar's evaluator, so its ops'
+    lines are autopar's) with each op's user line and name stack taken from the `ref`
+    op it was made from: aligned in order, skipping `ref` ops that tracing elided (a
+    cast to the dtype a value already has); unchanged when they do not align."""
+    j, nodes = 0, []
+    for b in graph.nodes:
+        while j < len(ref) and ref[j].op != b.op:
+            j += 1
+        if j == len(ref):
+            return graph
+        o = ref[j]
+        j += 1
+        nodes.append(
+            replace(b, source=o.source, name_stack=o.name_stack, library_source=o.library_source)
+        )
+    return replace(graph, nodes=tuple(nodes))

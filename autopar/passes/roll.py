@@ -38,7 +38,7 @@ import networkx as nx
 import numpy as np
 
 from autopar.errors import PipelineError
-from autopar.ir.capture import capture
+from autopar.ir.capture import capture, lines_from
 from autopar.ir.eval import bind_node, run_nodes
 from autopar.ir.graph import Graph, find_aliases
 from autopar.passes.stacks import LayerStack, signature
@@ -479,25 +479,8 @@ class _Rolling:
             stacked[("ys", li, pos)] = y
 
 
-def _with_sources(body: Graph, graph: Graph, loop: _Loop | None) -> Graph:
-    """`body` (a rolled loop's, traced through `autopar`'s evaluator) with each op's user
-    line and name stack from the reference chunk's op it was made from: the two are
-    aligned in order, skipping the chunk's ops that tracing elided (a cast to the dtype
-    a value already has). For messages and plan keys only."""
-    if loop is None:
-        return body
-    ref, j, nodes = [graph.nodes[i] for i in loop.chunks[loop.ref]], 0, []
-    for b in body.nodes:
-        while j < len(ref) and ref[j].op != b.op:
-            j += 1
-        if j == len(ref):
-            return body  # not the chunk's ops: leave the lines as traced
-        o = ref[j]
-        j += 1
-        nodes.append(
-            replace(b, source=o.source, name_stack=o.name_stack, library_source=o.library_source)
-        )
-    return replace(body, nodes=tuple(nodes))
+def _ref_nodes(graph: Graph, loop: _Loop | None) -> list:
+    return [] if loop is None else [graph.nodes[i] for i in loop.chunks[loop.ref]]
 
 
 def _stack(values: Sequence[Any]):
@@ -525,6 +508,27 @@ def _group_path(path: str, template: str, indices: Sequence[int]) -> str:
     return "/".join(comps)
 
 
+def _layout(count: int, groups, g: Graph, values, paths, stack: LayerStack):
+    """Per rolled input (output): the user's positions it holds (one, or a group's in
+    stage order), whether it stacks scalars, and its path; `groups` is each group's
+    positions with its layers' indices, `values`/`paths` the user's ids and paths."""
+    member = {p: gi for gi, (ms, _) in enumerate(groups) for p in ms}
+    entries, stacked, names, done = [], [], [], set()
+    for p in range(count):
+        gi = member.get(p)
+        if gi is None:
+            entries.append((p,))
+            stacked.append(False)
+            names.append(paths[p])
+        elif gi not in done:
+            done.add(gi)
+            ms, ids = groups[gi]
+            entries.append(tuple(ms))
+            stacked.append(g.values[values[p]].rank == 0)
+            names.append(_group_path(paths[ms[0]], stack.template, ids))
+    return entries, stacked, names
+
+
 def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tuple[Graph, Roll]:
     """`graph` with `stack`'s layers run as loops over `stages` stages (module doc),
     and how its inputs and outputs stand for `graph`'s. Raises PipelineError, naming
@@ -532,43 +536,19 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
     r = _Rolling(graph, stack, stages)
     g, S = graph, stages
     indices = [b.index for b in stack.forward]
-    member = {}  # user input position -> group
-    for gi, ms in enumerate(r.groups):
-        member.update((p, gi) for p in ms)
-    inputs, stacked_in, in_paths, done = [], [], [], set()
-    for p in range(len(g.inputs)):
-        gi = member.get(p)
-        if gi is None:
-            inputs.append((p,))
-            stacked_in.append(False)
-            in_paths.append(g.input_paths[p])
-        elif gi not in done:
-            done.add(gi)
-            ms = r.groups[gi]
-            inputs.append(ms)
-            stacked_in.append(g.values[g.inputs[p]].rank == 0)
-            ids = [indices[r.leaf[g.inputs[m]][0]] for m in ms]
-            in_paths.append(_group_path(g.input_paths[ms[0]], stack.template, ids))
+    named = lambda ms: [indices[r.leaf[g.inputs[m]][0]] for m in ms]  # noqa: E731
+    inputs, stacked_in, in_paths = _layout(
+        len(g.inputs), [(ms, named(ms)) for ms in r.groups], g, g.inputs, g.input_paths, stack
+    )
     aliases = {i: o for o, i in find_aliases(g).items()}
-    out_group = {}
-    for gi, ms in enumerate(r.groups):
-        os_ = [aliases.get(p) for p in ms]
-        if None not in os_:
-            out_group.update((o, gi) for o in os_)
-    outputs, stacked_out, out_paths, done = [], [], [], set()
-    for o in range(len(g.outputs)):
-        gi = out_group.get(o)
-        if gi is None:
-            outputs.append((o,))
-            stacked_out.append(False)
-            out_paths.append(g.output_paths[o])
-        elif gi not in done:
-            done.add(gi)
-            os_ = tuple(aliases[p] for p in r.groups[gi])
-            outputs.append(os_)
-            stacked_out.append(g.values[g.outputs[o]].rank == 0)
-            ids = [indices[r.leaf[g.inputs[m]][0]] for m in r.groups[gi]]
-            out_paths.append(_group_path(g.output_paths[os_[0]], stack.template, ids))
+    out_groups = [
+        (tuple(aliases[p] for p in ms), named(ms))
+        for ms in r.groups
+        if all(p in aliases for p in ms)
+    ]
+    outputs, stacked_out, out_paths = _layout(
+        len(g.outputs), out_groups, g, g.outputs, g.output_paths, stack
+    )
     info = Roll(
         S,
         stack.template,
@@ -591,7 +571,7 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
     where = graph.nodes[stack.forward[0].nodes[0]].source
     loops = iter(r.loops)
     nodes = tuple(
-        replace(n, source=where, body=_with_sources(n.body, graph, next(loops, None)))
+        replace(n, source=where, body=lines_from(n.body, _ref_nodes(graph, next(loops, None))))
         if n.body is not None and SCOPE in n.name_stack
         else n
         for n in new.nodes
