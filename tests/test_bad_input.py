@@ -263,7 +263,9 @@ def _eigh(a):
 def test_unsupported_primitive_runs_replicated_with_its_line():
     a = _values((8, 8))
     step = autopar.parallelize(_cholesky, mesh=MESH)
-    assert_trees_close(step(a), jax.jit(_cholesky)(a))
+    with pytest.warns(UserWarning, match="no sharding rule for primitive 'cholesky'") as caught:
+        assert_trees_close(step(a), jax.jit(_cholesky)(a))
+    assert _line_of(_cholesky) in str(caught[0].message)  # a Python warning, not only the plan
     (warning,) = step.plan(a).warnings
     assert f"no sharding rule for primitive 'cholesky' at {_line_of(_cholesky)}" in warning
     assert "runs replicated" in warning

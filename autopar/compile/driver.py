@@ -216,15 +216,14 @@ class _Driver(PipelineTries):
         if self.remat_policy in (None, "none"):
             return graph, ()
         graph, report = rematerialize(graph, self.remat_policy, self.remat_layers)
-        self.stack_layers = report.stack_layers
+        self.stack_layers = report.stack_layers if report.applied else 0
         if len(report.layers) >= report.stack_layers:
             self.remat_layers = None  # every layer of the stack (or there is none)
         if not report.applied:  # the plan records what was applied: nothing
             if self.o.remat != "auto":
                 warnings.warn(
                     f"autopar: {self.name}: remat={self.remat_policy!r} has nothing to "
-                    "rematerialize (no loop over layers and no stack of layers unrolled in "
-                    "Python was found); the plan records remat=None",
+                    f"rematerialize ({report.why_nothing()}); the plan records remat=None",
                     stacklevel=6,
                 )
             self.remat_policy = None

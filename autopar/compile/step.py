@@ -52,8 +52,10 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
                     info["searched_s"] = hit.phases["total"]
                 if source is not None:
                     cache.store_alias(source, key, got.plan)
+                _warn_unsupported(options, got.plan)
                 return replace(got, plan=replace(got.plan, phases=clock.report(), cache=info))
     got = _compile(options, call, graph, clock)
+    _warn_unsupported(options, got.plan)
     if clock.skipped:
         note = (
             f"time_limit={options.time_limit:g} s reached after {clock.elapsed():.1f} s: this is "
@@ -72,6 +74,14 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
         )
         plan = replace(plan, phases=clock.report())
     return replace(got, plan=plan)
+
+
+def _warn_unsupported(options: Options, plan: Plan) -> None:
+    """The ops with no sharding rule (they run replicated), as one Python warning."""
+    ops = [w for w in plan.warnings if w.startswith("no sharding rule")]
+    if ops:
+        more = f" (and {len(ops) - 3} more)" if len(ops) > 3 else ""
+        warnings.warn(f"autopar: {fn_name(options.fn)}: " + "; ".join(ops[:3]) + more, stacklevel=5)
 
 
 def plan_by_source(options: Options, call: Call, source: str | None) -> Plan | None:

@@ -39,7 +39,13 @@ INLINE_CALLS: dict[str, str] = {
     "custom_vjp_call_jaxpr": "fun_jaxpr",
     "checkpoint": "jaxpr",
     "remat": "jaxpr",
+    "remat2": "jaxpr",  # `jax.checkpoint` / `nn.remat` (`ad_checkpoint.remat_p`)
 }
+# A checkpointed function's backward (`differentiated=True`) recomputes its forward ops;
+# inlined, its recomputation reads the inputs through an `optimization_barrier`, as JAX
+# lowers it, so XLA cannot merge the copies with the forward ops (which would undo the
+# user's remat).
+REMAT_CALLS = frozenset({"checkpoint", "remat", "remat2"})
 
 
 def path_str(path: Sequence[Any], sep: str = "/") -> str:
@@ -180,10 +186,39 @@ class _Builder:
         self.values.append(_tensor_type(getattr(aval, "shape", ()), getattr(aval, "dtype", None)))
         return len(self.values) - 1
 
+    def new_value_like(self, v: int) -> int:
+        self.values.append(self.values[v])
+        return len(self.values) - 1
+
     def const(self, value, aval) -> int:
         v = self.new_value(aval)
         self.consts[v] = value
         return v
+
+    def barrier(self, ins: list[int], prevent_cse, stack: str, site: Site, eqn) -> list[int]:
+        """`ins` with those `prevent_cse` marks (a bool for all, or one per input) read
+        through one `optimization_barrier` node (constants excepted)."""
+        marks = (prevent_cse,) * len(ins) if isinstance(prevent_cse, bool) else prevent_cse
+        held = [v for v, m in zip(ins, marks) if m and v not in self.consts]
+        if not held:
+            return ins
+        outs = [self.new_value_like(v) for v in held]
+        src = _source(eqn, site)
+        self.nodes.append(
+            Node(
+                id=len(self.nodes),
+                op="optimization_barrier",
+                inputs=tuple(held),
+                outputs=tuple(outs),
+                primitive=jax.lax.optimization_barrier_p,
+                params={},
+                name_stack=stack,
+                source=src[0],
+                library_source=src[1],
+            )
+        )
+        swap = dict(zip(held, outs))
+        return [swap.get(v, v) for v in ins]
 
     def inline(
         self, jaxpr, consts, in_ids: Sequence[int], stack: str, site: Site = ("<unknown>", "")
@@ -214,6 +249,10 @@ class _Builder:
                     sub, sub_consts = callee, ()
                 if name in ("pjit", "jit") and eqn.params.get("name"):
                     inner_stack = _join(inner_stack, str(eqn.params["name"]))
+                if name in REMAT_CALLS and eqn.params.get("differentiated"):
+                    ins = self.barrier(
+                        ins, eqn.params.get("prevent_cse", True), inner_stack, site, eqn
+                    )
                 outs = self.inline(sub, sub_consts, ins, inner_stack, _source(eqn, site))
                 for var, v in zip(eqn.outvars, outs):
                     env[var] = v

@@ -471,6 +471,8 @@ def rematerialize(
                 report, stack=stack.describe(), layers=report.layers + changed, stack_layers=n
             )
             break  # node ids moved: one stack a pass (the first, the model's layers)
+        if not report.stack:  # found, nothing to recompute (the user's jax.checkpoint)
+            report = replace(report, stack=stack.describe(), stack_layers=n)
     return out, report
 
 

@@ -67,13 +67,20 @@ class RematReport:
     def recompute_flops(self) -> float:
         return sum(p.recompute_flops for p in self.pairs)
 
+    def why_nothing(self) -> str:
+        """Why the pass changed nothing (for a report where `applied` is False)."""
+        if self.stack and not self.layers and not self.pairs:
+            return (
+                f"the layer stack {self.stack} keeps no residual that {self.policy!r} would "
+                "recompute (its backward pass already recomputes them, as under "
+                "jax.checkpoint / nn.remat)"
+            )
+        return "no forward/backward scan pair and no stack of layers unrolled in Python was found"
+
     def notes(self) -> tuple[str, ...]:
         """Lines for a plan's warnings/notes."""
         if not self.pairs and not self.layers:
-            return (
-                f"remat ({self.policy}): nothing to rematerialize: no forward/backward scan "
-                "pair and no stack of layers unrolled in Python was found",
-            )
+            return (f"remat ({self.policy}): nothing to rematerialize: {self.why_nothing()}",)
         unrolled = ()
         if self.layers:
             saved = sum(r.recomputed_bytes for r in self.layers)

@@ -25,7 +25,15 @@ As `jax.checkpoint` does, the recomputation reads its inputs through an
 `optimization_barrier`, so XLA cannot merge the copies with the forward ops (common
 subexpression elimination would undo the remat); the barrier also takes one value
 the backward op computes just before (its cotangent), so the copies cannot run
-before the backward pass reaches the layer. The graph computes the same numbers; its
+before the backward pass reaches the layer where XLA schedules with the barriers in
+place (XLA:GPU's pipeline, as read in its source, removes them after scheduling;
+not measured here). XLA:CPU removes them before it
+schedules (right after CSE), so there they stop CSE only and the order is its DFS
+scheduler's: with a trained parameter below the stack (an embedding), whose gradient
+the cotangent chain alone feeds, it runs that chain through every layer, copies
+included, before any layer's weight gradients, which then hold every layer's
+recomputed residuals (`jax.checkpoint` per layer does the same; a scanned stack does
+not). The graph computes the same numbers; its
 nodes are renumbered (new nodes are inserted), its inputs and outputs are unchanged.
 """
 
