@@ -86,6 +86,14 @@ def _fsdp(path, shape, mesh_shape):
 
 _COLUMN = ("q", "k", "v", "c_fc")
 _ROW = ("o", "c_proj")
+# Names public Flax code gives the same layers (none of them is used by the suite's models).
+_COLUMN_USER = (
+    *("c_attn", "qkv", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
+    *("wi", "fc1", "query", "key", "value", "intermediate"),
+)
+_ROW_USER = ("o_proj", "down_proj", "wo", "fc2", "attn_out", "output")
+_EMBED = ("wte", "embed_tokens", "shared", "word_embeddings")
+_HEADS = ("query", "key", "value")  # DenseGeneral kernels [in, heads, head_dim]
 
 
 def _megatron(path, shape, mesh_shape):
@@ -96,12 +104,17 @@ def _megatron(path, shape, mesh_shape):
     parts = pp.split("/")
     leaf, owner = parts[-1], parts[-2] if len(parts) > 1 else ""
     m = ("model",)
-    if owner in _COLUMN:
+    if owner in _HEADS and len(shape) in (2, 3) and (leaf == "bias") == (len(shape) == 2):
+        # DenseGeneral: kernel [in, heads, hd] -> split heads; bias [heads, hd] -> heads.
+        return _on(shape, len(shape) - 2, m, mesh_shape)
+    if owner == "out" and leaf == "kernel" and len(shape) == 3:
+        return _on(shape, 0, m, mesh_shape)  # DenseGeneral [heads, hd, out]: row
+    if owner in _COLUMN or owner in _COLUMN_USER:
         # kernel [in, out] -> split out; bias [out] -> split.
         return _on(shape, len(shape) - 1, m, mesh_shape)
-    if owner in _ROW and leaf == "kernel":
+    if (owner in _ROW or owner in _ROW_USER) and leaf == "kernel":
         return _on(shape, 0, m, mesh_shape)
-    if owner == "wte" and leaf == "embedding":
+    if (owner in _EMBED or owner.endswith("_embed")) and leaf == "embedding":
         return _on(shape, 0, m, mesh_shape)  # vocab-parallel embedding
     if owner == "moe" and leaf == "wi":
         return _on(shape, 2, m, mesh_shape)  # [E, M, H]: column
@@ -132,6 +145,9 @@ BASELINES: dict[str, Baseline] = {
     ),
     "expert_all": Baseline(
         "expert_all", _expert_on(_all_axes), _all_axes, "GShard: experts and batch over all devices"
+    ),
+    "replicated": Baseline(
+        "replicated", _replicated, lambda ms: (), "everything replicated, the batch too"
     ),
 }
 
@@ -178,3 +194,75 @@ def for_model(family: str) -> list[str]:
     if family == "moe":
         return ["dp", "fsdp", "megatron", "expert", "expert_all"]
     return ["dp", "fsdp"]
+
+
+# -- steps written as public code writes them -----------------------------------------
+
+
+def _user_path(path: str) -> str:
+    """A state leaf's path (``fc1/kernel``, ``opt_state/0/mu/fc1/kernel``, an NNX
+    ``0/fc1/kernel/value``) in the ``params/...`` form the rules read: they look at the
+    tail (layer name, leaf name) only."""
+    parts = [p for p in path.split("/") if p]
+    if parts and parts[-1] in ("value", "raw_value"):
+        parts = parts[:-1]
+    return "/".join(["params", *parts])
+
+
+def user_specs(
+    baseline: Baseline,
+    args: tuple,
+    mesh_shape: dict[str, int],
+    state_argnums: tuple[int, ...],
+    batch_argnums: tuple[int, ...],
+) -> tuple:
+    """One PartitionSpec pytree per argument of ``step(*args)``: the baseline's rule on
+    the leaves of ``state_argnums`` (whatever their pytree: dicts, optax states, a
+    ``TrainState``, NNX states), dim 0 split over its batch axes on ``batch_argnums``,
+    everything else (rng keys, flags) replicated."""
+    bax = baseline.batch_axes(mesh_shape)
+
+    def state_spec(path, x):
+        shape = tuple(x.shape)
+        return baseline.state_rule(_user_path(path_str(path)), shape, mesh_shape)
+
+    def batch_spec(path, x):
+        return _on(tuple(x.shape), 0, bax, mesh_shape) if x.shape else P()
+
+    out = []
+    for i, a in enumerate(args):
+        if i in state_argnums:
+            out.append(jax.tree_util.tree_map_with_path(state_spec, a))
+        elif i in batch_argnums:
+            out.append(jax.tree_util.tree_map_with_path(batch_spec, a))
+        else:
+            out.append(jax.tree_util.tree_map(lambda x: P(), a))
+    return tuple(out)
+
+
+def splits_anything(baseline: Baseline, args, mesh_shape, state_argnums) -> bool:
+    """Whether the baseline's rule splits any state leaf (``megatron`` on a model without
+    the layers it names, or on a mesh without ``model``, is data parallel again)."""
+    specs = user_specs(baseline, args, mesh_shape, state_argnums, ())
+    leaves = [
+        leaf
+        for i in state_argnums
+        for leaf in jax.tree_util.tree_leaves(
+            specs[i], is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
+    ]
+    return any(any(d is not None for d in s) for s in leaves)
+
+
+def user_jitted(step, baseline: Baseline, args, mesh, state_argnums, batch_argnums):
+    """``jax.jit(step)`` with the baseline's shardings on every argument; ``step`` returns
+    ``(*new_state, loss)``, the new state in the order of ``state_argnums`` and laid out
+    as it came in, the loss replicated."""
+    mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    specs = user_specs(baseline, args, mesh_shape, state_argnums, batch_argnums)
+    to_sh = lambda tree: jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    shardings = tuple(to_sh(s) for s in specs)
+    outs = (*(shardings[i] for i in state_argnums), NamedSharding(mesh, P()))
+    return jax.jit(step, in_shardings=shardings, out_shardings=outs)

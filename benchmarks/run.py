@@ -109,14 +109,14 @@ def predicted_flops(par, args, plan) -> float:
     return total
 
 
-def compile_and_price(lower_fn, mesh, dtype) -> dict:
+def compile_and_price(lower_fn, mesh, dtype, profile: str | None = None) -> dict:
     t = time.perf_counter()
     lowered = lower_fn()
     lower_s = time.perf_counter() - t
     with tempfile.TemporaryDirectory(prefix="autopar-xla-dump-") as dump:
         compiled, compile_s = ev.compile_lowered(lowered, dump)
         m = ev.measure(compiled, mesh, compile_s, dump_dir=dump)
-    p = ev.price(m, PROFILE, mesh, dtype)
+    p = ev.price(m, profile or PROFILE, mesh, dtype)
     return {"lower_s": lower_s, "measured": m.to_json(), "priced": p.to_json()}
 
 
