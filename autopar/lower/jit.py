@@ -385,6 +385,8 @@ def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals, casts=()) -> l
         for t, sp in zip((graph.values[v] for v in node.outputs), rec.out_specs)
     ]
 
+    node = _local_groups(node, rec, mesh)
+
     def body(*xs):
         xs = [x[0] if s.partial else x for x, s in zip(xs, rec.in_specs)]
         outs = bind(node, xs, local_shapes[0])
@@ -395,6 +397,21 @@ def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals, casts=()) -> l
     outs = [_stacked(s) if s.partial else s.to_pspec() for s in rec.out_specs]
     outs += [rec.out_specs[0].to_pspec()] * len(casts)
     return list(smap(body, ins, outs)(*invals))
+
+
+def _local_groups(node: Node, rec, mesh) -> Node:
+    """A grouped convolution as one device runs it: its groups split `k` ways (the lhs
+    dim that holds them, sharded over `k` devices; `strategies.linalg.conv_rule`) leave
+    each device `1/k` of them."""
+    if node.op != "conv_general_dilated":
+        return node
+    lhs_spec = node.params["dimension_numbers"].lhs_spec
+    params = dict(node.params)
+    for key, dim in (("feature_group_count", lhs_spec[1]), ("batch_group_count", lhs_spec[0])):
+        k = math.prod(mesh.shape[a] for a in rec.in_specs[0].dims[dim])
+        if params[key] > 1 and k > 1:
+            params[key] //= k
+    return replace(node, params=params)
 
 
 def bind(node, invals, local_shape: tuple[int, ...] | None = None, manual: bool = False) -> list:

@@ -35,7 +35,18 @@ def dot_general_rule(node: Node, graph: Graph) -> FactorRule:
 @register("conv_general_dilated")
 def conv_rule(node: Node, graph: Graph) -> FactorRule:
     """Batch `N` and output features `O` shard freely; input features `C` leave a
-    Partial sum. Spatial dims stay whole (sharding them needs halo exchange)."""
+    Partial sum. Spatial dims stay whole (sharding them needs halo exchange).
+
+    Grouped convolutions (XLA's groups are contiguous, group-major blocks of a dim):
+    with `feature_group_count` G, the groups `G` shard input features, kernel outputs
+    and output features together (each device convolves its own groups: a depthwise
+    conv splits its channels), and `N` shards; a group's input features do not split.
+    With `batch_group_count` B (the kernel gradient of a grouped conv: JAX gives the
+    forward's channels the batch role and contracts over the forward's batch), the
+    contracted features `C` leave a Partial sum as usual (the gradient of a batch-split
+    depthwise conv is a sum over devices, as data parallelism has it), and the groups
+    shard the lhs batch, the kernel outputs and the output features together where
+    each group is one row (B = lhs batch = output features, the depthwise case)."""
     lhs, rhs = (graph.values[v] for v in node.inputs)
     out = graph.values[node.outputs[0]]
     dn = node.params["dimension_numbers"]
@@ -43,15 +54,26 @@ def conv_rule(node: Node, graph: Graph) -> FactorRule:
     ld: list[int | None] = [None] * lhs.rank
     rd: list[int | None] = [None] * rhs.rank
     od: list[int | None] = [None] * out.rank
-    factors = [Factor(lhs.shape[lhs_spec[0]], name="N")]
-    grouped = node.params["feature_group_count"] != 1 or node.params["batch_group_count"] != 1
-    if node.params["batch_group_count"] == 1:
-        ld[lhs_spec[0]] = od[out_spec[0]] = 0
-    if not grouped:
-        factors += [
-            Factor(rhs.shape[rhs_spec[0]], name="O"),
+    G, B = node.params["feature_group_count"], node.params["batch_group_count"]
+    factors: list[Factor] = []
+
+    def factor(f: Factor, *at: tuple[list, int]) -> None:
+        for dims, d in at:
+            dims[d] = len(factors)
+        factors.append(f)
+
+    if B == 1:
+        factor(Factor(lhs.shape[lhs_spec[0]], name="N"), (ld, lhs_spec[0]), (od, out_spec[0]))
+    if G == 1 and B == 1:
+        factor(Factor(rhs.shape[rhs_spec[0]], name="O"), (rd, rhs_spec[0]), (od, out_spec[1]))
+    if G > 1:
+        factor(Factor(G, name="G"), (ld, lhs_spec[1]), (rd, rhs_spec[0]), (od, out_spec[1]))
+    if G == 1:
+        factor(
             Factor(lhs.shape[lhs_spec[1]], reduce=True, name="C"),
-        ]
-        rd[rhs_spec[0]] = od[out_spec[1]] = 1
-        ld[lhs_spec[1]] = rd[rhs_spec[1]] = 2
+            (ld, lhs_spec[1]),
+            (rd, rhs_spec[1]),
+        )
+    if B > 1 and lhs.shape[lhs_spec[0]] == B == out.shape[out_spec[1]]:
+        factor(Factor(B, name="G"), (ld, lhs_spec[0]), (rd, rhs_spec[0]), (od, out_spec[1]))
     return FactorRule(tuple(factors), (tuple(ld), tuple(rd)), (tuple(od),))
