@@ -383,3 +383,41 @@ def test_bucket_share_counts_where_sums_start():
     dots = [n for n in g.nodes if n.op in CONTRACTIONS]
     assert not any(v in combinable for n in dots[:6] for v in n.outputs)  # forward
     assert bucket_share(g, problem.strategies, combinable) == pytest.approx(1 / 13)
+
+
+# 8. lax.tile (jnp.tile, a ViT's class token) is sharded, with jax.jit's values -----------
+
+
+def test_tile_is_split_with_same_values():
+    """A ViT's class token, `jnp.tile(cls, (b, 1, 1))` (JAX 0.10's `tile` primitive), had
+    no rule and ran replicated with a warning. Its batch dim (repeated) splits on the
+    output with `cls` whole; a dim with reps 1 (the `jnp.tile(x, (1, 2, 1))` batch dim)
+    keeps the operand's split; forward and gradient match jax.jit."""
+    import autopar
+
+    b, t, d = 32, 8, 64
+
+    def loss(params, x):
+        cls, w = params
+        h = jnp.concatenate([jnp.tile(cls, (b, 1, 1)), x], axis=1)  # (b, t + 1, d)
+        h = jnp.concatenate([h, jnp.tile(x, (1, 2, 1))], axis=1)  # (b, 3 t + 1, d)
+        return jnp.mean(jnp.tanh(h @ w) ** 2)
+
+    def step(params, x):
+        return jax.value_and_grad(loss)(params, x)
+
+    cls = jnp.linspace(-1, 1, d, dtype=F32).reshape(1, 1, d)
+    w = jnp.linspace(-1, 1, d * d, dtype=F32).reshape(d, d) / 8
+    x = jnp.linspace(-1, 1, b * t * d, dtype=F32).reshape(b, t, d)
+    par = autopar.parallelize(step, mesh={"data": 4}, engine="data", progress=False)
+    plan = par.plan((cls, w), x)
+    assert not [m for m in plan.warnings if "no sharding rule" in m], plan.warnings
+    tiles = [o for o in plan.ops if o.op == "tile"]
+    assert len(tiles) == 2, [o.op for o in plan.ops]
+    cls_tile, x_tile = tiles  # in program order
+    assert not cls_tile.in_specs[0].used_axes, cls_tile.strategy  # the token whole,
+    assert cls_tile.out_specs[0].dims[0] == ("data",), cls_tile.strategy  # its copies split
+    assert x_tile.in_specs[0].dims[0] == x_tile.out_specs[0].dims[0] == ("data",), x_tile.strategy
+    got, want = par((cls, w), x), jax.jit(step)((cls, w), x)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)

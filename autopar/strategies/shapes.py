@@ -1,4 +1,4 @@
-"""Ops that move or rearrange dims: broadcast, reshape, transpose, slicing, padding."""
+"""Ops that move or rearrange dims: broadcast, reshape, transpose, slicing, padding, tiling."""
 
 from __future__ import annotations
 
@@ -129,6 +129,19 @@ def split_rule(node: Node, graph: Graph) -> FactorRule:
     factors = tuple(Factor(s) for s in src.shape)
     dims = tuple(None if i == axis else i for i in range(src.rank))
     return FactorRule(factors, (dims,), tuple(dims for _ in outs))
+
+
+@register("tile")
+def tile_rule(node: Node, graph: Graph) -> FactorRule:
+    """`lax.tile(x, reps)`: out dim i is `reps[i]` copies of x's dim i back to back. A dim
+    with `reps[i] == 1` is x's dim, sharded alike. A repeated dim may still be split on the
+    output, with x whole along it (as a broadcast's new dim): each device tiles its
+    block from the full x (a block of copies does not line up with one block of x)."""
+    (src,), (out,) = _types(node, graph)
+    reps = node.params["reps"]
+    factors = tuple(Factor(s) for s in out.shape)
+    in_dims = tuple(i if r == 1 else None for i, r in enumerate(reps))
+    return FactorRule(factors, (in_dims,), (tuple(range(out.rank)),))
 
 
 @register("iota", "empty", "empty2")  # empty2: the placeholder residuals of a cond's jvp
