@@ -64,6 +64,46 @@ def test_partial_destination_costs_the_sum_then_splits_free():
     assert moved.seconds == cm.reshard(t, p_model, Spec.replicated(2)).seconds
 
 
+def test_partial_sum_read_split_and_whole_is_summed_once():
+    """A weight gradient (partial over `data`) that one use reads split (a global norm's
+    square, here pinned by a constraint) and another whole (returned): the lowering
+    sums it once, into the whole layout every other use slices for free
+    (`settle_spec`), and the plan's price counts that one all-reduce. Summed into the
+    split layout first, it cost a reduce-scatter and an all-gather; priced once per
+    layout, a reduce-scatter and an all-reduce that the program does not have (ViT's
+    clipped gradients: 23 phantom reduce-scatters, 0.24 ms of a 0.81 ms prediction)."""
+    from collections import Counter
+
+    from jax.sharding import NamedSharding
+
+    from autopar.strategies.settle import settle_spec
+
+    split, whole = Spec((("data",), ())), Spec.replicated(2)
+    made = Spec(((), ()), ("data",))
+    assert settle_spec(made, Counter({split: 1, whole: 1})) == whole
+    assert settle_spec(made, Counter({split: 2})) == split
+    assert settle_spec(made, Counter({made: 1, whole: 1})) == made
+
+    mesh = make_mesh({"data": 4})
+    d = 512
+
+    def step(w, x):
+        g = x.T @ jnp.tanh(x @ w)  # partial over data: x is split by rows
+        n = jnp.sum(jax.lax.with_sharding_constraint(g, NamedSharding(mesh, jax.P("data"))) ** 2)
+        return g, n
+
+    w = jnp.linspace(-1, 1, d * d, dtype=jnp.float32).reshape(d, d) / 16
+    x = jnp.linspace(-1, 1, 64 * d, dtype=jnp.float32).reshape(64, d)
+    par = autopar.parallelize(step, mesh={"data": 4}, engine="data", progress=False)
+    plan = par.plan(w, x)
+    compiled: Counter[str] = Counter()
+    for c in parse_collectives(par.lower(w, x).compile().as_text(), par.mesh):
+        compiled[f"{c.kind}@{','.join(c.axes)}"] += c.bytes
+    assert "reduce-scatter@data" not in plan.cost.comm_bytes, plan.cost.comm_bytes
+    assert plan.cost.comm_bytes == dict(compiled)
+    assert_trees_close(par(w, x), jax.jit(step)(w, x), rtol=2e-4, atol=1e-4)
+
+
 def test_partial_operand_specs_survive_the_plan_file(tmp_path):
     cfg = gpt.MLPBlockConfig(batch=8, seq=256, hidden=1024, ffn=4096, dtype=jnp.bfloat16)
     args = gpt.mlp_block_abstract_args(cfg)

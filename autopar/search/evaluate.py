@@ -32,16 +32,33 @@ def edge_collectives(
     """(producer, consumer, collective) cost-graph nodes for every reshard the plan pays;
     the consumer is None for a function output. Uses of one value that want the same
     spec share one reshard, as XLA computes it once (the search's pairwise edge costs
-    still count each use: a conservative overestimate)."""
+    still count each use: a conservative overestimate). A partial value is summed once,
+    into its settled spec (`settle_partials`), where the first use that reads it is,
+    and every use reads it from there, as the lowering does: summing it again for each
+    spec its uses want priced a reduce-scatter and an all-reduce of the same gradient
+    where the program has one all-reduce."""
     g, n_in, strategies = problem.graph, problem.num_inputs, problem.strategies
     out: list[tuple[int, int | None, Collective]] = []
-    seen: set[tuple[int, Spec]] = set()
+    seen: set[tuple[int, Spec | None]] = set()
+    chosen = [strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
+    targets = output_specs(problem, choice)
+    settled = settle_partials(
+        g, [s.in_specs for s in chosen], [s.out_specs for s in chosen], targets
+    )
 
     def pay(x: int, src: Spec, dst: Spec, at: int | None) -> None:
-        if (x, dst) not in seen:
-            seen.add((x, dst))
-            u = problem.source[x][0]
-            out.extend((u, at, c) for c in problem.cost.reshard(g.values[x], src, dst).collectives)
+        if (x, dst) in seen:
+            return
+        seen.add((x, dst))
+        u = problem.source[x][0]
+        stored = settled.get(x, src) if src.partial else src
+        if stored != src:  # the sum, once
+            if (x, None) not in seen:
+                seen.add((x, None))
+                sum_colls = problem.cost.reshard(g.values[x], src, stored).collectives
+                out.extend((u, at, c) for c in sum_colls)
+            src = stored
+        out.extend((u, at, c) for c in problem.cost.reshard(g.values[x], src, dst).collectives)
 
     for node in g.nodes:
         v = n_in + node.id
@@ -54,7 +71,7 @@ def edge_collectives(
                     strategies[v][choice[v]].in_specs[j],
                     v,
                 )
-    for x, target in zip(g.outputs, output_specs(problem, choice)):
+    for x, target in zip(g.outputs, targets):
         if x in problem.source:
             u, k = problem.source[x]
             pay(x, strategies[u][choice[u]].out_specs[k], target, None)

@@ -22,6 +22,7 @@ reach."""
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -29,6 +30,8 @@ import numpy as np
 from autopar.cost.model import COMBINABLE, COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
 from autopar.search.build import Problem
 from autopar.search.evaluate import output_spec, step_seconds
+from autopar.sharding import Spec
+from autopar.strategies.settle import settle_spec
 
 MAX_ROUNDS = 4
 MAX_TRIALS = 200  # priced changes per plan
@@ -66,6 +69,19 @@ def latency_bound_moves(problem: Problem, choice: Sequence[int]) -> Iterator[tup
                     yield m
 
 
+def _stored(p: Problem, x: int, src: Spec, pick, reads, outs) -> Spec:
+    """The spec value `x`, made in `src`, is read from (`settle_partials`, for one value):
+    a partial sum made by an op is summed once, into `settle_spec` of its uses' specs."""
+    if not src.partial or p.source[x][0] < p.num_inputs:
+        return src
+    wants: Counter[Spec] = Counter()
+    for _, spec in dict.fromkeys((v, p.strategies[v][pick(v)].in_specs[j]) for v, j in reads):
+        wants[spec] += 1
+    for o in outs:
+        wants[output_spec(p, o, pick)] += 1
+    return settle_spec(src, wants) if wants else src
+
+
 class _Local:
     """A change's price without combining, from the reshards of the values it touches
     (each value pays once per distinct spec its readers want, as in `edge_collectives`),
@@ -90,14 +106,18 @@ class _Local:
         p = self.p
         u, k = p.source[x]
         src = p.strategies[u][pick(u)].out_specs[k]
-        wanted = {p.strategies[v][pick(v)].in_specs[j] for v, j in self.reads.get(x, ())}
-        wanted |= {output_spec(p, o, pick) for o in self.outs.get(x, ())}
+        reads, outs = self.reads.get(x, ()), self.outs.get(x, ())
+        wanted = {p.strategies[v][pick(v)].in_specs[j] for v, j in reads}
+        wanted |= {output_spec(p, o, pick) for o in outs}
+        stored = _stored(p, x, src, pick, reads, outs) if wanted else src
+        colls = list(p.cost.reshard(p.graph.values[x], src, stored).collectives)
+        for dst in wanted - {stored}:
+            colls += p.cost.reshard(p.graph.values[x], stored, dst).collectives
         secs = lat = 0.0
-        for dst in wanted - {src}:
-            for c in p.cost.reshard(p.graph.values[x], src, dst).collectives:
-                secs += c.seconds
-                if c.kind in COMBINABLE:
-                    lat += p.cost.link(c.axes)[0]
+        for c in colls:
+            secs += c.seconds
+            if c.kind in COMBINABLE:
+                lat += p.cost.link(c.axes)[0]
         return secs, lat
 
     def may_pay(self, choice: Sequence[int], x: int, s: int) -> bool:
@@ -267,22 +287,26 @@ class Pricing:
         u, k = p.source[x]
         src = p.strategies[u][pick(u)].out_specs[k]
         t = p.graph.values[x]
+        reads, outs = self.reads.get(x, ()), self.outs.get(x, ())
+        stored = _stored(p, x, src, pick, reads, outs)
+        # a partial sum settled elsewhere is summed once, at its first use (as in
+        # `edge_collectives`); every use reshards from the sum
+        first = list(p.cost.reshard(t, src, stored).collectives)
         out, seen = [], set()
-        for v, j in self.reads.get(x, ()):
+        for v, j in reads:
             dst = p.strategies[v][pick(v)].in_specs[j]
             if dst not in seen:
                 seen.add(dst)
-                out += [
-                    ((v, j, i), c) for i, c in enumerate(p.cost.reshard(t, src, dst).collectives)
-                ]
-        for o in self.outs.get(x, ()):
+                colls = first + list(p.cost.reshard(t, stored, dst).collectives)
+                first = []
+                out += [((v, j, i), c) for i, c in enumerate(colls)]
+        for o in outs:
             dst = output_spec(p, o, pick)
             if dst not in seen:
                 seen.add(dst)
-                out += [
-                    ((self.END, o, i), c)
-                    for i, c in enumerate(p.cost.reshard(t, src, dst).collectives)
-                ]
+                colls = first + list(p.cost.reshard(t, stored, dst).collectives)
+                first = []
+                out += [((self.END, o, i), c) for i, c in enumerate(colls)]
         return tuple(out)
 
     def _set(self, obj, key, value) -> None:

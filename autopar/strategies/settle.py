@@ -17,7 +17,7 @@ def settle_partials(
     output_specs: Sequence[Spec],
 ) -> dict[int, Spec]:
     """Where the lowering sums each partial value: right where it is produced, into
-    the spec most of its uses want (the first such use on a tie). A partial sum cannot
+    the spec its uses want (`settle_spec`). A partial sum cannot
     be written as a sharding constraint, and left unconstrained XLA may partition the
     producing contraction its own way; summing at once also frees the full-size
     partial (e.g. a weight gradient before its reduce-scatter). A value some use takes
@@ -42,5 +42,28 @@ def settle_partials(
     for node, specs in zip(graph.nodes, op_out_specs):
         for v, sp in zip(node.outputs, specs):
             if sp.partial and wants.get(v):
-                out[v] = sp if sp in wants[v] else wants[v].most_common(1)[0][0]
+                out[v] = settle_spec(sp, wants[v])
     return out
+
+
+def settle_spec(made: Spec, wants: Counter[Spec]) -> Spec:
+    """The spec a value made partial (`made`) is summed into, given the specs its uses
+    want (each distinct reader and spec once, then each function output): `made` itself
+    when a use takes the same partial sum; else the one wanted spec every other wanted
+    spec is a local slice of (`slices_to`), when there is one: a gradient the clip's
+    norm reads split and its scaling reads whole is all-reduced once and sliced, where
+    a reduce-scatter into the split layout would need an all-gather for the whole one
+    (a latency more, and as many bytes again); else the spec most uses want (the first
+    such use on a tie)."""
+    if made in wants:
+        return made
+    for c in wants:
+        if not c.partial and all(slices_to(c, w.without_partial()) for w in wants):
+            return c
+    return wants.most_common(1)[0][0]
+
+
+def slices_to(a: Spec, b: Spec) -> bool:
+    """Whether dense `b` is a local slice of dense `a`: on every dim, `a`'s axes lead
+    `b`'s (the cost model's reshard adds such axes for free)."""
+    return all(db[: len(da)] == da for da, db in zip(a.dims, b.dims))
