@@ -186,9 +186,14 @@ def run(profile_name: str = "a100-80g") -> dict:
 
 
 def parallelize_auto(
-    profile_name: str, remat: str = "dots", engine: str = "dp", schedule: str | None = None
+    profile_name: str,
+    remat: str = "dots",
+    engine: str = "dp",
+    schedule: str | None = None,
+    scan_layers: bool = True,
 ) -> dict:
-    """The captured GPT-3 175B train step (layers under `nn.scan`) planned by
+    """The captured GPT-3 175B train step (layers under `nn.scan`, or unrolled in Python
+    with `scan_layers=False`) planned by
     `autopar.parallelize(mesh=1024, pipeline_stages="auto", remat=...)` on abstract
     arguments: every stage count, its micro-batch counts and the layer plan at the
     micro-batch size searched for real. 1F1B by default (a stage keeps at most 2S - 1
@@ -204,7 +209,7 @@ def parallelize_auto(
         heads=GPT3.heads,
         dtype=jnp.bfloat16,
         batch_size=GPT3.batch,
-        scan_layers=True,
+        scan_layers=scan_layers,
     )
     ts = gpt.make_train_step(cfg)
     args = gpt.abstract_args(cfg)
