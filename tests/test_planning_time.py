@@ -388,3 +388,40 @@ def _check_deltas(problem, choice):
         assert pricing.price == pytest.approx(
             step_seconds(problem, pricing.choice), rel=1e-9, abs=1e-12
         )
+
+
+@pytest.mark.slow  # 50 s: four remat policies' pipelined searches
+def test_remat_auto_traces_a_pipelines_micro_batch_once(monkeypatch):
+    """`remat="auto"` searches each remat policy with its own driver; the pipeline's
+    micro-batch trace (the user's function at the micro-batch size, seconds on a
+    large unrolled model) is made once per mesh and micro-batch count, not once per
+    policy."""
+    from autopar.compile import driver
+    from autopar.errors import MemoryBudgetError
+    from autopar.examples.models import gpt
+
+    cfg = gpt.GPTConfig(
+        hidden=32, heads=2, seq=16, vocab=64, layers=2, batch_size=8, scan_layers=True
+    )
+    ts = gpt.make_train_step(cfg)
+    batches = []
+    real = driver.capture
+
+    def counting(fn, args, *rest, **kw):
+        batches.append(jax.tree.leaves(args)[-1].shape[0])  # the token batch
+        return real(fn, args, *rest, **kw)
+
+    monkeypatch.setattr(driver, "capture", counting)
+    par = autopar.parallelize(
+        ts.step,
+        mesh={"stage": 2, "data": 2, "model": 2},
+        cluster="cpu",
+        pipeline_stages=2,
+        microbatches=2,
+        remat="auto",
+        memory_budget=1,  # nothing fits: every policy is tried
+        engine="recursive",
+    )
+    with pytest.raises(MemoryBudgetError):
+        par.plan(*gpt.abstract_args(cfg))
+    assert batches.count(4) == 1, batches  # micro-batch traces (batch 8 / 2)

@@ -172,6 +172,7 @@ class _Driver(PipelineTries):
         graph: Graph | None = None,  # the function traced on the call's arguments
         clock: Clock | None = None,
         remat_layers: int | None = None,  # of an unrolled stack, remat only the first ones
+        traces: dict | None = None,  # micro-batch traces shared with the call's other drivers
     ):
         self.o, self.call, self.remat_policy = options, call, remat_policy
         given = options.given_plan
@@ -185,6 +186,7 @@ class _Driver(PipelineTries):
         self._rolled: dict = {}  # stages -> `_looped`
         self._rolled_notes: dict[int, tuple[str, ...]] = {}  # stages -> its remat's notes
         self.base: Graph | None = None  # the trace before remat (`compile`)
+        self.traces: dict = {} if traces is None else traces  # `PipelineTries._pipelined`
 
     def _capture(self, args: tuple, mesh=None) -> Graph:
         """Trace the function on `args` under `mesh` (default: the mesh, when there is

@@ -63,7 +63,8 @@ def _applies(fn: Callable[..., T], *args) -> T | Infeasible:
 class PipelineTries:
     """The pipeline half of `compile.driver._Driver` (which sets the attributes read
     here: options `o`, `call`, `name`, the trace before remat `base`, the remat policy
-    and layer count, and `_rolled`/`_rolled_notes`, the rolled stacks per stage count)."""
+    and layer count, `_rolled`/`_rolled_notes`, the rolled stacks per stage count, and
+    `traces`, the micro-batch traces every remat policy's driver of the call shares)."""
 
     def _remat_rolled(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         """A rolled graph's loops rematerialized as scans are (`_looped`), and the notes."""
@@ -181,15 +182,18 @@ class PipelineTries:
             return flat
         micro_dyn = iter(jax.tree_util.tree_unflatten(tree, flat))
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
-        log.info("tracing %s at the micro-batch size", name)
-        if rolled is None:
-            micro, _ = self._prepare(self._capture(margs, mesh))
-        else:
-            micro = self._precision(self._capture(margs, mesh))[0]
-            micro = _applies(_roll_like, micro, rolled, mesh)
-            if isinstance(micro, Infeasible):
-                return micro
-            micro = self._remat_rolled(micro)[0]
+        # one trace per mesh and micro-batch count, shared by the remat policies' drivers
+        key = (tuple(zip(mesh.axis_names, mesh.axis_sizes)), pipe.microbatches)
+        if key not in self.traces:
+            log.info("tracing %s at the micro-batch size", name)
+            traced = self._capture(margs, mesh)
+            if rolled is not None:
+                traced = _applies(_roll_like, self._precision(traced)[0], rolled, mesh)
+            self.traces[key] = traced
+        micro = self.traces[key]
+        if isinstance(micro, Infeasible):
+            return micro
+        micro = self._prepare(micro)[0] if rolled is None else self._remat_rolled(micro)[0]
         mscans = pipelined_scans(micro, pipe)
         if len(mscans) != len(scans):
             return Infeasible(

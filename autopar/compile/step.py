@@ -139,7 +139,9 @@ def _fewest_layers(
         if hi - lo <= 1 or clock.out_of_time():
             break
         mid = (lo + hi) // 2
-        probe = _Driver(options, call, policy, graph, clock, remat_layers=mid).compile()
+        probe = _Driver(
+            options, call, policy, graph, clock, remat_layers=mid, traces=driver.traces
+        ).compile()
         if isinstance(probe, Infeasible):
             tried.append(f"remat={policy} on the first {mid} layers: {probe.why.splitlines()[0]}")
             lo = mid
@@ -174,12 +176,12 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
         if isinstance(got, Infeasible):
             raise got.error
         return got
-    tried, best = [], None
+    tried, best, traces = [], None, {}
     for k, policy in enumerate(REMAT_POLICIES):  # most memory, least recompute first
         if best is not None and clock.out_of_time():
             clock.skip("remat policies " + ", ".join(REMAT_POLICIES[k:]))
             break
-        driver = _Driver(options, call, policy, graph, clock)
+        driver = _Driver(options, call, policy, graph, clock, traces=traces)
         got = driver.compile()
         if isinstance(got, Infeasible):
             tried.append(f"remat={policy}: {got.why.splitlines()[0]}")
