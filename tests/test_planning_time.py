@@ -425,3 +425,37 @@ def test_remat_auto_traces_a_pipelines_micro_batch_once(monkeypatch):
     with pytest.raises(MemoryBudgetError):
         par.plan(*gpt.abstract_args(cfg))
     assert batches.count(4) == 1, batches  # micro-batch traces (batch 8 / 2)
+
+
+def test_pipeline_candidates_share_a_micro_batch_trace(monkeypatch):
+    """`pipeline_stages="auto"` over every mesh shape: candidates with the same
+    micro-batch count (2 stages x 4 micro-batches, 4 x 4, ...) share one trace of the
+    step at that size (the step has no sharding constraint naming mesh axes)."""
+    from autopar.compile import driver
+    from autopar.examples.models import gpt
+
+    cfg = gpt.GPTConfig(
+        hidden=32, heads=2, seq=16, vocab=64, layers=8, batch_size=8, scan_layers=True
+    )
+    ts = gpt.make_train_step(cfg)
+    batches = []
+    real = driver.capture
+
+    def counting(fn, args, *rest, **kw):
+        batches.append(jax.tree.leaves(args)[-1].shape[0])  # the token batch
+        return real(fn, args, *rest, **kw)
+
+    monkeypatch.setattr(driver, "capture", counting)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # time_limit's "not searched" warning
+        plan = autopar.parallelize(
+            ts.step,
+            mesh=8,
+            cluster="cpu",
+            pipeline_stages="auto",
+            engine="recursive",
+            time_limit=0.001,  # every candidate is set up, one is searched
+        ).plan(*gpt.abstract_args(cfg))
+    assert plan is not None
+    micro = [b for b in batches if b < 8]
+    assert sorted(micro) == sorted(set(micro)) and len(micro) >= 2, batches

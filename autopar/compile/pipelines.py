@@ -182,11 +182,18 @@ class PipelineTries:
             return flat
         micro_dyn = iter(jax.tree_util.tree_unflatten(tree, flat))
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
-        # one trace per mesh and micro-batch count, shared by the remat policies' drivers
-        key = (tuple(zip(mesh.axis_names, mesh.axis_sizes)), pipe.microbatches)
-        if key not in self.traces:
+        # one trace per micro-batch count (and mesh, where the step names mesh axes in
+        # sharding constraints, which resolve against it), shared by the candidates
+        # and the remat policies' drivers; one roll of it per mesh
+        shape = tuple(zip(mesh.axis_names, mesh.axis_sizes))
+        by_mesh = _constrains(self.base if self.base is not None else graph)
+        raw = ("trace", shape if by_mesh else None, pipe.microbatches)
+        if raw not in self.traces:
             log.info("tracing %s at the micro-batch size", name)
-            traced = self._capture(margs, mesh)
+            self.traces[raw] = self._capture(margs, mesh)
+        key = (shape, pipe.microbatches)
+        if key not in self.traces:
+            traced = self.traces[raw]
             if rolled is not None:
                 traced = _applies(_roll_like, self._precision(traced)[0], rolled, mesh)
             self.traces[key] = traced
@@ -226,6 +233,16 @@ class PipelineTries:
             return Infeasible(PipelineError(f"pipeline_schedule='1f1b': {why}"))
         log.info("1F1B does not apply (%s); GPipe", why)
         return PipelinedScans(replace(pipe, schedule="gpipe"), bodies, **extra)
+
+
+def _constrains(graph: Graph) -> bool:
+    """Whether the step has a sharding constraint (in a loop body or branch too)."""
+    return any(
+        n.op == "sharding_constraint"
+        or (n.body is not None and _constrains(n.body))
+        or any(_constrains(b) for b in n.branches or ())
+        for n in graph.nodes
+    )
 
 
 RANDOM_OPS = ("random_bits", "rng_bit_generator", "rng_uniform")
