@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/python -m autopar demo
 
 test: lint $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 test-all: $(STAMP)
 	$(BIN)/pytest -q -m ''
