@@ -9,7 +9,7 @@ What is hashed, walking from the function:
   closure cells and the module globals its code names, each walked in turn;
 * a class or module of the user's files: its source file;
 * a function, class or module of a library (JAX, Flax, optax, ..., the standard
-  library, `ir.capture.is_library_file`): its qualified name and the package's version;
+  library, `ir.trace_errors.is_library_file`): its qualified name and the package's version;
   a library function's closure and defaults are walked (an `optax.adamw(1e-3)` keeps
   its learning rate there);
 * data (numbers, strings, containers, dataclass and plain objects' attributes, arrays'
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autopar.ir.capture import is_library_file
+from autopar.ir.trace_errors import is_library_file
 
 MAX_OBJECTS = 20_000  # objects walked before giving up (no key)
 MAX_DEPTH = 24
