@@ -390,20 +390,15 @@ def _check_deltas(problem, choice):
         )
 
 
-@pytest.mark.slow  # 50 s: four remat policies' pipelined searches
-def test_remat_auto_traces_a_pipelines_micro_batch_once(monkeypatch):
-    """`remat="auto"` searches each remat policy with its own driver; the pipeline's
-    micro-batch trace (the user's function at the micro-batch size, seconds on a
-    large unrolled model) is made once per mesh and micro-batch count, not once per
-    policy."""
+def _counting_traces(monkeypatch, layers: int):
+    """A tiny scanned GPT's step (`ts`, `cfg`) and the token batch of every trace the
+    driver makes of it from now on (the micro-batch traces: the full one is made before)."""
     from autopar.compile import driver
-    from autopar.errors import MemoryBudgetError
     from autopar.examples.models import gpt
 
     cfg = gpt.GPTConfig(
-        hidden=32, heads=2, seq=16, vocab=64, layers=2, batch_size=8, scan_layers=True
+        hidden=32, heads=2, seq=16, vocab=64, layers=layers, batch_size=8, scan_layers=True
     )
-    ts = gpt.make_train_step(cfg)
     batches = []
     real = driver.capture
 
@@ -412,6 +407,19 @@ def test_remat_auto_traces_a_pipelines_micro_batch_once(monkeypatch):
         return real(fn, args, *rest, **kw)
 
     monkeypatch.setattr(driver, "capture", counting)
+    return gpt.make_train_step(cfg), cfg, batches
+
+
+@pytest.mark.slow  # 50 s: four remat policies' pipelined searches
+def test_remat_auto_traces_a_pipelines_micro_batch_once(monkeypatch):
+    """`remat="auto"` searches each remat policy with its own driver; the pipeline's
+    micro-batch trace (the user's function at the micro-batch size, seconds on a
+    large unrolled model) is made once per mesh and micro-batch count, not once per
+    policy."""
+    from autopar.errors import MemoryBudgetError
+    from autopar.examples.models import gpt
+
+    ts, cfg, batches = _counting_traces(monkeypatch, layers=2)
     par = autopar.parallelize(
         ts.step,
         mesh={"stage": 2, "data": 2, "model": 2},
@@ -431,21 +439,9 @@ def test_pipeline_candidates_share_a_micro_batch_trace(monkeypatch):
     """`pipeline_stages="auto"` over every mesh shape: candidates with the same
     micro-batch count (2 stages x 4 micro-batches, 4 x 4, ...) share one trace of the
     step at that size (the step has no sharding constraint naming mesh axes)."""
-    from autopar.compile import driver
     from autopar.examples.models import gpt
 
-    cfg = gpt.GPTConfig(
-        hidden=32, heads=2, seq=16, vocab=64, layers=8, batch_size=8, scan_layers=True
-    )
-    ts = gpt.make_train_step(cfg)
-    batches = []
-    real = driver.capture
-
-    def counting(fn, args, *rest, **kw):
-        batches.append(jax.tree.leaves(args)[-1].shape[0])  # the token batch
-        return real(fn, args, *rest, **kw)
-
-    monkeypatch.setattr(driver, "capture", counting)
+    ts, cfg, batches = _counting_traces(monkeypatch, layers=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # time_limit's "not searched" warning
         plan = autopar.parallelize(
