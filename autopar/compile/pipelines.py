@@ -182,12 +182,13 @@ class PipelineTries:
             return flat
         micro_dyn = iter(jax.tree_util.tree_unflatten(tree, flat))
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
-        # one trace per micro-batch count (and mesh, where the step names mesh axes in
-        # sharding constraints, which resolve against it), shared by the candidates
-        # and the remat policies' drivers; one roll of it per mesh
+        # one trace per set of micro-batch argument types (and mesh, where the step has
+        # sharding constraints, which resolve against it), shared by the candidates and
+        # the remat policies' drivers; one roll of it per mesh and micro-batch count
         shape = tuple(zip(mesh.axis_names, mesh.axis_sizes))
         by_mesh = _constrains(self.base if self.base is not None else graph)
-        raw = ("trace", shape if by_mesh else None, pipe.microbatches)
+        sig = tuple((getattr(x, "shape", None), str(getattr(x, "dtype", ""))) for x in flat)
+        raw = ("trace", shape if by_mesh else None, sig)
         if raw not in self.traces:
             log.info("tracing %s at the micro-batch size", name)
             self.traces[raw] = self._capture(margs, mesh)
