@@ -10,6 +10,7 @@ over `data`, replicated on dim 1; a `+P[model]` suffix marks a partial sum.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ def hash_once(cls):
             object.__setattr__(self, "_hash", h)
         return h
 
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    def __getstate__(self) -> dict:  # memos (`_hash`, `_shards`) stay out of pickles
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     cls.__hash__, cls.__getstate__ = __hash__, __getstate__
     return cls
@@ -74,7 +75,7 @@ class Spec:
     def to_json(self) -> list:
         return [None if not a else a[0] if len(a) == 1 else list(a) for a in self.dims]
 
-    @property
+    @functools.cached_property
     def used_axes(self) -> Axes:
         return tuple(a for d in self.dims for a in d)
 
@@ -140,7 +141,12 @@ class Spec:
         return Spec(tuple(keep(d) for d in self.dims), keep(self.partial))
 
     def shards(self, mesh: MeshInfo) -> int:
-        return math.prod(mesh.size(a) for a in self.used_axes)
+        memo = self.__dict__.get("_shards")  # the search asks millions of times, one mesh
+        if memo is not None and memo[0] is mesh:
+            return memo[1]
+        n = math.prod(mesh.size(a) for a in self.used_axes)
+        object.__setattr__(self, "_shards", (mesh, n))
+        return n
 
     def local_shape(self, shape: Sequence[int], mesh: MeshInfo) -> tuple[int, ...]:
         return tuple(s // math.prod(mesh.size(a) for a in d) for s, d in zip(shape, self.dims))
@@ -183,8 +189,12 @@ class MeshInfo:
     def shape(self) -> dict[str, int]:
         return dict(zip(self.axis_names, self.axis_sizes))
 
+    @functools.cached_property
+    def _sizes(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.axis_sizes))
+
     def size(self, axis: str) -> int:
-        return self.axis_sizes[self.axis_names.index(axis)]
+        return self._sizes[axis]
 
     def is_intra_node(self, axes: Sequence[str]) -> bool:
         """True when every device group along `axes` stays inside one node."""

@@ -390,6 +390,54 @@ def _check_deltas(problem, choice):
         )
 
 
+def test_reshard_tables_equal_pairwise_prices():
+    """`build_edges` prices whole strategy tables at once (`autopar.cost.tables`): every
+    entry equals pricing the pair on its own with `CostModel.reshard`, bit for bit, with
+    and without a bucket share, for a Partial value read more than once, for scalars,
+    on a mesh with an axis of size 1 (free) and axes on two link tiers."""
+    import itertools
+
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.ir.graph import TensorType
+    from autopar.search.edges import reshard_matrix, reshard_seconds
+    from autopar.sharding import MeshInfo, Spec
+
+    mesh = MeshInfo.build(("stage", "data", "model", "one"), (2, 4, 2, 1), None, 8)
+    cost = CostModel(cost_models.load("a100-80g"), mesh)
+    axes = ("stage", "data", "model", "one")
+
+    def specs(rank):
+        out = []
+        for used in itertools.permutations(axes, 2):
+            for dims in itertools.product(range(rank + 1), repeat=2):
+                d = [[] for _ in range(rank)]
+                part = []
+                for a, k in zip(used, dims):
+                    (part if k == rank else d[k]).append(a)
+                out.append(Spec(tuple(map(tuple, d)), tuple(part)))
+        return tuple(dict.fromkeys(out))
+
+    def reference(t, a, b, uses, share):  # the pairwise price `reshard_matrix` stands for
+        p = reshard_seconds(cost, t, a, b, share)
+        if uses > 1 and a.partial and not b.partial:
+            whole = a.without_partial()
+            summed = reshard_seconds(cost, t, a, whole, share) / uses
+            p = min(p, summed + cost.reshard(t, whole, b).seconds)
+        return p
+
+    checked = 0
+    for shape in [(), (8,), (64, 48), (16, 8, 40)]:
+        table = specs(len(shape))
+        for dtype, uses, share in [(np.float32, 1, None), (np.float32, 3, 0.01)]:
+            t = TensorType(shape, np.dtype(dtype))
+            got = reshard_matrix(cost, t, table, table[::-1], {}, uses, share)
+            want = [[reference(t, a, b, uses, share) for b in table[::-1]] for a in table]
+            assert np.array_equal(got, np.array(want)), (shape, uses, share)
+            checked += got.size
+    assert checked > 10_000
+
+
 def _counting_traces(monkeypatch, layers: int):
     """A tiny scanned GPT's step (`ts`, `cfg`) and the token batch of every trace the
     driver makes of it from now on (the micro-batch traces: the full one is made before)."""

@@ -70,6 +70,8 @@ class CostModel:
         self.profile = profile
         self.mesh = mesh
         self._link: dict[Axes, tuple[float, float]] = {}
+        # `autopar.cost.tables.reshard_table`'s memo: (src specs, dst specs) -> table
+        self.tables: dict = {}
 
     def link(self, axes: Axes) -> tuple[float, float]:
         """(latency s, effective bandwidth B/s) of the slowest link `axes` cross."""
@@ -110,53 +112,68 @@ class CostModel:
 
     @functools.cache  # noqa: B019 - one CostModel per search
     def reshard(self, t: TensorType, src: Spec, dst: Spec) -> Reshard:
-        """Cheapest collective sequence (in this simple model) from `src` to `dst`.
+        """Cheapest collective sequence (in this simple model) from `src` to `dst`: the
+        `reshard_steps`, each moving the local bytes of `t` in its layout."""
+        colls = tuple(
+            self.collective(kind, axes, self.local_bytes(t, layout))
+            for kind, axes, layout in reshard_steps(src, dst)
+        )
+        return Reshard(sum(c.seconds for c in colls), colls) if colls else NO_RESHARD
 
-        A Partial `dst` other than `src` is reached by first summing `src` into
-        `dst`'s dims; splitting a whole value into summands is local (one device per
-        group keeps it, the others hold zeros)."""
-        if src == dst or t.rank == 0 and not src.partial and not dst.partial:
-            return NO_RESHARD
-        if dst.partial:
-            return self.reshard(t, src, dst.without_partial())
-        colls: list[Collective] = []
-        dims = [list(d) for d in src.dims]
-        # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else all-reduce.
-        dst_axis_dim = dst.axis_dims()
-        scatter = tuple(a for a in src.partial if a in dst_axis_dim and a not in src.used_axes)
-        reduce = tuple(a for a in src.partial if a not in scatter)
-        cur = Spec(tuple(map(tuple, dims)))
-        if reduce:
-            colls.append(self.collective("all-reduce", reduce, self.local_bytes(t, cur)))
-        if scatter:
-            colls.append(self.collective("reduce-scatter", scatter, self.local_bytes(t, cur)))
-            for a in scatter:
-                dims[dst_axis_dim[a]].append(a)
-        # 2. Axes that sit where `dst` does not want them: move (all-to-all) or gather.
-        before = Spec(tuple(map(tuple, dims)))
-        gather: list[str] = []
-        moved: list[str] = []
-        for i, d in enumerate(dims):
-            want = dst.dims[i]
-            keep = 0
-            while keep < len(d) and keep < len(want) and d[keep] == want[keep]:
-                keep += 1
-            for a in d[keep:]:
-                (moved if a in dst_axis_dim else gather).append(a)
-            dims[i] = d[:keep]
-        steps = None if src.partial or not moved else src.move_steps(dst)
-        if steps:  # as the lowering does it: slices first, then one axis per all-to-all
-            for prev, nxt in zip((src, *steps), steps):
-                was, now = prev.axis_dims(), nxt.axis_dims()
-                for a in [a for a, i in was.items() if now[a] != i]:
-                    colls.append(self.collective("all-to-all", (a,), self.local_bytes(t, prev)))
-        elif moved:
-            colls.append(self.collective("all-to-all", tuple(moved), self.local_bytes(t, before)))
-        # 3. Axes `dst` adds are a local slice: free. The lowering slices them before it
-        # gathers (`Spec.gather_last`), so the all-gather makes `dst`'s blocks.
-        if gather:
-            colls.append(self.collective("all-gather", tuple(gather), self.local_bytes(t, dst)))
-        return Reshard(sum(c.seconds for c in colls), tuple(colls))
+
+@functools.lru_cache(maxsize=1 << 20)  # specs are small; shared by every mesh
+def reshard_steps(src: Spec, dst: Spec) -> tuple[tuple[str, Axes, Spec], ...]:
+    """The collectives from `src` to `dst`, for a value of any size: (kind, axes, the
+    layout whose local bytes it moves). What a step costs depends on the value only
+    through its bytes, so whole strategy tables are priced from these at once
+    (`autopar.cost.tables`).
+
+    A Partial `dst` other than `src` is reached by first summing `src` into
+    `dst`'s dims; splitting a whole value into summands is local (one device per
+    group keeps it, the others hold zeros). A scalar's specs differ only in their
+    pending sums."""
+    if src == dst:
+        return ()
+    if dst.partial:
+        return reshard_steps(src, dst.without_partial())
+    steps: list[tuple[str, Axes, Spec]] = []
+    dims = [list(d) for d in src.dims]
+    # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else all-reduce.
+    dst_axis_dim = dst.axis_dims()
+    scatter = tuple(a for a in src.partial if a in dst_axis_dim and a not in src.used_axes)
+    reduce = tuple(a for a in src.partial if a not in scatter)
+    cur = Spec(tuple(map(tuple, dims)))
+    if reduce:
+        steps.append(("all-reduce", reduce, cur))
+    if scatter:
+        steps.append(("reduce-scatter", scatter, cur))
+        for a in scatter:
+            dims[dst_axis_dim[a]].append(a)
+    # 2. Axes that sit where `dst` does not want them: move (all-to-all) or gather.
+    before = Spec(tuple(map(tuple, dims)))
+    gather: list[str] = []
+    moved: list[str] = []
+    for i, d in enumerate(dims):
+        want = dst.dims[i]
+        keep = 0
+        while keep < len(d) and keep < len(want) and d[keep] == want[keep]:
+            keep += 1
+        for a in d[keep:]:
+            (moved if a in dst_axis_dim else gather).append(a)
+        dims[i] = d[:keep]
+    moves = None if src.partial or not moved else src.move_steps(dst)
+    if moves:  # as the lowering does it: slices first, then one axis per all-to-all
+        for prev, nxt in zip((src, *moves), moves):
+            was, now = prev.axis_dims(), nxt.axis_dims()
+            for a in [a for a, i in was.items() if now[a] != i]:
+                steps.append(("all-to-all", (a,), prev))
+    elif moved:
+        steps.append(("all-to-all", tuple(moved), before))
+    # 3. Axes `dst` adds are a local slice: free. The lowering slices them before it
+    # gathers (`Spec.gather_last`), so the all-gather makes `dst`'s blocks.
+    if gather:
+        steps.append(("all-gather", tuple(gather), dst))
+    return tuple(steps)
 
 
 # Ops XLA fuses with their neighbours into one kernel: elementwise math and the shape

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.cost.model import COMBINE_THRESHOLD_COUNT, CostModel
+from autopar.cost.tables import reshard_table
 from autopar.ir.graph import Graph, TensorType
 from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import Spec
@@ -119,28 +120,26 @@ def reshard_matrix(
     uses: int = 1,
     share: float | None = None,
 ) -> np.ndarray:
-    """[len(src), len(dst)] resharding seconds. A Partial value with `uses` uses is
+    """[len(src), len(dst)] resharding seconds, priced table-wise (`autopar.cost.tables`;
+    equal to `reshard_seconds` pair by pair). A Partial value with `uses` uses is
     summed once, where it is produced (`evaluate.settle_partials`), not once per use:
     each use may instead pay its share of one all-reduce and reshard from the sum."""
-
-    def price(a: Spec, b: Spec) -> float:
-        key = (t, a, b, uses if a.partial and not b.partial else 1, share)
-        p = cache.get(key)
-        if p is None:  # many matrices share their pairs: price each pair once
-            p = reshard_seconds(cost, t, a, b, share)
-            if key[3] > 1:
-                whole = a.without_partial()
-                summed = reshard_seconds(cost, t, a, whole, share) / uses
-                p = min(p, summed + cost.reshard(t, whole, b).seconds)
-            cache[key] = p
-        return p
-
     key = (t, src, dst, uses, share)
     m = cache.get(key)
-    if m is None:
-        m = np.array([[price(a, b) for b in dst] for a in src], dtype=np.float64).reshape(
-            len(src), len(dst)
+    if m is not None:
+        return m
+    m = reshard_table(cost, src, dst).seconds(t.nbytes, share).reshape(len(src), len(dst))
+    rows = [i for i, a in enumerate(src) if a.partial]
+    cols = [j for j, b in enumerate(dst) if not b.partial]
+    if uses > 1 and rows and cols:
+        whole = tuple(src[i].without_partial() for i in rows)
+        summed = reshard_table(cost, tuple(src[i] for i in rows), whole, cross=False)
+        onward = reshard_table(cost, whole, tuple(dst[j] for j in cols))
+        once = summed.seconds(t.nbytes, share)[:, None] / uses + onward.seconds(t.nbytes).reshape(
+            len(rows), len(cols)
         )
-        m.setflags(write=False)
-        cache[key] = m
+        at = np.ix_(rows, cols)
+        m[at] = np.minimum(m[at], once)
+    m.setflags(write=False)
+    cache[key] = m
     return m

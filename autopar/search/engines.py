@@ -4,13 +4,13 @@ from pinned nodes (`propagate`, used by the baselines), and the `data` and
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import deque
 from collections.abc import Mapping
 
 import numpy as np
 
+from autopar.cost.tables import reshard_table
 from autopar.search.build import Problem, batch_like_body_inputs
 from autopar.sharding import axis_order_slow_first
 
@@ -439,11 +439,6 @@ def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Prob
     edges = dict(problem.edges)
     tables: dict = {}  # (type, producer table, output, consumer table, operand) -> penalty
 
-    @functools.cache
-    def gathers(t, a, b) -> bool:
-        colls = cost.reshard(t, a, b).collectives
-        return any(c.kind in ("all-gather", "all-to-all") and c.seconds for c in colls)
-
     for node in g.nodes:
         v = n_in + node.id
         for j, x in enumerate(node.inputs):
@@ -456,9 +451,8 @@ def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Prob
             if key not in tables:
                 src = tuple(s.out_specs[k] for s in problem.strategies[u])
                 dst = tuple(s.in_specs[j] for s in problem.strategies[v])
-                tables[key] = np.array(
-                    [[DATA_GATHER_PENALTY if gathers(t, a, b) else 0.0 for b in dst] for a in src]
-                ).reshape(len(src), len(dst))
+                moves = reshard_table(cost, src, dst).gathers(t.nbytes)
+                tables[key] = np.where(moves, DATA_GATHER_PENALTY, 0.0).reshape(len(src), len(dst))
             extra = tables[key]
             if not extra.any():
                 continue

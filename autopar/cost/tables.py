@@ -1,0 +1,175 @@
+"""Resharding prices of whole strategy tables at once.
+
+A reshard's collectives (`autopar.cost.model.reshard_steps`) depend only on the two
+specs; what they cost depends on the value only through its bytes. A `ReshardTable`
+holds, for every (src, dst) pair of two strategy tables, which of a few distinct
+collectives (kind, group size, link, divisor of the value's bytes) each step is, as
+small integer codes; pricing the whole matrix for a value is then a handful of numpy
+operations on the distinct collectives and one gather per step. The arithmetic is the
+same, in the same order, as `CostModel.reshard` and `CostModel.bucketed`, so the
+matrices are bit-identical to pricing every pair on its own
+(`tests/test_cost_model.py::test_reshard_tables_equal_pairwise_prices`), at a fraction
+of the time: the search prices hundreds of thousands of pairs on a 3-axis mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from autopar.cost.model import (
+    BUS_FACTOR,
+    COMBINABLE,
+    COMBINE_THRESHOLD_BYTES,
+    CostModel,
+    reshard_steps,
+)
+from autopar.sharding import Spec
+
+__all__ = ["ReshardTable", "reshard_table"]
+
+GATHERS = frozenset({"all-gather", "all-to-all"})
+
+
+class _Palette:
+    """The distinct collectives of one mesh's reshards, coded 1, 2, ... (0: no step);
+    each (src, dst) pair's steps as one of the distinct step sequences (few: a mesh's
+    reshards are combinations of a handful of collectives)."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.index: dict[tuple, int] = {}  # (kind, axes, divisor) -> code
+        self.rows: list[tuple] = [("", 0.0, 1.0, 1.0, 1)]
+        self.specs: dict[Spec, int] = {}  # spec -> id, for the pairs' int keys
+        self.pairs: dict[int, int] = {}  # src id << 32 | dst id -> sequence
+        self.seqs: dict[tuple[int, ...], int] = {(): 0}
+        self.arrays: tuple | None = None
+        self.seq_codes: np.ndarray | None = None
+
+    def ids(self, specs: Sequence[Spec]) -> np.ndarray:
+        get = self.specs.setdefault
+        return np.array([get(s, len(self.specs)) for s in specs], dtype=np.int64)
+
+    def sequences(self, src: Sequence[Spec], dst: Sequence[Spec], cross: bool) -> np.ndarray:
+        """Per pair (every src x dst, row-major, or src[i] with dst[i]), its sequence."""
+        ia, ib = self.ids(src), self.ids(dst)
+        keys = ((ia[:, None] << 32) | ib[None, :]).ravel() if cross else (ia << 32) | ib
+        get = self.pairs.get
+        seq = [get(k) for k in keys.tolist()]
+        if None in seq:
+            by_id = {i: s for s, i in self.specs.items()}
+            for n, k in enumerate(keys.tolist()):
+                if seq[n] is None:
+                    seq[n] = self._sequence(k, by_id[k >> 32], by_id[k & 0xFFFFFFFF])
+        return np.array(seq, dtype=np.int64)
+
+    def _sequence(self, key: int, a: Spec, b: Spec) -> int:
+        got = self.pairs.get(key)
+        if got is None:
+            codes = tuple(self._code(*step) for step in reshard_steps(a, b))
+            got = self.pairs[key] = self.seqs.setdefault(codes, len(self.seqs))
+            self.seq_codes = None
+        return got
+
+    def _code(self, kind: str, axes: tuple[str, ...], layout: Spec) -> int:
+        mesh = self.cost.mesh
+        n = math.prod(mesh.size(a) for a in axes)
+        if n <= 1:
+            return 0  # a group of one device: nothing moves, 0 s
+        key = (kind, axes, layout.shards(mesh))
+        code = self.index.get(key)
+        if code is None:
+            latency, bw = self.cost.link(axes)
+            code = self.index[key] = len(self.rows)
+            self.rows.append((kind, latency, BUS_FACTOR[kind](n), bw, key[2]))
+            self.arrays = None
+        return code
+
+    def codes(self, seq: np.ndarray) -> np.ndarray:
+        """[steps, pairs]: each pair's collective codes, padded with 0 (no step)."""
+        if self.seq_codes is None:
+            width = max(map(len, self.seqs), default=0)
+            table = np.zeros((len(self.seqs), width), dtype=np.int32)
+            for codes, i in self.seqs.items():
+                table[i, : len(codes)] = codes
+            self.seq_codes = table
+        return self.seq_codes[seq].T
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """latency, bus factor, bandwidth, bytes divisor, all-reduce?, gathers? per code."""
+        if self.arrays is None:
+            rows = self.rows
+            self.arrays = (
+                np.array([r[1] for r in rows]),
+                np.array([r[2] for r in rows]),
+                np.array([r[3] for r in rows]),
+                np.array([r[4] for r in rows], dtype=np.int64),
+                np.array([r[0] in COMBINABLE for r in rows]),
+                np.array([r[0] in GATHERS for r in rows]),
+            )
+        return self.arrays
+
+
+def _palette(cost: CostModel) -> _Palette:
+    pal = cost.tables.get("palette")
+    if pal is None:
+        pal = cost.tables["palette"] = _Palette(cost)
+    return pal
+
+
+class ReshardTable:
+    """The collectives of resharding every `src` spec into every `dst` spec (row-major;
+    with `cross=False`, `src[i]` into `dst[i]`) on one mesh, for a value of any size:
+    `codes[c, p]` names pair `p`'s step `c` among the mesh's distinct collectives."""
+
+    def __init__(
+        self, cost: CostModel, src: Sequence[Spec], dst: Sequence[Spec], cross: bool = True
+    ):
+        self.palette = pal = _palette(cost)
+        self.codes = pal.codes(pal.sequences(src, dst, cross))
+
+    def _step_seconds(self, nbytes: int, share: float | None) -> np.ndarray:
+        """Seconds of each distinct collective for a value of `nbytes` (index 0: none);
+        with a `share`, all-reduces priced by bucket (`CostModel.bucketed`)."""
+        latency, factor, bandwidth, divisor, combinable, _ = self.palette.columns()
+        nb = nbytes // divisor
+        sec = latency + factor * nb / bandwidth
+        sec[0] = 0.0
+        if share is not None:
+            part = np.minimum(1.0, np.maximum(nb / COMBINE_THRESHOLD_BYTES, share))
+            cut = combinable & (sec > 0)
+            sec = np.where(cut, sec - latency * (1.0 - part), sec)
+        return sec
+
+    def seconds(self, nbytes: int, share: float | None = None) -> np.ndarray:
+        """Per pair, the seconds of its reshard for a value of `nbytes`: the sum of its
+        steps' seconds in order, as `CostModel.reshard` adds them."""
+        sec = self._step_seconds(nbytes, share)
+        total = np.zeros(self.codes.shape[1])
+        for row in self.codes:
+            total = total + sec[row]
+        return total
+
+    def gathers(self, nbytes: int) -> np.ndarray:
+        """Per pair, whether its reshard all-gathers or moves (all-to-all) something."""
+        moves = self.palette.columns()[5] & (self._step_seconds(nbytes, None) != 0)
+        return (
+            moves[self.codes].any(axis=0)
+            if len(self.codes)
+            else np.zeros(self.codes.shape[1], bool)
+        )
+
+
+def reshard_table(
+    cost: CostModel, src: tuple[Spec, ...], dst: tuple[Spec, ...], cross: bool = True
+) -> ReshardTable:
+    """The `ReshardTable` of `src` x `dst` (or, not `cross`, of `zip(src, dst)`),
+    memoized on `cost`: tables are shared by every value whose operand and consumer
+    tables match."""
+    key = (src, dst, cross)
+    table = cost.tables.get(key)
+    if table is None:
+        table = cost.tables[key] = ReshardTable(cost, src, dst, cross)
+    return table
