@@ -216,3 +216,48 @@ def test_layers_of_a_model_written_without_modules_are_merged():
         if "bqd,bkd->bqk" in p.graph.nodes[v - p.num_inputs].name_stack
     ]
     assert len(core) >= 2 * L and all(labels[v] is not None for v in core)
+
+
+def test_a_rolled_loop_body_folds_every_layer_slot():
+    """Layers unrolled in Python and rolled into loops over 2 stages: each loop body runs
+    k = 4 layers. Named after the first stage's layers, the forward ops remat copies
+    into the backward body and that body's own ops label slot j alike, and a loop body
+    keeps no end layers distinct (it has no embedding or head), so `dp` folds all k slots
+    into one and searches the body flat in depth, like a scanned model's one-layer body."""
+    import warnings
+
+    import autopar
+    from autopar import examples
+    from autopar.search.engines import data_pins
+
+    w = examples.gpt(hidden=32, layers=8, heads=2, seq=16, vocab=64, batch=8)
+    par = autopar.parallelize(
+        w.fn,
+        mesh={"stage": 2, "data": 2, "model": 2},
+        pipeline_stages=2,
+        microbatches=2,
+        remat="full",
+        engine="dp",
+        donate_argnums=w.donate_argnums,
+        cache_dir=False,
+        progress=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        par.plan(*w.args)
+    (compiled,) = par._cache.values()
+    assert compiled.roll is not None and compiled.plan.remat == "full"
+    bodies = [b for b, _ in compiled.problem.bodies.values()]
+    assert len(bodies) == 2 and all(b.loop_body for b in bodies)
+    for body in bodies:
+        lay = LY.find_layers(body, {}, keep=0)
+        (group,) = lay.groups.values()
+        # slots 1..k-1 fold into slot 0, but for the last where the body's boundary
+        # labels an op or two differently: two layers are left whatever k is
+        assert group["layers"] == 4 and group["merged"] >= 2, group
+        per = group["nodes_per_layer"]
+        left = len(body.strategies) - lay.merged
+        assert left <= 2 * per + body.num_inputs + per // 4, (left, per, body.num_inputs)
+    # the optimizer's per-layer ops outside the loops are named by slot, so they fold too
+    outer = LY.find_layers(compiled.problem, data_pins(compiled.problem))
+    assert any(k.startswith("rolled_layers_slot") for k in outer.groups), outer.groups

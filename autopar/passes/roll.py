@@ -437,7 +437,9 @@ class _Rolling:
             else:
                 args.append(_stack([read(y) for y in copies]))
                 axes.append(0)
-        outs = jax.vmap(lambda *xs: bind_node(ref, xs), in_axes=axes)(*args)
+        # named per layer slot, so `search.layers` folds the slots' alike ops into one
+        with jax.named_scope(f"{SCOPE}_slot{unit[0]}"):
+            outs = jax.vmap(lambda *xs: bind_node(ref, xs), in_axes=axes)(*args)
         for r, y in enumerate(outs):
             stacked[("op", *unit, r)] = y
 
@@ -480,7 +482,11 @@ class _Rolling:
 
 
 def _ref_nodes(graph: Graph, loop: _Loop | None) -> list:
-    return [] if loop is None else [graph.nodes[i] for i in loop.chunks[loop.ref]]
+    """The ops a loop's body names its ops after: the first stage's (the chunks run the
+    same ops), so the forward and backward bodies and the forward ops remat copies into
+    the backward one all name layer slot `j` after layer `j` (`search.layers` folds the
+    slots by these names)."""
+    return [] if loop is None else [graph.nodes[i] for i in loop.chunks[0]]
 
 
 def _stack(values: Sequence[Any]):

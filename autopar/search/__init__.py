@@ -24,12 +24,13 @@ log = logging.getLogger("autopar")  # shown by `autopar.compile.progress`
 
 
 def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
-    from autopar.search.layers import solve_dp_layered  # repeated layers solved once
+    from autopar.search.layers import KEEP, solve_dp_layered  # repeated layers solved once
 
     g = problem.cost_graph().restrict(pinned)
     # where dp guesses, recursive's plan is polished the same way (the cheaper is kept)
     start = lambda: g.lower_choice(engines.recursive(problem, pinned), pinned)  # noqa: E731
-    sol = solve_dp_layered(problem, g, pinned, start=start)
+    keep = 0 if problem.loop_body else KEEP  # a loop body's layers are all alike
+    sol = solve_dp_layered(problem, g, pinned, keep=keep, start=start)
     info.update(optimal=sol.optimal, gap=sol.gap)
     return g.lift_choice(list(sol.choice), pinned)
 

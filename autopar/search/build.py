@@ -111,6 +111,9 @@ class Problem:
     node_compute: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
     # the share of one latency a combinable all-reduce pays (`search.edges.bucket_share`)
     bucket_share: float = 1.0
+    # a loop's body: every step runs it, so repeated layers in it have no ends that
+    # touch an embedding or a head (`search.layers` folds all of them into one)
+    loop_body: bool = False
 
     def compute_time(self) -> tuple[np.ndarray, ...]:
         return self.node_time if self.node_compute is None else self.node_compute

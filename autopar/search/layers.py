@@ -99,6 +99,7 @@ STATE_WEIGHT = 0.1
 _WRAPPER = re.compile(r"^(?:[A-Za-z_]\w*\()+|\)+$")
 _INDEXED = re.compile(r"^(?P<base>[A-Za-z][\w.]*?)[_.]?(?P<idx>\d+)$")
 _NUMBER = re.compile(r"^\d+$")
+_ROLE = re.compile(r"^body/(?:const|carry|x|y)\d+$")
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,11 @@ def _segments(name: str) -> list[tuple[str, int]]:
 
 
 def _names(problem: Problem) -> list[str]:
+    """Each cost-graph node's name; a loop body's arguments are named by their role
+    (`body/x12`, `autopar.ir.capture`), which is no layer index."""
     g = problem.graph
-    return list(g.input_paths) + [n.name_stack for n in g.nodes]
+    paths = ["" if _ROLE.match(p) else p for p in g.input_paths]
+    return paths + [n.name_stack for n in g.nodes]
 
 
 def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:

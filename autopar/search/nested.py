@@ -80,6 +80,7 @@ def _scan_strategy(
         partial_outputs=sums,
         nested=nested,
     )
+    body = replace(body, loop_body=True)
     budget = cost.profile.hbm_bytes
     result = _search_fitting(body, "auto", budget)
     if result.cost.peak_memory_bytes > budget:  # nothing fits: neither need the others
