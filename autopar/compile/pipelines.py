@@ -184,7 +184,8 @@ class PipelineTries:
         margs = tuple(a if i in static else next(micro_dyn) for i, a in enumerate(args))
         # one trace per set of micro-batch argument types (and mesh, where the step has
         # sharding constraints, which resolve against it), shared by the candidates and
-        # the remat policies' drivers; one roll of it per mesh and micro-batch count
+        # the remat policies' drivers; one roll of it per stage count (the rolled ops
+        # depend on neither the mesh's other axes nor the micro-batch count)
         shape = tuple(zip(mesh.axis_names, mesh.axis_sizes))
         by_mesh = _constrains(self.base if self.base is not None else graph)
         sig = tuple((getattr(x, "shape", None), str(getattr(x, "dtype", ""))) for x in flat)
@@ -192,7 +193,7 @@ class PipelineTries:
         if raw not in self.traces:
             log.info("tracing %s at the micro-batch size", name)
             self.traces[raw] = self._capture(margs, mesh)
-        key = (shape, pipe.microbatches)
+        key = ("rolled", raw, rolled.stages if rolled is not None else None)
         if key not in self.traces:
             traced = self.traces[raw]
             if rolled is not None:
