@@ -50,6 +50,8 @@ def main(argv=None) -> None:
             warnings.simplefilter("ignore")
             rows[name] = parallelize_auto(a.profile, remat="auto", engine="auto", scan_layers=scan)
         print(name, json.dumps(rows[name]), flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)  # kept row by row: a long run
+        a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     s, u = rows["scan"], rows["unrolled"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text = "\n".join(
@@ -72,8 +74,6 @@ def main(argv=None) -> None:
             "",
         ]
     )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     a.out.with_suffix(".md").write_text(text)
     print(text)
 
