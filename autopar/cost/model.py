@@ -70,8 +70,6 @@ class CostModel:
         self.profile = profile
         self.mesh = mesh
         self._link: dict[Axes, tuple[float, float]] = {}
-        # `autopar.cost.tables.reshard_table`'s memo: (src specs, dst specs) -> table
-        self.tables: dict = {}
 
     def link(self, axes: Axes) -> tuple[float, float]:
         """(latency s, effective bandwidth B/s) of the slowest link `axes` cross."""

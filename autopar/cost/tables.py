@@ -8,7 +8,7 @@ small integer codes; pricing the whole matrix for a value is then a handful of n
 operations on the distinct collectives and one gather per step. The arithmetic is the
 same, in the same order, as `CostModel.reshard` and `CostModel.bucketed`, so the
 matrices are bit-identical to pricing every pair on its own
-(`tests/test_cost_model.py::test_reshard_tables_equal_pairwise_prices`), at a fraction
+(`tests/test_planning_time.py::test_reshard_tables_equal_pairwise_prices`), at a fraction
 of the time: the search prices hundreds of thousands of pairs on a 3-axis mesh.
 """
 
@@ -112,10 +112,10 @@ class _Palette:
         return self.arrays
 
 
-def _palette(cost: CostModel) -> _Palette:
-    pal = cost.tables.get("palette")
-    if pal is None:
-        pal = cost.tables["palette"] = _Palette(cost)
+def _palette(cost: CostModel, memo: dict) -> _Palette:
+    pal = memo.get("palette")
+    if pal is None or pal.cost is not cost:
+        pal = memo["palette"] = _Palette(cost)
     return pal
 
 
@@ -125,9 +125,14 @@ class ReshardTable:
     `codes[c, p]` names pair `p`'s step `c` among the mesh's distinct collectives."""
 
     def __init__(
-        self, cost: CostModel, src: Sequence[Spec], dst: Sequence[Spec], cross: bool = True
+        self,
+        cost: CostModel,
+        src: Sequence[Spec],
+        dst: Sequence[Spec],
+        cross: bool = True,
+        memo: dict | None = None,
     ):
-        self.palette = pal = _palette(cost)
+        self.palette = pal = _palette(cost, {} if memo is None else memo)
         self.codes = pal.codes(pal.sequences(src, dst, cross))
 
     def _step_seconds(self, nbytes: int, share: float | None) -> np.ndarray:
@@ -163,13 +168,17 @@ class ReshardTable:
 
 
 def reshard_table(
-    cost: CostModel, src: tuple[Spec, ...], dst: tuple[Spec, ...], cross: bool = True
+    cost: CostModel,
+    src: tuple[Spec, ...],
+    dst: tuple[Spec, ...],
+    memo: dict,
+    cross: bool = True,
 ) -> ReshardTable:
     """The `ReshardTable` of `src` x `dst` (or, not `cross`, of `zip(src, dst)`),
-    memoized on `cost`: tables are shared by every value whose operand and consumer
-    tables match."""
-    key = (src, dst, cross)
-    table = cost.tables.get(key)
+    memoized in the caller's `memo` (one build's: tables are shared by every value whose
+    operand and consumer tables match, and freed with the build)."""
+    key = ("table", src, dst, cross)
+    table = memo.get(key)
     if table is None:
-        table = cost.tables[key] = ReshardTable(cost, src, dst, cross)
+        table = memo[key] = ReshardTable(cost, src, dst, cross, memo)
     return table

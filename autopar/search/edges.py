@@ -128,13 +128,13 @@ def reshard_matrix(
     m = cache.get(key)
     if m is not None:
         return m
-    m = reshard_table(cost, src, dst).seconds(t.nbytes, share).reshape(len(src), len(dst))
+    m = reshard_table(cost, src, dst, cache).seconds(t.nbytes, share).reshape(len(src), len(dst))
     rows = [i for i, a in enumerate(src) if a.partial]
     cols = [j for j, b in enumerate(dst) if not b.partial]
     if uses > 1 and rows and cols:
         whole = tuple(src[i].without_partial() for i in rows)
-        summed = reshard_table(cost, tuple(src[i] for i in rows), whole, cross=False)
-        onward = reshard_table(cost, whole, tuple(dst[j] for j in cols))
+        summed = reshard_table(cost, tuple(src[i] for i in rows), whole, cache, cross=False)
+        onward = reshard_table(cost, whole, tuple(dst[j] for j in cols), cache)
         once = summed.seconds(t.nbytes, share)[:, None] / uses + onward.seconds(t.nbytes).reshape(
             len(rows), len(cols)
         )

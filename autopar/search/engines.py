@@ -438,6 +438,7 @@ def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Prob
     g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
     edges = dict(problem.edges)
     tables: dict = {}  # (type, producer table, output, consumer table, operand) -> penalty
+    memo: dict = {}  # `reshard_table`'s
 
     for node in g.nodes:
         v = n_in + node.id
@@ -451,7 +452,7 @@ def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Prob
             if key not in tables:
                 src = tuple(s.out_specs[k] for s in problem.strategies[u])
                 dst = tuple(s.in_specs[j] for s in problem.strategies[v])
-                moves = reshard_table(cost, src, dst).gathers(t.nbytes)
+                moves = reshard_table(cost, src, dst, memo).gathers(t.nbytes)
                 tables[key] = np.where(moves, DATA_GATHER_PENALTY, 0.0).reshape(len(src), len(dst))
             extra = tables[key]
             if not extra.any():
