@@ -119,7 +119,7 @@ class CostModel:
         return Reshard(sum(c.seconds for c in colls), colls) if colls else NO_RESHARD
 
 
-@functools.lru_cache(maxsize=1 << 20)  # specs are small; shared by every mesh
+@functools.lru_cache(maxsize=1 << 18)  # shared by every mesh, bounded in size
 def reshard_steps(src: Spec, dst: Spec) -> tuple[tuple[str, Axes, Spec], ...]:
     """The collectives from `src` to `dst`, for a value of any size: (kind, axes, the
     layout whose local bytes it moves). What a step costs depends on the value only
