@@ -125,14 +125,9 @@ class ReshardTable:
     `codes[c, p]` names pair `p`'s step `c` among the mesh's distinct collectives."""
 
     def __init__(
-        self,
-        cost: CostModel,
-        src: Sequence[Spec],
-        dst: Sequence[Spec],
-        cross: bool = True,
-        memo: dict | None = None,
+        self, cost: CostModel, src: Sequence[Spec], dst: Sequence[Spec], cross: bool, memo: dict
     ):
-        self.palette = pal = _palette(cost, {} if memo is None else memo)
+        self.palette = pal = _palette(cost, memo)
         self.codes = pal.codes(pal.sequences(src, dst, cross))
 
     def _step_seconds(self, nbytes: int, share: float | None) -> np.ndarray:
@@ -160,11 +155,7 @@ class ReshardTable:
     def gathers(self, nbytes: int) -> np.ndarray:
         """Per pair, whether its reshard all-gathers or moves (all-to-all) something."""
         moves = self.palette.columns()[5] & (self._step_seconds(nbytes, None) != 0)
-        return (
-            moves[self.codes].any(axis=0)
-            if len(self.codes)
-            else np.zeros(self.codes.shape[1], bool)
-        )
+        return moves[self.codes].any(axis=0)  # [0, pairs] (no steps) -> all False
 
 
 def reshard_table(

@@ -23,7 +23,7 @@ import numpy as np
 
 from autopar.errors import CaptureError
 from autopar.ir import _compat
-from autopar.ir.graph import Graph, Node, TensorType, check_graph
+from autopar.ir.graph import Graph, Node, TensorType, body_path, check_graph
 from autopar.ir.trace_errors import (
     first_lines,
     fn_name,
@@ -281,8 +281,7 @@ class _Builder:
 
 
 def _scan_body(eqn, stack: str, site: Site) -> Graph:
-    """A scan's body jaxpr as a graph; paths name the loop's roles (`body/carry0` in
-    and out, so the search keeps each carry in one spec, like updated state)."""
+    """A scan's body jaxpr as a graph; paths name the loop's roles (`graph.body_path`)."""
     closed = eqn.params["jaxpr"]
     n_c, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
     n_in, n_out = len(closed.jaxpr.invars), len(closed.jaxpr.outvars)
@@ -294,8 +293,8 @@ def _scan_body(eqn, stack: str, site: Site) -> Graph:
         closed,
         stack,
         site,
-        [f"body/{r}{k}" for r, k in zip(roles_in, k_in)],
-        [f"body/{r}{k}" for r, k in zip(roles_out, k_out)],
+        [body_path(r, k) for r, k in zip(roles_in, k_in)],
+        [body_path(r, k) for r, k in zip(roles_out, k_out)],
         f"scan body at {site[0]}",
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +140,22 @@ def check_graph(g: Graph) -> None:
             raise ValueError(f"output %{v} is never defined")
     if len(g.inputs) != len(g.input_paths) or len(g.outputs) != len(g.output_paths):
         raise ValueError("paths do not match inputs/outputs")
+
+
+def body_path(role: str, k: int) -> str:
+    """The path of a loop body's `k`-th argument or result of `role` (`const`, `carry`,
+    `x` in; `carry`, `y` out): `body/carry0` in and out, so the search keeps each carry
+    in one spec, like updated state."""
+    return f"body/{role}{k}"
+
+
+_BODY_PATH = re.compile(r"^body/(?:const|carry|x|y)\d+$")
+
+
+def is_body_path(path: str) -> bool:
+    """Whether `path` names a loop body's argument or result by its role (`body_path`):
+    a position in the loop, not a layer index or any name of the user's."""
+    return bool(_BODY_PATH.match(path))
 
 
 def find_aliases(graph: Graph) -> dict[int, int]:

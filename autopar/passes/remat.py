@@ -61,7 +61,7 @@ import jax
 
 from autopar.cost.model import node_flops
 from autopar.ir.eval import retrace
-from autopar.ir.graph import Graph, Node, TensorType, check_graph
+from autopar.ir.graph import Graph, Node, TensorType, body_path, check_graph
 from autopar.ir.ops import CONTRACTIONS
 from autopar.passes.remat_report import PairRemat, RematReport
 from autopar.passes.remat_unrolled import (
@@ -107,15 +107,15 @@ class Layout:
 
     def input_paths(self) -> tuple[str, ...]:
         return (
-            *(f"body/const{k}" for k in range(self.num_consts)),
-            *(f"body/carry{k}" for k in range(self.num_carry)),
-            *(f"body/x{k}" for k in range(self.num_xs)),
+            *(body_path("const", k) for k in range(self.num_consts)),
+            *(body_path("carry", k) for k in range(self.num_carry)),
+            *(body_path("x", k) for k in range(self.num_xs)),
         )
 
     def output_paths(self) -> tuple[str, ...]:
         return (
-            *(f"body/carry{k}" for k in range(self.num_carry)),
-            *(f"body/y{k}" for k in range(self.num_ys)),
+            *(body_path("carry", k) for k in range(self.num_carry)),
+            *(body_path("y", k) for k in range(self.num_ys)),
         )
 
 

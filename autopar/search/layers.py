@@ -78,6 +78,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from autopar.ir.graph import is_body_path
 from autopar.search.build import Problem
 from autopar.search.solvers.costgraph import CostGraph, Solution
 from autopar.search.solvers.dp import solve_dp
@@ -99,7 +100,6 @@ STATE_WEIGHT = 0.1
 _WRAPPER = re.compile(r"^(?:[A-Za-z_]\w*\()+|\)+$")
 _INDEXED = re.compile(r"^(?P<base>[A-Za-z][\w.]*?)[_.]?(?P<idx>\d+)$")
 _NUMBER = re.compile(r"^\d+$")
-_ROLE = re.compile(r"^body/(?:const|carry|x|y)\d+$")
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,9 @@ def _segments(name: str) -> list[tuple[str, int]]:
 
 def _names(problem: Problem) -> list[str]:
     """Each cost-graph node's name; a loop body's arguments are named by their role
-    (`body/x12`, `autopar.ir.capture`), which is no layer index."""
+    (`body/x12`: `ir.graph.is_body_path`), which is no layer index."""
     g = problem.graph
-    paths = ["" if _ROLE.match(p) else p for p in g.input_paths]
+    paths = ["" if is_body_path(p) else p for p in g.input_paths]
     return paths + [n.name_stack for n in g.nodes]
 
 
