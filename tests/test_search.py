@@ -332,3 +332,74 @@ def test_bucketed_objective_sums_the_classifier_gradient_in_the_combined_all_red
     compiled = step.lower(*args).compile().as_text()
     kinds = {c.kind for c in parse_collectives(compiled, step.mesh)}
     assert kinds == {"all-reduce"}, kinds
+
+
+def test_optimizer_state_found_by_structure_gets_zero1_under_budget():
+    """Optax moments passed as an argument called `opt` (no `opt_state` key) are found
+    as state the step updates but its forward never reads: just under the replicated
+    plan's peak the search shards them (ZeRO-1), where it used to jump to ZeRO-3 (every
+    parameter sharded too), and the sharded steps train like `jax.jit`."""
+    import flax.linen as nn
+    import optax
+
+    from tests.helpers import assert_trees_close, is_sharded, spec_leaves
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = nn.relu(nn.Dense(512)(x))
+            return nn.Dense(10)(x)
+
+    model, tx = MLP(), optax.adam(1e-3)
+    x = jnp.arange(64 * 512, dtype=jnp.float32).reshape(64, 512) % 7 / 7
+    y = jnp.arange(64, dtype=jnp.int32) % 10
+    params = model.init(jax.random.key(0), x)
+    opt = tx.init(params)
+
+    def step(params, opt, x, y):
+        def loss(p):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value
+
+    args = (params, opt, x, y)
+    free = autopar.parallelize(step, mesh={"data": 8}, engine="dp").plan(*args)
+    budget = 0.6 * free.cost.peak_memory_bytes
+    par = autopar.parallelize(step, mesh={"data": 8}, engine="dp", memory_budget=budget)
+    plan = par.plan(*args)
+    assert plan.engine == "dp+zero1", plan.candidates
+    p_specs, o_specs = plan.in_specs[0], plan.in_specs[1]
+    assert not all(map(is_sharded, spec_leaves(p_specs)))
+    for moment in (o_specs[0].mu, o_specs[0].nu):  # every kernel (a [10] bias cannot split)
+        assert all(is_sharded(layer["kernel"]) for layer in moment["params"].values())
+    want, got = args, args
+    for _ in range(2):
+        want = (*jax.jit(step)(*want)[:2], x, y)
+        got = (*par(*got)[:2], x, y)
+    # Adam's update of a weight whose gradient is ~0 is ~lr * sign(g): a sharded sum's
+    # order moves a few such entries by ~1e-5 (0.1% of lr), just over f32's default atol
+    assert_trees_close(got[:2], want[:2], atol=5e-5)
+
+
+def test_plans_near_the_budget_keep_zero_retries_behind_them():
+    """A plan predicted under the budget but above `sure_fit` of it may be turned away
+    by the compile check: the ZeRO retries still run and stay ranked behind it."""
+    from autopar.search import search
+
+    def momentum_step(state, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w["a"]) @ w["b"]))(state["w"])
+        m = jax.tree.map(lambda m, g: 0.9 * m + g, state["m"], g)
+        return {"w": jax.tree.map(lambda w, m: w - 0.1 * m, state["w"], m), "m": m}
+
+    w1, w2, x = args()
+    w = {"a": w1, "b": w2}
+    p = _problem(momentum_step, ({"w": w, "m": w}, x), {"data": 8})
+    free = search(p, "dp", float("inf"))
+    budget = free.cost.peak_memory_bytes * 1.05
+    assert set(search(p, "dp", budget).candidates) == {"dp"}
+    near = search(p, "dp", budget, sure_fit=0.7)
+    assert near.engine == "dp" and "dp+zero3" in near.candidates
+    assert [k for k, *_ in near.ranked][0] == "dp" and len(near.ranked) > 1

@@ -153,10 +153,15 @@ class _Found:
     memory_bound: bool
 
 
-def _searched(problem: Problem, engine: str, budget: float, pins: dict[int, int], clock=None):
-    """`search`, or the MemoryBudgetError it raises when no plan fits, as a value."""
+def _searched(
+    problem: Problem, engine: str, budget: float, pins: dict[int, int], clock, checked: bool
+):
+    """`search`, or the MemoryBudgetError it raises when no plan fits, as a value.
+    `checked`: plans near the budget will be compiled to check their memory, so the
+    search keeps leaner ones behind them."""
+    sure_fit = COMPILE_CHECK_FRACTION if checked else 1.0
     try:
-        return search(problem, engine, budget, pins, clock)
+        return search(problem, engine, budget, pins, clock, sure_fit)
     except MemoryBudgetError as e:
         return Infeasible(e)
 
@@ -340,7 +345,9 @@ class _Driver(PipelineTries):
                 result = Infeasible(pins)
             else:
                 pins.update(spec_pins(problem, reused))
-                result = _searched(problem, o.engine, o.memory_budget, pins, self.clock)
+                result = _searched(
+                    problem, o.engine, o.memory_budget, pins, self.clock, isinstance(mesh, Mesh)
+                )
             if isinstance(result, Infeasible):
                 if len(tries) == 1:
                     if result.memory:

@@ -158,6 +158,20 @@ def is_body_path(path: str) -> bool:
     return bool(_BODY_PATH.match(path))
 
 
+FORWARD, BACKWARD, OTHER = 0, 1, 2  # `phases`
+
+
+def phases(graph: Graph) -> list[int]:
+    """FORWARD, BACKWARD or OTHER (the optimizer) per node, from the wrappers JAX writes
+    into name stacks under `grad`: a function without `transpose(` is all forward."""
+    if not any("transpose(" in n.name_stack for n in graph.nodes):
+        return [FORWARD] * len(graph.nodes)
+    return [
+        BACKWARD if "transpose(" in n.name_stack else FORWARD if "jvp(" in n.name_stack else OTHER
+        for n in graph.nodes
+    ]
+
+
 def find_aliases(graph: Graph) -> dict[int, int]:
     """Outputs that are updated versions of inputs: the same path below the argument
     name (`state/params/w` ~ `out/0/params/w`, `out/params/w`, or NNX's `out/1/0/w` for

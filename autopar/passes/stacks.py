@@ -33,12 +33,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from autopar.ir.graph import Graph, Node
+from autopar.ir.graph import BACKWARD, FORWARD, OTHER, Graph, Node, phases
 
 __all__ = ["Block", "LayerStack", "find_stacks", "signature"]
 
 _INDEXED = re.compile(r"(.*?)(\d+)")
-_FWD, _BWD, _OTHER = 0, 1, 2
+_FWD, _BWD, _OTHER = FORWARD, BACKWARD, OTHER
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class _Layer:
 def find_stacks(graph: Graph, min_layers: int = 2) -> tuple[LayerStack, ...]:
     """The runs of at least `min_layers` (2 or more) identical unrolled layers of `graph`,
     ordered by their first forward op. Layers under `scan` are not reported."""
-    min_layers, phase = max(min_layers, 2), _phases(graph)
+    min_layers, phase = max(min_layers, 2), phases(graph)
     found: list[LayerStack] = []
     seen, taken, failed = set(), set(), set()  # input positions, node ids, candidate keys
     for template, layers in _candidates(graph, phase, min_layers):
@@ -101,17 +101,6 @@ def find_stacks(graph: Graph, min_layers: int = 2) -> tuple[LayerStack, ...]:
                 taken |= ids
                 found.append(stack)
     return tuple(sorted(found, key=lambda s: s.forward[0].nodes[0]))
-
-
-def _phases(graph: Graph) -> list[int]:
-    """Forward, backward or other (the optimizer) per node, from the wrappers JAX writes
-    into name stacks under `grad`: a function without `transpose(` is all forward."""
-    if not any("transpose(" in n.name_stack for n in graph.nodes):
-        return [_FWD] * len(graph.nodes)
-    return [
-        _BWD if "transpose(" in n.name_stack else _FWD if "jvp(" in n.name_stack else _OTHER
-        for n in graph.nodes
-    ]
 
 
 def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):

@@ -97,6 +97,7 @@ def search(
     memory_budget: float,
     pinned: Mapping[int, int] = {},  # noqa: B006
     clock: Any = None,
+    sure_fit: float = 1.0,
 ) -> SearchResult:
     """Run `engine` ("auto": `AUTO_ENGINES`, then `fsdp` if no plan fits); if its plan
     does not fit `memory_budget`,
@@ -108,7 +109,11 @@ def search(
 
     `clock` (`autopar.compile.clock.Clock`) times each engine, the pricing and the
     polish; once it is out of time, the engines still to run and the polish are left
-    out (and named to it) as soon as some plan fits."""
+    out (and named to it) as soon as some plan fits.
+
+    A plan predicted above `sure_fit` x the budget may still be turned away (the driver
+    compiles such plans to check their memory), so the ZeRO retries run for it too and
+    stay candidates behind it."""
     clock = clock or _NoClock()
     if engine != "auto" and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
@@ -198,7 +203,10 @@ def search(
             break
         log.info("mesh %s: searching with %s", problem.mesh.shape, name)
         candidates[name] = run(name, pinned, name)
-        if candidates[name][1].peak_memory_bytes <= memory_budget or name in ("data", "fsdp"):
+        if candidates[name][1].peak_memory_bytes <= memory_budget * sure_fit or name in (
+            "data",
+            "fsdp",
+        ):
             continue
         fits = False
         for stage, pins in zero_stages.items():
@@ -209,7 +217,7 @@ def search(
             key = f"{name}+{stage}"
             log.info("mesh %s: %s over budget, retrying with %s", problem.mesh.shape, name, stage)
             candidates[key] = run(name, {**pins, **pinned}, key)
-            fits |= candidates[key][1].peak_memory_bytes <= memory_budget
+            fits |= candidates[key][1].peak_memory_bytes <= memory_budget * sure_fit
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
         best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from autopar.cost.tables import reshard_table
+from autopar.ir.graph import BACKWARD, FORWARD, phases
 from autopar.search.build import Problem, batch_like_body_inputs
 from autopar.sharding import axis_order_slow_first
 
@@ -335,13 +336,22 @@ def data_pins(problem: Problem) -> dict[int, int]:
 
 
 def optimizer_state_inputs(problem: Problem) -> set[int]:
-    """Input positions of optimizer state: updated state under an `opt_state` key (the
-    name optax train states and flax's TrainState use)."""
+    """Input positions of optimizer state: arrays a differentiated step updates but its
+    forward pass never reads (optax's moments, whatever the argument is called), and
+    updated state under an `opt_state` key (the name optax train states and flax's
+    TrainState use)."""
     g = problem.graph
+    phase = phases(g)
+    grad = BACKWARD in phase
+
+    def forward_reads(i: int) -> bool:
+        return any(phase[c] == FORWARD for c in g.consumers.get(g.inputs[i], ()))
+
     return {
         i
         for i in problem.aliases.values()
-        if "opt_state" in g.input_paths[i].split("/") and g.values[g.inputs[i]].rank
+        if g.values[g.inputs[i]].rank
+        and ("opt_state" in g.input_paths[i].split("/") or (grad and not forward_reads(i)))
     }
 
 
