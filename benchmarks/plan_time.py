@@ -7,7 +7,8 @@ cache in the same process (a new `parallelize`, so only the disk cache can answe
     python -m benchmarks.plan_time --large    # also GPT-3 175B (96 unrolled layers,
                                               # recursive, {"data": 128, "model": 8})
                                               # and a 7B Llama-style step (32 unrolled
-                                              # layers, auto, {"data": 32, "model": 8})
+                                              # layers, auto, {"data": 32, "model": 8},
+                                              # and mesh=256: mesh-shape search)
 
 Writes benchmarks/results/plan_time.md (and .json)."""
 
@@ -122,7 +123,9 @@ def measure(name: str, fn, args, mesh, donate=(), **options) -> dict:
     row = {
         "model": name,
         "ops": len(jaxpr.eqns),
-        "mesh": mesh,
+        "mesh": dict(plan.mesh.shape),  # the plan's; `mesh=N` searched N devices' shapes
+        **({"mesh_search": mesh} if isinstance(mesh, int) else {}),
+        "step_ms": round(plan.cost.step_s * 1e3, 4),
         "engine": plan.engine,
         "trace_s": round(trace, 3),
         "plan_s": round(planned, 3),
@@ -145,6 +148,8 @@ def _table(rows: list[dict]) -> str:
             ((k, v) for k, v in r["phases"].items() if k != "total"), key=lambda kv: -kv[1]
         )[:4]
         mesh = "x".join(f"{a}{s}" for a, s in r["mesh"].items())
+        if "mesh_search" in r:
+            mesh = f"{r['mesh_search']} devices: {mesh}"
         lines.append(
             f"| {r['model']} | {r['ops']} | {mesh} | {r['engine']} | {r['trace_s']:.2f} | "
             f"{r['plan_s']:.2f} | {r['ratio']:.1f}x | {r['cached_plan_s']:.2f} | "
@@ -157,7 +162,11 @@ def _table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--large", action="store_true", help="also GPT-3 175B and a 7B Llama step")
-    ap.add_argument("--only", nargs="*", help="run only these models (gpt3_175b, llama_7b too)")
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        help="run only these models (gpt3_175b, llama_7b, llama_7b_mesh256 too)",
+    )
     ap.add_argument("--out", type=Path, default=OUT, help="results path, without suffix")
     a = ap.parse_args(argv)
     want = lambda name: not a.only or name in a.only
@@ -194,6 +203,11 @@ def main(argv=None) -> None:
                     engine="auto",
                     memory_budget=1e15,
                 )
+            )
+        if want("llama_7b_mesh256"):  # mesh-shape search: 12 shapes of 256 devices
+            fn, args = llama_7b()
+            rows.append(
+                measure("llama_7b_mesh256", fn, args, 256, engine="auto", memory_budget=1e15)
             )
     cpu = os.cpu_count()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

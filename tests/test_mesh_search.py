@@ -48,6 +48,29 @@ def test_mesh_search_keeps_the_cheapest_candidate_shape(mesh):
     assert plan.cost.step_s == pytest.approx(cheapest, rel=1e-9)
 
 
+def test_mesh_search_screens_shapes_and_searches_the_promising_ones_in_full():
+    """Every shape is first priced by `recursive`'s plan (the "screen" phase); a shape
+    whose screen price is above SCREEN_MARGIN x the best plan found is not searched in
+    full, and the plan says which and why. Here `{"data": 8}` must split the
+    contraction (an all-reduce) and is left out; the plan is still the cheapest of all
+    shapes planned one by one."""
+    from autopar.compile.driver import SCREEN_MARGIN
+
+    dpn = cost_models.load(CLUSTER).devices_per_node
+    prices = {
+        tuple(s.items()): autopar.parallelize(_layer, mesh=s, cluster=CLUSTER)
+        .plan(*ARGS)
+        .cost.step_s
+        for s in mesh_candidates(8, dpn)
+    }
+    plan = autopar.parallelize(_layer, mesh=8, cluster=CLUSTER).plan(*ARGS)
+    assert plan.phases["screen"] > 0
+    (note,) = [w for w in plan.warnings if "not searched in full" in w]
+    assert note.startswith(f"1 of {len(prices)} mesh shapes") and "{'data': 8}" in note, note
+    assert prices[(("data", 8),)] > SCREEN_MARGIN * plan.cost.step_s
+    assert plan.cost.step_s == pytest.approx(min(prices.values()), rel=1e-9)
+
+
 # ---------------------------------------------------------------------------- propagate
 
 

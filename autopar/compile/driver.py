@@ -27,6 +27,7 @@ from autopar.compile.notes import (
     no_pipeline_why,
     offline_warning,
     pipeline_tries,
+    screen_note,
 )
 from autopar.compile.pipelines import (
     Infeasible,
@@ -65,7 +66,8 @@ from autopar.passes.remat import rematerialize
 from autopar.passes.roll import Roll
 from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan, TensorRecord
-from autopar.search import search
+from autopar.search import ENGINES, search
+from autopar.search.evaluate import evaluate
 from autopar.search.problem import Problem, build_problem, step_floor
 from autopar.sharding import Spec, mesh_info
 
@@ -73,6 +75,12 @@ from autopar.sharding import Spec, mesh_info
 # the mesh (when it has devices) and judged by XLA's memory analysis, because the
 # liveness estimate does not see XLA's own temporaries.
 COMPILE_CHECK_FRACTION = 0.7
+# Mesh-shape search: a shape whose `recursive` plan is priced above this many times the
+# best plan found is not searched in full. A heuristic, not a bound: on the 7B
+# Llama-style step the full search's plan was 0.33-1.0x `recursive`'s on the same shape
+# (lowest where the model axis is 32-128 wide), and every shape this margin leaves out
+# there had a full-search plan >= 1.33x the best (docs/features.md, mesh-shape search).
+SCREEN_MARGIN = 2.0
 log = logging.getLogger("autopar")
 T = TypeVar("T")
 
@@ -151,6 +159,7 @@ class _Found:
     tries: int
     skipped: int
     memory_bound: bool
+    screened: str | None = None  # the note on shapes `_screen` left out of the full search
 
 
 def _searched(
@@ -278,6 +287,8 @@ class _Driver(PipelineTries):
                 why = no_pipeline_why(found.failures)
                 warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
                 notes += (why,)
+        if found.screened:
+            notes += (found.screened,)
         if found.skipped:
             notes += (
                 f"{found.skipped} of {found.tries} (mesh, micro-batch count) tries not searched: "
@@ -308,18 +319,24 @@ class _Driver(PipelineTries):
         return tries, failures
 
     def _search(self, graph: Graph, reused: dict[int, Spec]) -> _Found | Infeasible:
-        """Search every try, cheapest floor first; on an abstract mesh (no compile check
-        can turn plans away afterwards) a try whose floor is above the best price found
-        is skipped. Infeasible when no try gives a plan within the memory budget."""
-        o, call = self.o, self.call
+        """Search every try, cheapest floor first (then cheapest screen, `_screen`); on an
+        abstract mesh (no compile check can turn plans away afterwards) a try whose
+        floor is above the best price found is skipped, and on any mesh a screened try
+        whose screen price is above SCREEN_MARGIN x the best price found. Infeasible
+        when no try gives a plan within the memory budget."""
+        o = self.o
         tries, failures = self._tries(graph)
         floors = [step_floor(graph_of(graph, p), mesh.size, o.profile, p) for _, mesh, p in tries]
-        ranked, best, skipped, memory_bound = [], math.inf, 0, False
-        order = sorted(range(len(tries)), key=lambda i: (floors[i], i))
+        screen, built = self._screen(graph, tries, reused)
+        ranked, best, skipped, memory_bound, dropped = [], math.inf, 0, False, []
+        order = sorted(range(len(tries)), key=lambda i: (floors[i], screen.get(i, 0.0), i))
         for step, i in enumerate(order):
             k, mesh, pipelined = tries[i]
             if isinstance(mesh, AbstractMesh) and floors[i] >= best:
                 skipped += 1
+                continue
+            if screen.get(i, 0.0) > SCREEN_MARGIN * best:
+                dropped.append(i)
                 continue
             if ranked and self.clock.out_of_time():
                 self.clock.skip(left_out(tries, order[step:], self.remat_policy))
@@ -331,20 +348,11 @@ class _Driver(PipelineTries):
                 len(g.nodes),
                 extra={"autopar_step": (step + 1, len(tries))},
             )
-            with self.clock.phase("build"):
-                problem = build_problem(g, info, CostModel(o.profile, info), pipelined)
-            pins = {}
-            if call.in_specs is not None and g is not graph:
-                pins = MeshError(
-                    f"{self.name}: in_specs= cannot pin the leaves of layers unrolled in Python "
-                    "once they are rolled into a pipeline; drop in_specs= or pipeline_stages="
-                )
-            elif call.in_specs is not None:
-                pins = user_pins(problem, call.dyn, call.in_specs)
+            problem = built.pop(i, None) or self._built(g, info, pipelined)
+            pins = self._pins(problem, g is not graph, reused)
             if isinstance(pins, MeshError):
                 result = Infeasible(pins)
             else:
-                pins.update(spec_pins(problem, reused))
                 result = _searched(
                     problem, o.engine, o.memory_budget, pins, self.clock, isinstance(mesh, Mesh)
                 )
@@ -368,7 +376,60 @@ class _Driver(PipelineTries):
                 )
             )
         ranked.sort(key=lambda r: r[:3])
-        return _Found(ranked, failures, len(tries), skipped, memory_bound)
+        screened = screen_note(tries, screen, dropped, best, SCREEN_MARGIN) if dropped else None
+        return _Found(ranked, failures, len(tries), skipped, memory_bound, screened)
+
+    def _built(self, g: Graph, info, pipelined) -> Problem:
+        with self.clock.phase("build"):
+            return build_problem(g, info, CostModel(self.o.profile, info), pipelined)
+
+    def _pins(self, problem: Problem, rolled: bool, reused: dict[int, Spec]):
+        """The user's `in_specs=` and a reused plan's specs as pins on `problem`'s
+        arguments, or the MeshError saying why they cannot apply."""
+        call = self.call
+        if call.in_specs is not None and rolled:
+            return MeshError(
+                f"{self.name}: in_specs= cannot pin the leaves of layers unrolled in Python "
+                "once they are rolled into a pipeline; drop in_specs= or pipeline_stages="
+            )
+        pins = user_pins(problem, call.dyn, call.in_specs) if call.in_specs is not None else {}
+        if not isinstance(pins, MeshError):
+            pins.update(spec_pins(problem, reused))
+        return pins
+
+    def _screen(self, graph: Graph, tries: list, reused: dict[int, Spec]):
+        """Mesh-shape search without pipelines: every shape's plan by `recursive` (one
+        pass, no polish), priced, before any full search; all shapes have the same FLOP
+        floor, so this price orders them and bounds which are worth a full search
+        (`_search`). Returns ({try index: screen price}, {try index: its problem}) with
+        the problems of the shapes that may still be searched in full; ({}, {}) where
+        nothing is screened (one try, pipelines, or an engine as cheap as the screen)."""
+        if len(tries) < 2 or self.o.engine in ("recursive", "propagate"):
+            return {}, {}
+        if any(p is not None for _, _, p in tries):
+            return {}, {}
+        screen, built, fits = {}, {}, {}
+        for step, (_, mesh, _) in enumerate(tries):
+            info = self._info(mesh)
+            log.info(
+                "mesh %s: screening with recursive",
+                info.shape,
+                extra={"autopar_step": (step + 1, len(tries))},
+            )
+            problem = self._built(graph, info, None)
+            pins = self._pins(problem, False, reused)
+            if isinstance(pins, MeshError):
+                continue  # its full search reports why
+            with self.clock.phase("screen"):
+                cost = evaluate(problem, ENGINES["recursive"](problem, pins, {}))
+            screen[step], built[step] = cost.step_s, problem
+            fits[step] = cost.peak_memory_bytes <= self.o.memory_budget
+            # a full search keeps recursive's plan if it fits: the best such screen price
+            # bounds the best price, and the problems of shapes above the margin can go
+            top = min((screen[j] for j in fits if fits[j]), default=math.inf)
+            for j in [j for j in built if screen[j] > SCREEN_MARGIN * top]:
+                del built[j]
+        return screen, built
 
     def _first_that_fits(
         self, graph: Graph, found: _Found, notes: tuple[str, ...], lead: tuple[str, ...]

@@ -1,5 +1,5 @@
 """The plan notes the driver writes about what it tried: the pipelines of
-`pipeline_stages="auto"`, and the warning on an offline plan that was never compiled."""
+`pipeline_stages="auto"`, the mesh shapes a screen left out, and the warning on an offline plan that was never compiled."""
 
 from __future__ import annotations
 
@@ -22,6 +22,20 @@ def pipeline_tries(options, failures) -> str:
     tried = [f"{k} {v * 1e3:.4g} ms" for k, v in best.items()]
     return "pipeline_stages='auto' tried (fastest first): " + "; ".join(
         tried + list(dict.fromkeys(f.splitlines()[0] for f in failures))
+    )
+
+
+def screen_note(tries, screen: dict, dropped: list, best: float, margin: float) -> str:
+    """The plan note of a screened mesh-shape search: the shapes not searched in full,
+    with the price of their `recursive` plan."""
+    names = [
+        f"{dict(zip(m.axis_names, m.axis_sizes))} {screen[i] * 1e3:.4g} ms"
+        for i, (_, m, _) in ((i, tries[i]) for i in sorted(dropped, key=screen.get))
+    ]
+    return (
+        f"{len(dropped)} of {len(tries)} mesh shapes not searched in full: their `recursive` "
+        f"plan is priced above {margin:g}x the best plan found ({best * 1e3:.4g} ms): "
+        + "; ".join(names)
     )
 
 
