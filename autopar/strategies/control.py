@@ -5,6 +5,7 @@ from __future__ import annotations
 from autopar.ir.graph import Graph, Node
 from autopar.sharding import Spec
 from autopar.strategies import Factor, FactorRule, Fixed, register, replicated_rule
+from autopar.strategies.elementwise import elementwise_rule
 
 
 @register("sharding_constraint")
@@ -16,6 +17,20 @@ def sharding_constraint_rule(node: Node, graph: Graph) -> Fixed:
         return replicated_rule(node, graph, "user constraint (unnamed sharding)")
     spec = Spec.from_pspec(pspec, t.rank)
     return Fixed((spec,), (spec,), "user constraint")
+
+
+@register("reshard")
+def reshard_rule(node: Node, graph: Graph) -> FactorRule | Fixed:
+    """`jax.sharding.reshard`, which jnp functions insert under a mesh (`jnp.where`):
+    on a mesh whose axes are all Auto it lowers to nothing (JAX emits no sharding op),
+    so it is an identity op like `copy`; on Explicit axes its spec is fixed, like a
+    user's constraint."""
+    sharding = node.params.get("dst_sharding")
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "are_all_axes_auto", False) or mesh.empty:
+        return elementwise_rule(node, graph)
+    spec = Spec.from_pspec(sharding.spec, graph.values[node.inputs[0]].rank)
+    return Fixed((spec,), (spec,), "reshard to an Explicit-axis sharding")
 
 
 @register("while", "cond")

@@ -34,6 +34,7 @@ _UNARY = (
     "neg",
     "copy",
     "copy_p",
+    "reshard",  # on Auto axes, an identity (`strategies.control.reshard_rule`)
     "reduce_sum",
     "transpose",
     "squeeze",
