@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 
@@ -10,6 +11,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from autopar.errors import MeshError
+from autopar.sharding import MeshInfo
 
 MeshLike = Mapping[str, int] | Mesh | AbstractMesh | int | str
 # Axis names mesh search gives the shapes it tries, outermost (slowest links) first.
@@ -100,3 +102,25 @@ def pipeline_meshes(n: int, devices_per_node: int, axis: str = "stage") -> list[
         shape = {axis: stages, "data": rest // t, "model": t}
         out.append({k: v for k, v in shape.items() if v > 1 or (k == axis and stages > 1)})
     return [m or {"data": 1} for m in out]
+
+
+def equivalent(a: MeshInfo, b: MeshInfo) -> bool:
+    """Whether the cost model cannot tell meshes `a` and `b` apart: some relabeling of
+    `a`'s axes as `b`'s keeps every axis size and, for every group of axes, whether its
+    device groups stay inside one node (all the cost model reads of a mesh: shards,
+    collective sizes, links). `{"data": 32, "model": 2, "expert": 4}` and `{"data": 32,
+    "model": 4, "expert": 2}` on 8-device nodes are one mesh to it."""
+    if len(a.axis_sizes) != len(b.axis_sizes) or math.prod(a.axis_sizes) != math.prod(b.axis_sizes):
+        return False
+    n = len(a.axis_sizes)
+    groups = [s for r in range(1, n + 1) for s in itertools.combinations(range(n), r)]
+    for perm in itertools.permutations(range(n)):
+        if any(a.axis_sizes[i] != b.axis_sizes[perm[i]] for i in range(n)):
+            continue
+        if all(
+            a.is_intra_node([a.axis_names[i] for i in s])
+            == b.is_intra_node([b.axis_names[perm[i]] for i in s])
+            for s in groups
+        ):
+            return True
+    return False

@@ -808,6 +808,8 @@ MODELS: dict[str, tuple[Callable[[dict], Case], dict[str, tuple[dict, dict]], tu
         {
             "batch": (dict(batch=64, seq=256, vocab=8192, d=256, heads=4, layers=4), D8),
             "wide": (dict(batch=8, seq=256, vocab=50304, d=2048, heads=16, layers=2), D2M4),
+            # GPT-2-medium size, where plain data parallelism fits and is hard to beat
+            "medium": (dict(batch=64, seq=1024, vocab=50304, d=1024, heads=16, layers=24), D2M4),
         },
         (dict(batch=16, seq=64, vocab=1024, d=256, heads=4, layers=2), D2M4),
     ),

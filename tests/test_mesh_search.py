@@ -67,8 +67,33 @@ def test_mesh_search_screens_shapes_and_searches_the_promising_ones_in_full():
     assert plan.phases["screen"] > 0
     (note,) = [w for w in plan.warnings if "not searched in full" in w]
     assert note.startswith(f"1 of {len(prices)} mesh shapes") and "{'data': 8}" in note, note
+    # on one 8-device node, 4 x 2 is 2 x 4 with its axes renamed: searched once
+    assert "{'data': 4, 'model': 2} as {'data': 2, 'model': 4}" in note, note
+    assert prices[(("data", 4), ("model", 2))] == pytest.approx(prices[(("data", 2), ("model", 4))])
     assert prices[(("data", 8),)] > SCREEN_MARGIN * plan.cost.step_s
     assert plan.cost.step_s == pytest.approx(min(prices.values()), rel=1e-9)
+
+
+def test_equivalent_meshes_are_relabelings_with_the_same_node_boundaries():
+    """`meshes.equivalent`: same axis sizes up to a relabeling, and every group of axes
+    inside a node in one exactly when in the other."""
+    from jax.sharding import AbstractMesh
+
+    from autopar.meshes import equivalent
+    from autopar.sharding import mesh_info
+
+    def info(shape, per_node=8):
+        return mesh_info(AbstractMesh(tuple(shape.values()), tuple(shape)), per_node)
+
+    same = info({"data": 32, "model": 2, "expert": 4}), info({"data": 32, "model": 4, "expert": 2})
+    assert equivalent(*same)
+    # a 128-wide model axis spans nodes, a 2-wide one does not
+    assert not equivalent(info({"data": 2, "model": 128}), info({"data": 128, "model": 2}))
+    # on 4-device nodes the inner axis of 4 x 2 stays in a node with data crossing
+    # nodes, while 2 x 4's inner 4 fills a node: different links for different sizes
+    assert not equivalent(info({"data": 4, "model": 2}, 4), info({"data": 2, "model": 4}, 4))
+    assert equivalent(info({"data": 4, "model": 2}, 8), info({"data": 2, "model": 4}, 8))
+    assert not equivalent(info({"data": 8}), info({"data": 2, "model": 4}))
 
 
 # ---------------------------------------------------------------------------- propagate

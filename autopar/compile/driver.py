@@ -56,6 +56,7 @@ from autopar.ir.capture import abstractify_tree, arg_names, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.lower.rolled import abstract_inputs
+from autopar.meshes import equivalent
 from autopar.passes.accumulate import accumulate, batch_problem
 from autopar.passes.pipeline import (
     Pipeline,
@@ -327,11 +328,13 @@ class _Driver(PipelineTries):
         o = self.o
         tries, failures = self._tries(graph)
         floors = [step_floor(graph_of(graph, p), mesh.size, o.profile, p) for _, mesh, p in tries]
-        screen, built = self._screen(graph, tries, reused)
+        screen, built, same = self._screen(graph, tries, reused)
         ranked, best, skipped, memory_bound, dropped = [], math.inf, 0, False, []
         order = sorted(range(len(tries)), key=lambda i: (floors[i], screen.get(i, 0.0), i))
         for step, i in enumerate(order):
             k, mesh, pipelined = tries[i]
+            if i in same:
+                continue
             if isinstance(mesh, AbstractMesh) and floors[i] >= best:
                 skipped += 1
                 continue
@@ -376,7 +379,9 @@ class _Driver(PipelineTries):
                 )
             )
         ranked.sort(key=lambda r: r[:3])
-        screened = screen_note(tries, screen, dropped, best, SCREEN_MARGIN) if dropped else None
+        screened = None
+        if dropped or same:
+            screened = screen_note(tries, screen, dropped, same, best, SCREEN_MARGIN)
         return _Found(ranked, failures, len(tries), skipped, memory_bound, screened)
 
     def _built(self, g: Graph, info, pipelined) -> Problem:
@@ -401,16 +406,24 @@ class _Driver(PipelineTries):
         """Mesh-shape search without pipelines: every shape's plan by `recursive` (one
         pass, no polish), priced, before any full search; all shapes have the same FLOP
         floor, so this price orders them and bounds which are worth a full search
-        (`_search`). Returns ({try index: screen price}, {try index: its problem}) with
-        the problems of the shapes that may still be searched in full; ({}, {}) where
-        nothing is screened (one try, pipelines, or an engine as cheap as the screen)."""
+        (`_search`); a shape the cost model cannot tell from one before it
+        (`meshes.equivalent`) is neither screened nor searched. Returns ({try index:
+        screen price}, {try index: its problem} for the shapes that may still be searched
+        in full, {try index: the earlier try it equals}); ({}, {}, {}) where nothing is
+        screened (one try, pipelines, or an engine as cheap as the screen)."""
         if len(tries) < 2 or self.o.engine in ("recursive", "propagate"):
-            return {}, {}
+            return {}, {}, {}
         if any(p is not None for _, _, p in tries):
-            return {}, {}
-        screen, built, fits = {}, {}, {}
+            return {}, {}, {}
+        screen, built, fits, infos = {}, {}, {}, {}
+        same: dict[int, int] = {}  # try -> the earlier try it is the same mesh as
         for step, (_, mesh, _) in enumerate(tries):
             info = self._info(mesh)
+            twin = next((j for j, other in infos.items() if equivalent(other, info)), None)
+            if twin is not None:  # the cost model cannot tell them apart: one search
+                same[step] = twin
+                continue
+            infos[step] = info
             log.info(
                 "mesh %s: screening with recursive",
                 info.shape,
@@ -429,7 +442,7 @@ class _Driver(PipelineTries):
             top = min((screen[j] for j in fits if fits[j]), default=math.inf)
             for j in [j for j in built if screen[j] > SCREEN_MARGIN * top]:
                 del built[j]
-        return screen, built
+        return screen, built, same
 
     def _first_that_fits(
         self, graph: Graph, found: _Found, notes: tuple[str, ...], lead: tuple[str, ...]

@@ -25,18 +25,26 @@ def pipeline_tries(options, failures) -> str:
     )
 
 
-def screen_note(tries, screen: dict, dropped: list, best: float, margin: float) -> str:
+def screen_note(tries, screen: dict, dropped: list, same: dict, best: float, margin: float) -> str:
     """The plan note of a screened mesh-shape search: the shapes not searched in full,
-    with the price of their `recursive` plan."""
-    names = [
-        f"{dict(zip(m.axis_names, m.axis_sizes))} {screen[i] * 1e3:.4g} ms"
-        for i, (_, m, _) in ((i, tries[i]) for i in sorted(dropped, key=screen.get))
-    ]
-    return (
-        f"{len(dropped)} of {len(tries)} mesh shapes not searched in full: their `recursive` "
-        f"plan is priced above {margin:g}x the best plan found ({best * 1e3:.4g} ms): "
-        + "; ".join(names)
-    )
+    with the price of their `recursive` plan, and those that are one mesh to the cost
+    model with a shape searched."""
+    shape = lambda i: dict(zip(tries[i][1].axis_names, tries[i][1].axis_sizes))  # noqa: E731
+    parts = []
+    if dropped:
+        names = [f"{shape(i)} {screen[i] * 1e3:.4g} ms" for i in sorted(dropped, key=screen.get)]
+        parts.append(
+            f"{len(dropped)} of {len(tries)} mesh shapes not searched in full: their "
+            f"`recursive` plan is priced above {margin:g}x the best plan found "
+            f"({best * 1e3:.4g} ms): " + "; ".join(names)
+        )
+    if same:
+        parts.append(
+            "Not searched, the same mesh to the cost model (axis sizes and node boundaries "
+            "alike) as a shape searched: "
+            + "; ".join(f"{shape(i)} as {shape(j)}" for i, j in sorted(same.items()))
+        )
+    return ". ".join(parts)
 
 
 def no_pipeline_why(failures) -> str:
