@@ -339,7 +339,7 @@ class _Driver(PipelineTries):
                 skipped += 1
                 continue
             if screen.get(i, 0.0) > SCREEN_MARGIN * best:
-                dropped.append(i)
+                dropped += [i] if math.isfinite(screen[i]) else []  # else: out of time
                 continue
             if ranked and self.clock.out_of_time():
                 self.clock.skip(left_out(tries, order[step:], self.remat_policy))
@@ -418,6 +418,11 @@ class _Driver(PipelineTries):
         screen, built, fits, infos = {}, {}, {}, {}
         same: dict[int, int] = {}  # try -> the earlier try it is the same mesh as
         for step, (_, mesh, _) in enumerate(tries):
+            if screen and self.clock.out_of_time():  # the rest are left out, and named
+                rest = range(step, len(tries))
+                self.clock.skip("the screen and search of " + left_out(tries, rest, None))
+                screen.update(dict.fromkeys(rest, math.inf))
+                break
             info = self._info(mesh)
             twin = next((j for j, other in infos.items() if equivalent(other, info)), None)
             if twin is not None:  # the cost model cannot tell them apart: one search
