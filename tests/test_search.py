@@ -403,3 +403,56 @@ def test_plans_near_the_budget_keep_zero_retries_behind_them():
     near = search(p, "dp", budget, sure_fit=0.7)
     assert near.engine == "dp" and "dp+zero3" in near.candidates
     assert [k for k, *_ in near.ranked][0] == "dp" and len(near.ranked) > 1
+
+
+def test_an_optimizers_statistics_of_summed_gradients_are_not_split_into_chained_all_reduces():
+    """Adafactor takes row and column means of each summed gradient's square. Split over
+    `data`, each is one more small all-reduce after the gradient's, which XLA's combiner
+    (post-order, a bucket closes at the first all-reduce that depends on one in it) does
+    not merge: T5 compiled to a chain of 100. The objective charges such sums their own
+    latency (`search.edges.chained`, optimizer ops only) and the final price does not
+    merge them, so the plan sums the gradients once and computes the statistics whole:
+    one combined all-reduce, as plain data parallelism compiles to; numerics as jax.jit."""
+    import flax.linen as nn
+    import optax
+
+    from autopar.ir.graph import OTHER, phases
+    from autopar.search.edges import chained, combinable_values
+    from tests.helpers import assert_trees_close
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(4):
+                x = nn.relu(nn.Dense(512)(x))
+            return nn.Dense(16)(x)
+
+    model, tx = MLP(), optax.adafactor(1e-3)
+    x = jnp.arange(4096 * 512, dtype=jnp.float32).reshape(4096, 512) % 13 / 13
+    y = jnp.arange(4096, dtype=jnp.int32) % 16
+    params = model.init(jax.random.key(0), x)
+    opt = tx.init(params)
+
+    def step(params, opt, x, y):
+        def loss(p):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value
+
+    args = (params, opt, x, y)
+    p = _problem(step, args, {"data": 4})
+    g = p.graph
+    after = chained(g, p.strategies, combinable_values(g))
+    phase = phases(g)
+    assert after and all(phase[i] == OTHER for i in after)
+    assert any(g.nodes[i].op == "reduce_sum" for i in after)  # the row/column means
+    par = autopar.parallelize(step, mesh={"data": 4})
+    hlo = par.lower(*args).compile().as_text()
+    assert hlo.count(" all-reduce(") == 1, hlo.count(" all-reduce(")  # 13 before
+    got, want = args, args
+    for _ in range(2):
+        got = (*par(*got)[:2], x, y)
+        want = (*jax.jit(step)(*want)[:2], x, y)
+    assert_trees_close(got[:2], want[:2])

@@ -20,7 +20,7 @@ import numpy as np
 
 from autopar.cost.model import COMBINE_THRESHOLD_COUNT, CostModel
 from autopar.cost.tables import reshard_table
-from autopar.ir.graph import Graph, TensorType
+from autopar.ir.graph import OTHER, Graph, TensorType, phases
 from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import Spec
 from autopar.strategies import Strategy
@@ -45,20 +45,59 @@ def bucket_share(
 ) -> float:
     """One over the number of combinable values some strategy makes a Partial sum of
     unsummed operands (where sums start: a weight gradient's matmul, not the ops that
-    carry its sum on), at most the combiner's operand count: the all-reduces that can
-    share a bucket."""
+    carry its sum on; not those `chained` after another sum), at most the combiner's
+    operand count: the all-reduces that can share a bucket."""
     n_in = len(graph.inputs)
-
-    def starts_sum(s: Strategy, i: int) -> bool:
-        return bool(s.out_specs[i].partial) and not any(sp.partial for sp in s.in_specs)
-
+    after = chained(graph, strategies, combinable)
     k = sum(
         1
         for node in graph.nodes
+        if node.id not in after
         for i, v in enumerate(node.outputs)
         if v in combinable and any(starts_sum(s, i) for s in strategies[n_in + node.id])
     )
     return 1.0 / max(1, min(k, COMBINE_THRESHOLD_COUNT))
+
+
+def starts_sum(s: Strategy, k: int) -> bool:
+    """Whether strategy `s` makes its output `k` a Partial sum of unsummed operands (a
+    weight gradient's matmul), rather than carrying on a sum begun upstream."""
+    return bool(s.out_specs[k].partial) and not any(sp.partial for sp in s.in_specs)
+
+
+def chained(graph: Graph, strategies, combinable: frozenset[int]) -> frozenset[int]:
+    """Graph nodes where a gradient's sum has already been taken: downstream of an op
+    that can start a sum of a combinable value (a weight gradient's matmul) through an
+    op that cannot carry a Partial sum on (a square, a root), so any sum at or after it
+    is a second one (an optimizer's statistics of the summed gradient: Adafactor's row
+    and column means, a clipping norm). Only the optimizer's ops (neither forward nor
+    backward, `ir.graph.phases`) are such nodes, reached through combinable values: in
+    the backward pass a sum after another need not follow an all-reduce, as the plan
+    may have summed nothing upstream. XLA's combiner, walking the program in
+    post-order where the optimizer's per-parameter chains interleave, closes a bucket at
+    the first all-reduce that depends on one in it: such all-reduces are not merged and
+    pay their own latency (docs/algorithms.md, "Bucketed latency")."""
+    n_in = len(graph.inputs)
+    phase = phases(graph)
+    made = {v: node.id for node in graph.nodes for v in node.outputs}
+    below: set[int] = set()  # downstream of a possible start, through carriers at most
+    after: set[int] = set()
+    for node in graph.nodes:
+        strats = strategies[n_in + node.id]
+        ups = {made[x] for x in node.inputs if x in made and x in combinable}
+        starts = any(
+            v in combinable and any(starts_sum(s, k) for s in strats)
+            for k, v in enumerate(node.outputs)
+        )
+        carries = any(
+            any(sp.partial for sp in s.in_specs) and any(o.partial for o in s.out_specs)
+            for s in strats
+        )
+        if phase[node.id] == OTHER and (ups & after or (ups & below and not carries)):
+            after.add(node.id)
+        elif starts or ups & below:
+            below.add(node.id)
+    return frozenset(after)
 
 
 def reshard_seconds(cost: CostModel, t: TensorType, a: Spec, b: Spec, share: float | None) -> float:
@@ -72,6 +111,7 @@ def reshard_seconds(cost: CostModel, t: TensorType, a: Spec, b: Spec, share: flo
 
 def build_edges(graph, cost, strategies, source, share: float, combinable: frozenset[int]):
     n_in = len(graph.inputs)
+    after = chained(graph, strategies, combinable)
     edges: dict[tuple[int, int], np.ndarray] = {}
     cache: dict = {}
     # repeated layers share strategy tables: a matrix per (tables, positions, type)
@@ -89,12 +129,18 @@ def build_edges(graph, cost, strategies, source, share: float, combinable: froze
             u, k = source[x]
             t = graph.values[x]
             s = share if x in combinable else None
-            key = (id(strategies[u]), k, id(strategies[v_cg]), j, t, uses[x], s)
+            late = s is not None and u - n_in in after  # sums there pay a latency each
+            key = (id(strategies[u]), k, id(strategies[v_cg]), j, t, uses[x], s, late)
             m = same.get(key)
             if m is None:
                 src = tuple(st.out_specs[k] for st in strategies[u])
                 dst = tuple(st.in_specs[j] for st in strategies[v_cg])
-                m = same[key] = reshard_matrix(cost, t, src, dst, cache, uses[x], s)
+                m = reshard_matrix(cost, t, src, dst, cache, uses[x], s)
+                rows = [r for r, st in enumerate(strategies[u]) if late and st.out_specs[k].partial]
+                if rows:
+                    m = m.copy()
+                    m[rows] = reshard_matrix(cost, t, src, dst, cache, uses[x])[rows]
+                same[key] = m
             add_edge(edges, u, v_cg, m)
     return edges
 

@@ -371,6 +371,8 @@ class Pricing:
                 buckets, size, count = buckets + 1, 0, 0
             size, count = size + b, count + 1
         saved = (len(sizes) - buckets) * self.p.cost.link(grp[0][1])[0] if sizes else 0.0
+        if grp[1] > 1:  # chained: not merged (`evaluate.combined_latency`)
+            saved = 0.0
         self._set(self.saved_by, grp, saved)
 
     # ---- changes ---------------------------------------------------------------------------------
