@@ -117,11 +117,21 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 8)
     memo = _RECURSIVE_PLANS.setdefault(problem, {})
     key = (tuple(sorted(pinned.items())), sweeps)
     if key not in memo:
-        memo[key] = tuple(_recursive(problem, pinned, sweeps))
+        # two orders of the optimizer's decisions, the cheaper kept (`_recursive`)
+        plans = [_recursive(problem, pinned, sweeps, late) for late in (False, True)]
+        memo[key] = tuple(min(plans, key=lambda c: _objective(problem, c)))
     return list(memo[key])
 
 
-def _recursive(problem: Problem, pinned: Mapping[int, int], sweeps: int) -> list[int]:
+def _objective(problem: Problem, choice: list[int]) -> float:
+    """The engines' shared objective of a plan: node times and edge prices."""
+    t = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
+    return t + sum(float(m[choice[u], choice[v]]) for (u, v), m in problem.edges.items())
+
+
+def _recursive(
+    problem: Problem, pinned: Mapping[int, int], sweeps: int, late_optimizer: bool
+) -> list[int]:
     """MindSpore's double-recursive programming (D-Rec) on named mesh axes.
 
     Outer loop: one cut per mesh axis, slow (inter-node) axes first. A
@@ -136,6 +146,14 @@ def _recursive(problem: Problem, pinned: Mapping[int, int], sweeps: int) -> list
     next heavy op sees its neighbours' cuts. Finally `refine` polishes the result,
     up to `sweeps` rounds (it stops when a round changes nothing; on ViT-B with 2 layers
     2 rounds left 10% on the table that rounds 3 to 8 recover).
+
+    `late_optimizer`: the optimizer's ops and a gradient's last reshaping are decided
+    after the rest, from the updated state back towards the gradient, without the
+    replication penalty. Flooding forward from the gradient, each op splits its share of
+    the update for the compute (slicing a summed gradient is free) and the chain ends in
+    an all-gather of every new parameter, which no single-op refinement undoes (ViT-L2:
+    1.15x the ILP); deciding them late loses elsewhere (MoE-L2: 1.11x), so `recursive`
+    runs both orders and keeps the cheaper plan.
     """
     mesh = problem.mesh
     g, n_in = problem.graph, problem.num_inputs
@@ -149,11 +167,6 @@ def _recursive(problem: Problem, pinned: Mapping[int, int], sweeps: int) -> list
         choice[v] = s
     fixed = [v in pinned or len(problem.strategies[v]) == 1 for v in range(n)]
     heavy = [not fixed[v] and v >= n_in and g.nodes[v - n_in].op in _TIER for v in range(n)]
-    # The optimizer's ops (neither forward nor backward) are decided after the rest, from
-    # the updated state back towards the gradient: flooding forward from the gradient,
-    # each op would split its share of the update for the compute (slicing a summed
-    # gradient is free) and the chain would end in an all-gather of every new parameter,
-    # which no single-op refinement undoes (ViT-L2: 1.15x the ILP).
     phase, after = phases(g), combinable_values(g)
 
     def is_late(v: int) -> bool:  # an optimizer op, or a gradient's last reshaping
@@ -161,12 +174,12 @@ def _recursive(problem: Problem, pinned: Mapping[int, int], sweeps: int) -> list
         tail = phase[node.id] == BACKWARD and node.op not in _TIER
         return phase[node.id] == OTHER or (tail and all(x in after for x in node.outputs))
 
-    late = [v >= n_in and not fixed[v] and is_late(v) for v in range(n)]
+    late = [late_optimizer and v >= n_in and not fixed[v] and is_late(v) for v in range(n)]
     order = sorted(
         (v for v in range(n) if heavy[v] and not late[v]),
         key=lambda v: (_TIER[g.nodes[v - n_in].op], -problem.flops[v], v),
     )
-    penalty = _replication_penalty(problem)
+    penalty = _replication_penalty(problem, late_optimizer)
     small = _latency_bound(problem)
     # Repeated layers share strategy tables (`build` makes one per distinct op): the
     # candidates of a (table, current strategy, axis) and the penalty of a (node kind,
@@ -269,15 +282,16 @@ def _penalty_kind(problem: Problem, v: int):
     return (id(problem.strategies[v]), ins, tuple(g.values[x] for x in node.outputs))
 
 
-def _replication_penalty(problem: Problem):
+def _replication_penalty(problem: Problem, spare_optimizer: bool = False):
     """D-Rec's cut cost: bytes an op's inputs keep replicated along the axis (weights
-    discounted by PARAM_REPLICATION_WEIGHT), plus outputs left partial, in seconds."""
+    discounted by PARAM_REPLICATION_WEIGHT), plus outputs left partial, in seconds; none for the
+    optimizer's ops when `spare_optimizer` (`_recursive`'s late optimizer order)."""
     g, n_in, mesh, cost = problem.graph, problem.num_inputs, problem.mesh, problem.cost
     bw = {a: cost.link((a,))[1] for a in mesh.axis_names}
     phase = phases(g)
 
     def penalty(v: int, i: int, ai: int) -> float:
-        if v < n_in or phase[v - n_in] == OTHER:
+        if v < n_in or (spare_optimizer and phase[v - n_in] == OTHER):
             return 0.0
         axis = mesh.axis_names[ai]
         node = g.nodes[v - n_in]
