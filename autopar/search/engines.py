@@ -117,9 +117,9 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 8)
     memo = _RECURSIVE_PLANS.setdefault(problem, {})
     key = (tuple(sorted(pinned.items())), sweeps)
     if key not in memo:
-        # two orders of the optimizer's decisions, the cheaper kept (`_recursive`)
-        plans = [_recursive(problem, pinned, sweeps, late) for late in (False, True)]
-        memo[key] = tuple(min(plans, key=lambda c: _objective(problem, c)))
+        first = _recursive(problem, pinned, sweeps)
+        again = _optimizer_from_its_results(problem, list(first), pinned, sweeps)
+        memo[key] = tuple(min((first, again), key=lambda c: _objective(problem, c)))
     return list(memo[key])
 
 
@@ -129,9 +129,45 @@ def _objective(problem: Problem, choice: list[int]) -> float:
     return t + sum(float(m[choice[u], choice[v]]) for (u, v), m in problem.edges.items())
 
 
-def _recursive(
-    problem: Problem, pinned: Mapping[int, int], sweeps: int, late_optimizer: bool
+def _optimizer_from_its_results(
+    problem: Problem, choice: list[int], pinned: Mapping[int, int], sweeps: int
 ) -> list[int]:
+    """`choice` with the optimizer's ops, its state and a gradient's last reshaping
+    (backward, not a contraction, combinable) decided again, from the updated state back towards
+    the gradient, each given the neighbours decided so far, then refined. D-Rec floods
+    forward from each summed gradient into the optimizer: every op splits its share of
+    the update (slicing a summed gradient is free, the compute drops) and the chain ends
+    in an all-gather of the new parameter, which no single-op refinement undoes (the
+    chain has cycles; ViT-L2: 1.154x the ILP). Deciding backward from the parameter,
+    whose layout the forward pass fixed, keeps the update whole where that is cheaper."""
+    g, n_in, n = problem.graph, problem.num_inputs, len(choice)
+    phase, after = phases(g), combinable_values(g)
+
+    state = optimizer_state_inputs(problem)
+
+    def late(v: int) -> bool:
+        if v in pinned or len(problem.strategies[v]) == 1:
+            return False
+        if v < n_in:  # the optimizer's state, decided last
+            return v in state
+        node = g.nodes[v - n_in]
+        tail = phase[node.id] == BACKWARD and node.op not in _TIER
+        return phase[node.id] == OTHER or (tail and all(x in after for x in node.outputs))
+
+    redo = [late(v) for v in range(n)]
+    if not any(redo):
+        return choice
+    nb = neighbour_tables(problem)
+    decided = np.array([not r for r in redo])
+    for v in reversed(range(n)):
+        if redo[v]:
+            size = len(problem.strategies[v])
+            score = problem.node_time[v] + edge_sum(nb[v], choice, decided, size)
+            choice[v], decided[v] = int(np.argmin(score)), True
+    return refine(problem, choice, pinned, sweeps)
+
+
+def _recursive(problem: Problem, pinned: Mapping[int, int], sweeps: int) -> list[int]:
     """MindSpore's double-recursive programming (D-Rec) on named mesh axes.
 
     Outer loop: one cut per mesh axis, slow (inter-node) axes first. A
@@ -147,13 +183,8 @@ def _recursive(
     up to `sweeps` rounds (it stops when a round changes nothing; on ViT-B with 2 layers
     2 rounds left 10% on the table that rounds 3 to 8 recover).
 
-    `late_optimizer`: the optimizer's ops and a gradient's last reshaping are decided
-    after the rest, from the updated state back towards the gradient, without the
-    replication penalty. Flooding forward from the gradient, each op splits its share of
-    the update for the compute (slicing a summed gradient is free) and the chain ends in
-    an all-gather of every new parameter, which no single-op refinement undoes (ViT-L2:
-    1.15x the ILP); deciding them late loses elsewhere (MoE-L2: 1.11x), so `recursive`
-    runs both orders and keeps the cheaper plan.
+    `recursive` then tries `_optimizer_from_its_results` on the plan and keeps the
+    cheaper of the two.
     """
     mesh = problem.mesh
     g, n_in = problem.graph, problem.num_inputs
@@ -167,19 +198,11 @@ def _recursive(
         choice[v] = s
     fixed = [v in pinned or len(problem.strategies[v]) == 1 for v in range(n)]
     heavy = [not fixed[v] and v >= n_in and g.nodes[v - n_in].op in _TIER for v in range(n)]
-    phase, after = phases(g), combinable_values(g)
-
-    def is_late(v: int) -> bool:  # an optimizer op, or a gradient's last reshaping
-        node = g.nodes[v - n_in]
-        tail = phase[node.id] == BACKWARD and node.op not in _TIER
-        return phase[node.id] == OTHER or (tail and all(x in after for x in node.outputs))
-
-    late = [late_optimizer and v >= n_in and not fixed[v] and is_late(v) for v in range(n)]
     order = sorted(
-        (v for v in range(n) if heavy[v] and not late[v]),
+        (v for v in range(n) if heavy[v]),
         key=lambda v: (_TIER[g.nodes[v - n_in].op], -problem.flops[v], v),
     )
-    penalty = _replication_penalty(problem, late_optimizer)
+    penalty = _replication_penalty(problem)
     small = _latency_bound(problem)
     # Repeated layers share strategy tables (`build` makes one per distinct op): the
     # candidates of a (table, current strategy, axis) and the penalty of a (node kind,
@@ -224,7 +247,7 @@ def _recursive(
         while queue:
             u = queue.popleft()
             for w, _ in nb[u]:
-                if not decided[w] and not heavy[w] and not late[w]:
+                if not decided[w] and not heavy[w]:
                     decide(w, ai, decided)
                     queue.append(w)
 
@@ -235,9 +258,6 @@ def _recursive(
                 decide(v, ai, decided)
             flood(deque([v]), ai, decided)
         flood(deque(v for v in range(n) if decided[v]), ai, decided)
-        for v in reversed(range(n)):  # the optimizer, from its results back
-            if late[v] and not decided[v]:
-                decide(v, ai, decided)
         for v in range(n):  # pieces no decision reaches
             if not decided[v]:
                 decide(v, ai, decided)
@@ -282,16 +302,14 @@ def _penalty_kind(problem: Problem, v: int):
     return (id(problem.strategies[v]), ins, tuple(g.values[x] for x in node.outputs))
 
 
-def _replication_penalty(problem: Problem, spare_optimizer: bool = False):
+def _replication_penalty(problem: Problem):
     """D-Rec's cut cost: bytes an op's inputs keep replicated along the axis (weights
-    discounted by PARAM_REPLICATION_WEIGHT), plus outputs left partial, in seconds; none for the
-    optimizer's ops when `spare_optimizer` (`_recursive`'s late optimizer order)."""
+    discounted by PARAM_REPLICATION_WEIGHT), plus outputs left partial, in seconds."""
     g, n_in, mesh, cost = problem.graph, problem.num_inputs, problem.mesh, problem.cost
     bw = {a: cost.link((a,))[1] for a in mesh.axis_names}
-    phase = phases(g)
 
     def penalty(v: int, i: int, ai: int) -> float:
-        if v < n_in or (spare_optimizer and phase[v - n_in] == OTHER):
+        if v < n_in:
             return 0.0
         axis = mesh.axis_names[ai]
         node = g.nodes[v - n_in]
