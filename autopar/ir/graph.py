@@ -90,6 +90,11 @@ class Graph:
     name: str = "fn"
 
     @functools.cached_property
+    def phase(self) -> tuple[int, ...]:
+        """`phases(self)`, once: FORWARD, BACKWARD or OTHER per node."""
+        return tuple(phases(self))
+
+    @functools.cached_property
     def producer(self) -> dict[int, int]:
         """value id -> id of the node that produces it."""
         return {v: n.id for n in self.nodes for v in n.outputs}

@@ -15,7 +15,7 @@ from autopar.cost.model import (
     Collective,
     Cost,
 )
-from autopar.ir.graph import Graph
+from autopar.ir.graph import OTHER, Graph
 from autopar.search.build import Problem
 from autopar.sharding import Spec
 from autopar.strategies.settle import settle_partials
@@ -85,12 +85,10 @@ def combined_latency(
 
     Two all-reduces over one device group can merge when neither depends on the
     other. Each gets a level: one more than the deepest collective of its kind and group
-    upstream of its producer. The first level forms an antichain and is combined, in
-    program order, into buckets of the threshold's size; every collective past the
-    first of a bucket saves one latency. Deeper levels save nothing: XLA's combiner
-    walks the program in post-order, where an optimizer's per-parameter chains
-    interleave, and closes a bucket at the first all-reduce that depends on one in it
-    (T5 with Adafactor compiled to 100 all-reduces one after another)."""
+    upstream of its producer. Collectives of one level form an antichain, so each level
+    is combined, in program order, into buckets of the threshold's size; every
+    collective past the first of a bucket saves one latency. Except `chained` ones: an
+    optimizer op's all-reduce after another (its statistics of a summed gradient)."""
     g, n_in = problem.graph, problem.num_inputs
     at: dict[int | None, list[tuple[int, Collective]]] = {}
     for u, v, c in colls:
@@ -105,7 +103,7 @@ def combined_latency(
     def place(u: int, c: Collective, d: dict) -> None:
         key = (c.kind, c.axes)
         lvl = level[u].get(key, 0) + 1
-        groups.setdefault((key, lvl), []).append(c.bytes)
+        groups.setdefault((key, lvl, chained(problem, u, lvl)), []).append(c.bytes)
         if d.get(key, 0) < lvl:
             d[key] = lvl
 
@@ -124,8 +122,8 @@ def combined_latency(
     for u, c in at.get(None, ()):
         place(u, c, {})
     saved = 0.0
-    for ((_, axes), lvl), sizes in groups.items():
-        if lvl > 1:  # chained after another all-reduce: XLA's combiner does not merge it
+    for ((_, axes), _, late), sizes in groups.items():
+        if late:  # XLA's combiner does not merge it
             continue
         buckets, size, count = 1, 0, 0
         for b in sizes:
@@ -134,6 +132,18 @@ def combined_latency(
             size, count = size + b, count + 1
         saved += (len(sizes) - buckets) * problem.cost.link(axes)[0]
     return saved
+
+
+def chained(problem: Problem, u: int, level: int) -> bool:
+    """Whether an all-reduce of cost-graph node `u`'s output at `level` is not merged by
+    XLA's combiner: an optimizer op's (neither forward nor backward) after another of
+    its kind. The combiner walks the program in post-order, where the optimizer's
+    per-parameter chains interleave (A's gradient sum, A's statistics, B's gradient
+    sum, ...), and closes a bucket at the first all-reduce that depends on one in it: T5
+    with Adafactor compiled to 100 all-reduces one after another. Gradient sums that
+    follow a loss statistic's all-reduce (level 2 in the backward pass) do merge."""
+    n_in = problem.num_inputs
+    return level > 1 and u >= n_in and problem.graph.phase[u - n_in] == OTHER
 
 
 def output_spec(problem: Problem, o: int, pick: Callable[[int], int]) -> Spec:
