@@ -20,7 +20,7 @@ import numpy as np
 
 from autopar.cost.model import COMBINE_THRESHOLD_COUNT, CostModel
 from autopar.cost.tables import reshard_table
-from autopar.ir.graph import OTHER, Graph, TensorType, phases
+from autopar.ir.graph import OTHER, Graph, TensorType
 from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import Spec
 from autopar.strategies import Strategy
@@ -78,7 +78,7 @@ def chained(graph: Graph, strategies, combinable: frozenset[int]) -> frozenset[i
     the first all-reduce that depends on one in it: such all-reduces are not merged and
     pay their own latency (docs/algorithms.md, "Bucketed latency")."""
     n_in = len(graph.inputs)
-    phase = phases(graph)
+    phase = graph.phase
     made = {v: node.id for node in graph.nodes for v in node.outputs}
     below: set[int] = set()  # downstream of a possible start, through carriers at most
     after: set[int] = set()

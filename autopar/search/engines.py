@@ -11,9 +11,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from autopar.cost.tables import reshard_table
-from autopar.ir.graph import BACKWARD, FORWARD, OTHER, phases
+from autopar.ir.graph import BACKWARD, FORWARD, OTHER
 from autopar.search.build import Problem, batch_like_body_inputs
 from autopar.search.edges import combinable_values
+from autopar.search.evaluate import total_time
 from autopar.sharding import axis_order_slow_first
 
 # MindSpore D-Rec weighs the cost of replicating a parameter (a batch cut) by
@@ -119,31 +120,23 @@ def recursive(problem: Problem, pinned: Mapping[int, int] = {}, sweeps: int = 8)
     if key not in memo:
         first = _recursive(problem, pinned, sweeps)
         again = _optimizer_from_its_results(problem, list(first), pinned, sweeps)
-        memo[key] = tuple(min((first, again), key=lambda c: _objective(problem, c)))
+        memo[key] = tuple(min((first, again), key=lambda c: total_time(problem, c)))
     return list(memo[key])
-
-
-def _objective(problem: Problem, choice: list[int]) -> float:
-    """The engines' shared objective of a plan: node times and edge prices."""
-    t = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
-    return t + sum(float(m[choice[u], choice[v]]) for (u, v), m in problem.edges.items())
 
 
 def _optimizer_from_its_results(
     problem: Problem, choice: list[int], pinned: Mapping[int, int], sweeps: int
 ) -> list[int]:
     """`choice` with the optimizer's ops, its state and a gradient's last reshaping
-    (backward, not a contraction, combinable) decided again, from the updated state back towards
-    the gradient, each given the neighbours decided so far, then refined. D-Rec floods
+    (backward, not a contraction, combinable) decided again, from the updated state back
+    towards the gradient, each given the neighbours decided so far, then refined. D-Rec floods
     forward from each summed gradient into the optimizer: every op splits its share of
     the update (slicing a summed gradient is free, the compute drops) and the chain ends
     in an all-gather of the new parameter, which no single-op refinement undoes (the
     chain has cycles; ViT-L2: 1.154x the ILP). Deciding backward from the parameter,
     whose layout the forward pass fixed, keeps the update whole where that is cheaper."""
     g, n_in, n = problem.graph, problem.num_inputs, len(choice)
-    phase, after = phases(g), combinable_values(g)
-
-    state = optimizer_state_inputs(problem)
+    phase, after, state = g.phase, combinable_values(g), optimizer_state_inputs(problem)
 
     def late(v: int) -> bool:
         if v in pinned or len(problem.strategies[v]) == 1:
@@ -391,7 +384,7 @@ def optimizer_state_inputs(problem: Problem) -> set[int]:
     updated state under an `opt_state` key (the name optax train states and flax's
     TrainState use)."""
     g = problem.graph
-    phase = phases(g)
+    phase = g.phase
     grad = BACKWARD in phase
 
     def forward_reads(i: int) -> bool:
