@@ -369,7 +369,7 @@ def test_bucket_share_counts_where_sums_start():
     """The share is one over the sums that can join a bucket: the six kernels' and six
     biases' gradients and the loss's mean (traced though not returned), not the
     optimizer ops that carry the gradients on."""
-    from autopar.search.edges import bucket_share, combinable_values
+    from autopar.search.edges import bucket_share, chained, combinable_values
 
     step, params = _mlp_step()
     x = jax.ShapeDtypeStruct((2048, 256), jnp.float32)
@@ -382,7 +382,8 @@ def test_bucket_share_counts_where_sums_start():
     assert all(v in combinable for v in g.outputs)
     dots = [n for n in g.nodes if n.op in CONTRACTIONS]
     assert not any(v in combinable for n in dots[:6] for v in n.outputs)  # forward
-    assert bucket_share(g, problem.strategies, combinable) == pytest.approx(1 / 13)
+    after = chained(g, problem.strategies, combinable)
+    assert bucket_share(g, problem.strategies, combinable, after) == pytest.approx(1 / 13)
 
 
 # 8. lax.tile (jnp.tile, a ViT's class token) is sharded, with jax.jit's values -----------

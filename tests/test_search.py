@@ -339,33 +339,11 @@ def test_optimizer_state_found_by_structure_gets_zero1_under_budget():
     as state the step updates but its forward never reads: just under the replicated
     plan's peak the search shards them (ZeRO-1), where it used to jump to ZeRO-3 (every
     parameter sharded too), and the sharded steps train like `jax.jit`."""
-    import flax.linen as nn
     import optax
 
     from tests.helpers import assert_trees_close, is_sharded, spec_leaves
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for _ in range(3):
-                x = nn.relu(nn.Dense(512)(x))
-            return nn.Dense(10)(x)
-
-    model, tx = MLP(), optax.adam(1e-3)
-    x = jnp.arange(64 * 512, dtype=jnp.float32).reshape(64, 512) % 7 / 7
-    y = jnp.arange(64, dtype=jnp.int32) % 10
-    params = model.init(jax.random.key(0), x)
-    opt = tx.init(params)
-
-    def step(params, opt, x, y):
-        def loss(p):
-            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, value
-
-    args = (params, opt, x, y)
+    step, args = _mlp_train_step(optax.adam(1e-3), batch=64, width=512, layers=3, classes=10)
     free = autopar.parallelize(step, mesh={"data": 8}, engine="dp").plan(*args)
     budget = 0.6 * free.cost.peak_memory_bytes
     par = autopar.parallelize(step, mesh={"data": 8}, engine="dp", memory_budget=budget)
@@ -375,13 +353,10 @@ def test_optimizer_state_found_by_structure_gets_zero1_under_budget():
     assert not all(map(is_sharded, spec_leaves(p_specs)))
     for moment in (o_specs[0].mu, o_specs[0].nu):  # every kernel (a [10] bias cannot split)
         assert all(is_sharded(layer["kernel"]) for layer in moment["params"].values())
-    want, got = args, args
-    for _ in range(2):
-        want = (*jax.jit(step)(*want)[:2], x, y)
-        got = (*par(*got)[:2], x, y)
+    got, want = _two_steps(par, step, args)
     # Adam's update of a weight whose gradient is ~0 is ~lr * sign(g): a sharded sum's
     # order moves a few such entries by ~1e-5 (0.1% of lr), just over f32's default atol
-    assert_trees_close(got[:2], want[:2], atol=5e-5)
+    assert_trees_close(got, want, atol=5e-5)
 
 
 def test_plans_near_the_budget_keep_zero_retries_behind_them():
@@ -413,35 +388,13 @@ def test_an_optimizers_statistics_of_summed_gradients_are_not_split_into_chained
     latency (`search.edges.chained`, optimizer ops only) and the final price does not
     merge them, so the plan sums the gradients once and computes the statistics whole:
     one combined all-reduce, as plain data parallelism compiles to; numerics as jax.jit."""
-    import flax.linen as nn
     import optax
 
     from autopar.ir.graph import OTHER, phases
     from autopar.search.edges import chained, combinable_values
     from tests.helpers import assert_trees_close
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for _ in range(4):
-                x = nn.relu(nn.Dense(512)(x))
-            return nn.Dense(16)(x)
-
-    model, tx = MLP(), optax.adafactor(1e-3)
-    x = jnp.arange(4096 * 512, dtype=jnp.float32).reshape(4096, 512) % 13 / 13
-    y = jnp.arange(4096, dtype=jnp.int32) % 16
-    params = model.init(jax.random.key(0), x)
-    opt = tx.init(params)
-
-    def step(params, opt, x, y):
-        def loss(p):
-            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, value
-
-    args = (params, opt, x, y)
+    step, args = _mlp_train_step(optax.adafactor(1e-3), batch=4096, width=512, layers=4, classes=16)
     p = _problem(step, args, {"data": 4})
     g = p.graph
     after = chained(g, p.strategies, combinable_values(g))
@@ -451,8 +404,42 @@ def test_an_optimizers_statistics_of_summed_gradients_are_not_split_into_chained
     par = autopar.parallelize(step, mesh={"data": 4})
     hlo = par.lower(*args).compile().as_text()
     assert hlo.count(" all-reduce(") == 1, hlo.count(" all-reduce(")  # 13 before
+    assert_trees_close(*_two_steps(par, step, args))
+
+
+def _mlp_train_step(tx, batch: int, width: int, layers: int, classes: int):
+    """A linen MLP (Dense with bias) trained by optax `tx`, as public code writes it:
+    `step(params, opt, x, y) -> (params, opt, loss)`, and concrete arguments."""
+    import flax.linen as nn
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(layers):
+                x = nn.relu(nn.Dense(width)(x))
+            return nn.Dense(classes)(x)
+
+    model = MLP()
+    x = jnp.arange(batch * width, dtype=jnp.float32).reshape(batch, width) % 7 / 7
+    y = jnp.arange(batch, dtype=jnp.int32) % classes
+    params = model.init(jax.random.key(0), x)
+
+    def step(params, opt, x, y):
+        def loss(p):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value
+
+    return step, (params, tx.init(params), x, y)
+
+
+def _two_steps(par, step, args):
+    """(params, opt) after two steps of `par` and of `jax.jit(step)` from `args`."""
     got, want = args, args
     for _ in range(2):
-        got = (*par(*got)[:2], x, y)
-        want = (*jax.jit(step)(*want)[:2], x, y)
-    assert_trees_close(got[:2], want[:2])
+        got = (*par(*got)[:2], *args[2:])
+        want = (*jax.jit(step)(*want)[:2], *args[2:])
+    return got[:2], want[:2]

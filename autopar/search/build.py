@@ -29,6 +29,7 @@ from autopar.search.edges import (
     add_edge,
     bucket_share,
     build_edges,
+    chained,
     combinable_values,
     reshard_matrix,
     reshard_seconds,
@@ -244,7 +245,8 @@ def build_problem(
         )
 
     combinable = combinable_values(graph)
-    share = bucket_share(graph, tuple(strategies), combinable)
+    after = chained(graph, strategies, combinable)
+    share = bucket_share(graph, tuple(strategies), combinable, after)
     node_time, node_mem, node_comm = _node_costs(
         graph, mesh, cost, strategies, flops, carried, partial_outputs, resident, share
     )
@@ -266,7 +268,7 @@ def build_problem(
     for i, (_, per_strategy) in conds.items():
         node_time[n_in + i] = np.array([b.seconds for b in per_strategy])
     node_time = tuple(node_time)
-    edges = build_edges(graph, cost, strategies, source, share, combinable)
+    edges = build_edges(graph, cost, strategies, source, share, combinable, after)
     aliases = find_aliases(graph)
     for o, i in aliases.items():
         v = graph.outputs[o]

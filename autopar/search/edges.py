@@ -41,14 +41,16 @@ def combinable_values(graph: Graph) -> frozenset[int]:
 
 
 def bucket_share(
-    graph: Graph, strategies: tuple[tuple[Strategy, ...], ...], combinable: frozenset[int]
+    graph: Graph,
+    strategies: tuple[tuple[Strategy, ...], ...],
+    combinable: frozenset[int],
+    after: frozenset[int],
 ) -> float:
     """One over the number of combinable values some strategy makes a Partial sum of
     unsummed operands (where sums start: a weight gradient's matmul, not the ops that
-    carry its sum on; not those `chained` after another sum), at most the combiner's
-    operand count: the all-reduces that can share a bucket."""
+    carry its sum on; not those in `after`, `chained` behind another sum), at most the
+    combiner's operand count: the all-reduces that can share a bucket."""
     n_in = len(graph.inputs)
-    after = chained(graph, strategies, combinable)
     k = sum(
         1
         for node in graph.nodes
@@ -109,9 +111,12 @@ def reshard_seconds(cost: CostModel, t: TensorType, a: Spec, b: Spec, share: flo
     return sum(cost.bucketed(c, share) for c in r.collectives)
 
 
-def build_edges(graph, cost, strategies, source, share: float, combinable: frozenset[int]):
+def build_edges(
+    graph, cost, strategies, source, share: float, combinable: frozenset[int], after: frozenset[int]
+):
+    """The cost graph's edges; `after` are the `chained` nodes, whose sums pay a whole
+    latency."""
     n_in = len(graph.inputs)
-    after = chained(graph, strategies, combinable)
     edges: dict[tuple[int, int], np.ndarray] = {}
     cache: dict = {}
     # repeated layers share strategy tables: a matrix per (tables, positions, type)

@@ -87,7 +87,7 @@ def combined_latency(
     other. Each gets a level: one more than the deepest collective of its kind and group
     upstream of its producer. Collectives of one level form an antichain, so each level
     is combined, in program order, into buckets of the threshold's size; every
-    collective past the first of a bucket saves one latency. Except `chained` ones: an
+    collective past the first of a bucket saves one latency. Except `unmerged` ones: an
     optimizer op's all-reduce after another (its statistics of a summed gradient)."""
     g, n_in = problem.graph, problem.num_inputs
     at: dict[int | None, list[tuple[int, Collective]]] = {}
@@ -103,7 +103,7 @@ def combined_latency(
     def place(u: int, c: Collective, d: dict) -> None:
         key = (c.kind, c.axes)
         lvl = level[u].get(key, 0) + 1
-        groups.setdefault((key, lvl, chained(problem, u, lvl)), []).append(c.bytes)
+        groups.setdefault((key, lvl, unmerged(problem, u, lvl)), []).append(c.bytes)
         if d.get(key, 0) < lvl:
             d[key] = lvl
 
@@ -134,7 +134,7 @@ def combined_latency(
     return saved
 
 
-def chained(problem: Problem, u: int, level: int) -> bool:
+def unmerged(problem: Problem, u: int, level: int) -> bool:
     """Whether an all-reduce of cost-graph node `u`'s output at `level` is not merged by
     XLA's combiner: an optimizer op's (neither forward nor backward) after another of
     its kind. The combiner walks the program in post-order, where the optimizer's

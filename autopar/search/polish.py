@@ -29,7 +29,7 @@ import numpy as np
 
 from autopar.cost.model import COMBINABLE, COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
 from autopar.search.build import Problem
-from autopar.search.evaluate import chained, output_spec, step_seconds
+from autopar.search.evaluate import output_spec, step_seconds, unmerged
 from autopar.sharding import Spec
 from autopar.strategies.settle import settle_spec
 
@@ -231,7 +231,7 @@ class Pricing:
         p = self.p = problem
         g, n_in = p.graph, p.num_inputs
         self.log: list = []  # (dict, list or self; key; old value) of the change under way
-        self._dirty: set = set()  # (key, level, chained) groups whose buckets need counting again
+        self._dirty: set = set()  # (key, level, unmerged) groups whose buckets need counting again
         self.choice = list(choice)
         self.n_in = n_in
         self.END = n_in + len(g.nodes)  # the position of the function's outputs
@@ -265,8 +265,8 @@ class Pricing:
         self.level: list[dict] = [{} for _ in range(self.END)]
         self.placed: dict[
             int, tuple
-        ] = {}  # node or END -> (((key, level, chained), position, bytes), ...)
-        self.groups: dict[tuple, dict] = {}  # (key, level, chained) -> {position: bytes}
+        ] = {}  # node or END -> (((key, level, unmerged), position, bytes), ...)
+        self.groups: dict[tuple, dict] = {}  # (key, level, unmerged) -> {position: bytes}
         self.saved_by: dict[tuple, float] = {}
         for v in range(n_in, self.END):
             self._level(v)
@@ -332,7 +332,7 @@ class Pricing:
         for pos, (u, c) in sorted(self.at.get(v, {}).items()):
             key = (c.kind, c.axes)
             lvl = level[u].get(key, 0) + 1
-            places.append(((key, lvl, chained(self.p, u, lvl)), pos, c.bytes))
+            places.append(((key, lvl, unmerged(self.p, u, lvl)), pos, c.bytes))
             if d.get(key, 0) < lvl:
                 d[key] = lvl
         self._replace_places(v, tuple(places))
@@ -346,7 +346,7 @@ class Pricing:
         for pos, (u, c) in sorted(self.at.get(self.END, {}).items()):
             key = (c.kind, c.axes)
             lvl = self.level[u].get(key, 0) + 1
-            places.append(((key, lvl, chained(self.p, u, lvl)), pos, c.bytes))
+            places.append(((key, lvl, unmerged(self.p, u, lvl)), pos, c.bytes))
         self._replace_places(self.END, tuple(places))
 
     def _replace_places(self, v: int, places: tuple) -> None:
@@ -374,7 +374,7 @@ class Pricing:
                 buckets, size, count = buckets + 1, 0, 0
             size, count = size + b, count + 1
         saved = (len(sizes) - buckets) * self.p.cost.link(grp[0][1])[0] if sizes else 0.0
-        if grp[2]:  # not merged (`evaluate.chained`)
+        if grp[2]:  # not merged (`evaluate.unmerged`)
             saved = 0.0
         self._set(self.saved_by, grp, saved)
 
