@@ -131,3 +131,49 @@ def test_random_plans_of_a_gpt_train_step_are_exact(seed):
     got = jax.tree.unflatten(jax.tree.structure(want), got)
     assert_trees_close(got[1], want[1], rtol=1e-4, atol=1e-5)  # the loss
     assert_trees_close(got[0]["opt_state"], want[0]["opt_state"], rtol=1e-3, atol=1e-5)
+
+
+def test_batch_norm_statistics_are_summed_where_made_so_xla_combines_them():
+    """Conv + BatchNorm, data parallel: a batch norm's two statistics (forward, and
+    their backward) are summed where they are made, where XLA combines them into one
+    all-reduce, as plain data parallelism compiles them; carried on through the ops
+    after them, one depends on the other and each pays its own latency (the `data`
+    plan compiled 10 all-reduces here where `jax.jit` has 7). The polish moves each
+    group of carrying ops at once (`search.polish.carried_sums`)."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for c in (32, 64, 64):
+                x = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Conv(c, (3, 3))(x)))
+            return nn.Dense(10)(x.mean((1, 2)))
+
+    model = Net()
+
+    def step(params, stats, images, labels):
+        def loss_fn(p):
+            logits, upd = model.apply(
+                {"params": p, "batch_stats": stats}, images, mutable=["batch_stats"]
+            )
+            onehot = jax.nn.one_hot(labels, 10)
+            return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(logits), -1)), upd
+
+        (loss, upd), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        new = jax.tree.map(lambda a, b: a - 0.1 * b, params, g)
+        return new, upd["batch_stats"], loss
+
+    images = jnp.linspace(-1.0, 1.0, 16 * 16 * 16 * 3).reshape(16, 16, 16, 3)
+    labels = jnp.arange(16) % 10
+    v = model.init(jax.random.key(0), images)
+    args = (v["params"], v["batch_stats"], images, labels)
+    step_ap = autopar.parallelize(step, mesh={"data": 4}, engine="data")
+    plan = step_ap.plan(*args)
+    assert plan.in_specs[2] == jax.P("data", None, None, None)
+    ours = [c for c, _ in _only_collectives(step_ap, *args) if c == "all-reduce"]
+    mesh = make_mesh({"data": 4})
+    rep, bat = (jax.NamedSharding(mesh, jax.P(*s)) for s in ((), ("data",)))
+    hand = jax.jit(step, in_shardings=(rep, rep, bat, bat))
+    theirs = parse_collectives(hand.lower(*args).compile().as_text())
+    assert len(ours) <= len([c for c in theirs if c.kind == "all-reduce"])
+    assert_trees_close(step_ap(*args), jax.jit(step)(*args))

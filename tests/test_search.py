@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.examples.models import gpt
+from autopar.tools.hlo import parse_collectives
 
 ENGINES = ["recursive", "dp", "ilp", "data", "fsdp", "propagate"]
 
@@ -443,3 +444,20 @@ def _two_steps(par, step, args):
         got = (*par(*got)[:2], *args[2:])
         want = (*jax.jit(step)(*want)[:2], *args[2:])
     return got[:2], want[:2]
+
+
+def test_data_recipe_keeps_the_classifier_head_batch_split():
+    """A MobileNet (depthwise convs, batch norm, AdamW) with one sample per device: the
+    `data` recipe's solve, from its own guess and from recursive's plan, kept the pooled
+    features and the labels gathered and the classifier head replicated (two all-gathers
+    plain data parallelism does not have); from the plan data parallelism runs
+    (`engines.batch_wave`) its descent reaches one that gathers nothing."""
+    from benchmarks.user_models_defs import mobilenet
+
+    case = mobilenet({"batch": 8, "res": 64, "width": 256})
+    args = case.args(concrete=False)
+    step = autopar.parallelize(case.step, mesh={"data": 2, "model": 4}, engine="data")
+    plan = step.plan(*args)
+    assert not [k for k in plan.cost.comm_bytes if k.startswith("all-gather")]
+    hlo = step.lower(*args).compile().as_text()
+    assert {c.kind for c in parse_collectives(hlo)} == {"all-reduce"}

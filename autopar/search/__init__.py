@@ -23,14 +23,19 @@ from autopar.search.result import SearchResult, SolverInfo
 log = logging.getLogger("autopar")  # shown by `autopar.compile.progress`
 
 
-def _dp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
-    from autopar.search.layers import KEEP, solve_dp_layered  # repeated layers solved once
+def _dp(
+    problem: Problem, pinned: Mapping[int, int], info: SolverInfo, recipe: bool = False
+) -> list[int]:
+    from autopar.search.layers import KEEP, POLISH, solve_dp_layered
 
     g = problem.cost_graph().restrict(pinned)
-    # where dp guesses, recursive's plan is polished the same way (the cheaper is kept)
-    start = lambda: g.lower_choice(engines.recursive(problem, pinned), pinned)  # noqa: E731
+    # where dp guesses, recursive's plan is polished the same way (the cheapest is kept),
+    # and a recipe's plan as data parallelism runs (`engines.batch_wave`), whose first
+    # rounds of descent trade gathers for more of them (MobileNet's took 18 rounds)
+    plans = [(engines.recursive, (30, 3))] + ([(engines.batch_wave, POLISH)] if recipe else [])
+    starts = [(lambda f=f: g.lower_choice(f(problem, pinned), pinned), r) for f, r in plans]
     keep = 0 if problem.loop_body else KEEP  # a loop body's layers are all alike
-    sol = solve_dp_layered(problem, g, pinned, keep=keep, start=start)
+    sol = solve_dp_layered(problem, g, pinned, keep=keep, starts=starts)
     info.update(optimal=sol.optimal, gap=sol.gap)
     return g.lift_choice(list(sol.choice), pinned)
 
@@ -58,11 +63,11 @@ ENGINES: dict[str, Engine] = {
     # solved on a problem that penalizes gathering a split value: `data` is data
     # parallelism (batch split, parameters replicated), never a gathered batch
     "data": lambda p, pins, info: _dp(
-        engines.data_problem(p), {**engines.data_pins(p), **pins}, info
+        engines.data_problem(p), {**engines.data_pins(p), **pins}, info, recipe=True
     ),
     # ZeRO-3: parameters sharded and gathered where used, the rest data parallel
     "fsdp": lambda p, pins, info: _dp(
-        engines.zero3_problem(p), {**engines.fsdp_pins(p), **pins}, info
+        engines.zero3_problem(p), {**engines.fsdp_pins(p), **pins}, info, recipe=True
     ),
     "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -50,10 +50,13 @@ def edge_sum(nb_v, choice, decided, size):
     return total
 
 
-def propagate(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
-    """Sharding propagation: breadth-first from the pinned nodes; every node reached
-    takes the strategy that minimizes its own cost plus resharding against its
-    neighbours decided so far. Nodes no seed reaches are decided last, in order."""
+def propagate(
+    problem: Problem, pinned: Mapping[int, int], seeds: Collection[int] | None = None
+) -> list[int]:
+    """Sharding propagation: breadth-first from the pinned nodes (those in `seeds` only,
+    when given; the other pins are decided but start nothing); every node reached takes
+    the strategy that minimizes its own cost plus resharding against its neighbours
+    decided so far. Nodes no seed reaches are decided last, in order."""
     n = len(problem.strategies)
     nb = neighbour_tables(problem)
     choice = [0] * n
@@ -61,7 +64,8 @@ def propagate(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
     queue = deque()
     for v, s in sorted(pinned.items()):
         choice[v], decided[v] = s, True
-        queue.append(v)
+        if seeds is None or v in seeds:
+            queue.append(v)
     seen = decided.copy()
 
     def decide(v):
@@ -438,6 +442,18 @@ def loop_pins(problem: Problem, cap: float) -> dict[int, int]:
 # What `data` adds to a resharding that gathers or moves a split value: data parallelism
 # communicates only sums (the gradients' all-reduce), so it gathers nothing it can avoid.
 DATA_GATHER_PENALTY = 1.0  # seconds, far above any step's price
+
+
+def batch_wave(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
+    """Data parallelism built the way it runs: propagation from the pinned batch-like
+    inputs alone, so the batch split reaches every op before the parameters' replicated
+    pins do (propagating from all pins at once decides a weight's consumers from the
+    weight first: replicated). A start for the recipes' `dp` solve, whose local search
+    from its own guess can keep a region gathered: MobileNet's `data` plan gathered the
+    pooled features and labels to run the classifier head replicated."""
+    batch = batch_like_inputs(problem)
+    seeds = {v for v in pinned if v < problem.num_inputs and batch[v]}
+    return propagate(problem, pinned, seeds or None)
 
 
 def data(problem: Problem, pinned: Mapping[int, int] = {}) -> list[int]:  # noqa: B006

@@ -290,14 +290,15 @@ def solve_dp_layered(
     pinned: Mapping[int, int] = {},  # noqa: B006
     memory_budget: float = float("inf"),
     keep: int = KEEP,
-    start: Callable[[], Sequence[int]] | None = None,
+    starts: Sequence[Start] = (),
 ) -> Solution:
     """``solve_dp`` on ``g`` (the problem's cost graph, pins applied) with repeated
     layers folded into one; the plan is lifted back to every node of ``g``. When dp had
-    to guess, ``start()`` (a plan of ``g``) is polished by forest descent too, on the
-    quotient (its representatives' strategies), and the cheaper plan kept."""
+    to guess, each of ``starts`` (a plan of ``g``, and the forest descent's (rounds,
+    patience) for it) is polished by forest descent too, on the quotient (its
+    representatives' strategies), and the cheapest plan kept."""
     if not ENABLED:
-        return _with_start(g, solve_dp(g, memory_budget), start)
+        return _with_starts(g, solve_dp(g, memory_budget), starts)
     t0 = time.perf_counter()
     layers = find_layers(problem, pinned, keep)
     if layers.merged == 0:
@@ -305,11 +306,11 @@ def solve_dp_layered(
         # its guessed kernel gets the quotient's polish (patience 3 left GPT-1.3B's
         # data-parallel plan a layer norm split on its hidden dim, a 64 MiB all-to-all
         # a later forest removes)
-        return _with_start(g, solve_dp(g, memory_budget, polish=POLISH), start)
+        return _with_starts(g, solve_dp(g, memory_budget, polish=POLISH), starts)
     q, idx = quotient(g, layers.phi)
     detect_s = time.perf_counter() - t0
     sol = solve_dp(q, memory_budget, polish=POLISH)
-    starts = {"free": sol.cost}
+    tried = {"free": sol.cost}
     state = sorted({int(idx[i]) for i in problem.aliases.values() if i not in pinned})
     state_bytes = sum(float(q.node_mem[k][sol.choice[k]]) for k in state)
     if not sol.optimal and state_bytes > 0:
@@ -317,16 +318,15 @@ def solve_dp_layered(
         lam = STATE_WEIGHT * sol.cost / state_bytes
         other = solve_dp(_priced(q, state, lam), memory_budget, polish=POLISH)
         x = list(other.choice)
-        starts["state_priced"] = q.total(x)
-        if starts["state_priced"] < sol.cost and q.memory(x) <= memory_budget:
+        tried["state_priced"] = q.total(x)
+        if tried["state_priced"] < sol.cost and q.memory(x) <= memory_budget:
             sol = other
-    if not sol.optimal and start is not None:
+    if not sol.optimal and starts:
         rep = np.empty(q.num_nodes(), dtype=np.int64)
         own = layers.phi == np.arange(len(idx))  # representatives and unmerged nodes
         rep[idx[own]] = np.flatnonzero(own)
-        full = start()
-        sol = _with_start(q, sol, lambda: [int(full[v]) for v in rep])
-        starts["start"] = sol.info.get("start_cost")
+        sol = _with_starts(q, sol, [(_on_quotient(f, rep), rounds) for f, rounds in starts])
+        tried["start"] = sol.info.get("start_cost")
     choice = tuple(int(sol.choice[k]) for k in idx)
     info = dict(sol.info)
     info["layers"] = {
@@ -335,7 +335,7 @@ def solve_dp_layered(
         "reduced_nodes": q.num_nodes(),
         "reduce_s": detect_s,
         "reduced_optimal": sol.optimal,
-        "starts": starts,
+        "starts": tried,
     }
     return Solution(
         choice=choice,
@@ -348,17 +348,37 @@ def solve_dp_layered(
     )
 
 
-def _with_start(g: CostGraph, sol: Solution, start: Callable[[], Sequence[int]] | None) -> Solution:
-    """``sol``, or the forest descent of ``start()`` on ``g`` where that is cheaper; dp
-    guessed part of the graph and polished the guess locally, which can stall in a poor
-    optimum (a channel-split conv paying a 128 MB all-to-all), so another start is
-    polished the same way."""
-    if sol.optimal or start is None:
+# A start for `solve_dp_layered`: a plan of the cost graph, made when needed, and the
+# forest descent's (max rounds, patience) for it.
+Start = tuple[Callable[[], Sequence[int]], tuple[int, int]]
+
+
+def _on_quotient(start: Callable[[], Sequence[int]], rep: np.ndarray) -> Callable[[], list[int]]:
+    """`start` (a plan of the full graph) as a plan of the quotient: its representatives'
+    strategies."""
+
+    def plan() -> list[int]:
+        full = start()
+        return [int(full[v]) for v in rep]
+
+    return plan
+
+
+def _with_starts(g: CostGraph, sol: Solution, starts: Sequence[Start]) -> Solution:
+    """``sol``, or the forest descent of one of ``starts`` on ``g`` where that is
+    cheaper; dp guessed part of the graph and polished the guess locally, which can
+    stall in a poor optimum (a channel-split conv paying a 128 MB all-to-all), so other
+    starts are polished the same way. ``info["start_cost"]``: the cheapest of them."""
+    if sol.optimal or not starts:
         return sol
     cost, edges = g.presolve()
-    other, _ = forest_descent(cost, edges, start())
-    value = g.total(other)
+    best, value = None, None
+    for start, rounds in starts:
+        other, _ = forest_descent(cost, edges, start(), *rounds)
+        v = g.total(other)
+        if value is None or v < value:
+            best, value = other, v
     info = {**sol.info, "start_cost": value}
     if value < g.total(sol.choice):
-        return replace(sol, choice=tuple(other), cost=value, memory=g.memory(other), info=info)
+        return replace(sol, choice=tuple(best), cost=value, memory=g.memory(best), info=info)
     return replace(sol, info=info)
