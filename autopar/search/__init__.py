@@ -29,11 +29,13 @@ def _dp(
     from autopar.search.layers import KEEP, POLISH, solve_dp_layered
 
     g = problem.cost_graph().restrict(pinned)
-    # where dp guesses, recursive's plan is polished the same way (the cheapest is kept),
-    # and a recipe's plan as data parallelism runs (`engines.batch_wave`), whose first
-    # rounds of descent trade gathers for more of them (MobileNet's took 18 rounds)
-    plans = [(engines.recursive, (30, 3))] + ([(engines.batch_wave, POLISH)] if recipe else [])
-    starts = [(lambda f=f: g.lower_choice(f(problem, pinned), pinned), r) for f, r in plans]
+    # where dp guesses, recursive's plan is polished the same way (the cheapest is kept);
+    # where a recipe's plan pays a gather penalty, also its plan as data parallelism runs
+    # (`engines.batch_wave`), whose descent takes more rounds (MobileNet's improved for 18)
+    plans = [(engines.recursive, (30, 3), 0.0)]
+    if recipe:
+        plans.append((engines.batch_wave, POLISH, engines.DATA_GATHER_PENALTY))
+    starts = [(lambda f=f: g.lower_choice(f(problem, pinned), pinned), *r) for f, *r in plans]
     keep = 0 if problem.loop_body else KEEP  # a loop body's layers are all alike
     sol = solve_dp_layered(problem, g, pinned, keep=keep, starts=starts)
     info.update(optimal=sol.optimal, gap=sol.gap)

@@ -294,9 +294,8 @@ def solve_dp_layered(
 ) -> Solution:
     """``solve_dp`` on ``g`` (the problem's cost graph, pins applied) with repeated
     layers folded into one; the plan is lifted back to every node of ``g``. When dp had
-    to guess, each of ``starts`` (a plan of ``g``, and the forest descent's (rounds,
-    patience) for it) is polished by forest descent too, on the quotient (its
-    representatives' strategies), and the cheapest plan kept."""
+    to guess, each of ``starts`` (`Start`) is polished by forest descent too, on the
+    quotient (its representatives' strategies), and the cheapest plan kept."""
     if not ENABLED:
         return _with_starts(g, solve_dp(g, memory_budget), starts)
     t0 = time.perf_counter()
@@ -325,7 +324,7 @@ def solve_dp_layered(
         rep = np.empty(q.num_nodes(), dtype=np.int64)
         own = layers.phi == np.arange(len(idx))  # representatives and unmerged nodes
         rep[idx[own]] = np.flatnonzero(own)
-        sol = _with_starts(q, sol, [(_on_quotient(f, rep), rounds) for f, rounds in starts])
+        sol = _with_starts(q, sol, [(_on_quotient(f, rep), *rest) for f, *rest in starts])
         tried["start"] = sol.info.get("start_cost")
     choice = tuple(int(sol.choice[k]) for k in idx)
     info = dict(sol.info)
@@ -348,9 +347,10 @@ def solve_dp_layered(
     )
 
 
-# A start for `solve_dp_layered`: a plan of the cost graph, made when needed, and the
-# forest descent's (max rounds, patience) for it.
-Start = tuple[Callable[[], Sequence[int]], tuple[int, int]]
+# A start for `solve_dp_layered`: a plan of the cost graph (made when needed), the forest
+# descent's (max rounds, patience) for it, and the objective the plan found so far must
+# reach for the start to be worth trying (0: always).
+Start = tuple[Callable[[], Sequence[int]], tuple[int, int], float]
 
 
 def _on_quotient(start: Callable[[], Sequence[int]], rep: np.ndarray) -> Callable[[], list[int]]:
@@ -369,16 +369,18 @@ def _with_starts(g: CostGraph, sol: Solution, starts: Sequence[Start]) -> Soluti
     cheaper; dp guessed part of the graph and polished the guess locally, which can
     stall in a poor optimum (a channel-split conv paying a 128 MB all-to-all), so other
     starts are polished the same way. ``info["start_cost"]``: the cheapest of them."""
+    now = g.total(sol.choice)
+    starts = [s for s in starts if now >= s[2]]
     if sol.optimal or not starts:
         return sol
     cost, edges = g.presolve()
     best, value = None, None
-    for start, rounds in starts:
+    for start, rounds, _ in starts:
         other, _ = forest_descent(cost, edges, start(), *rounds)
         v = g.total(other)
         if value is None or v < value:
             best, value = other, v
     info = {**sol.info, "start_cost": value}
-    if value < g.total(sol.choice):
+    if value < now:
         return replace(sol, choice=tuple(best), cost=value, memory=g.memory(best), info=info)
     return replace(sol, info=info)
