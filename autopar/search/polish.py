@@ -25,6 +25,7 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import networkx as nx
 import numpy as np
 
 from autopar.cost.model import COMBINABLE, COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
@@ -217,23 +218,13 @@ def carried_sums(problem: Problem, choice: Sequence[int]) -> list[list[tuple[int
         )
         if t is not None:
             twin[v] = t
-    parent = {v: v for v in twin}
-
-    def root(v: int) -> int:
-        while parent[v] != v:
-            parent[v] = parent[parent[v]]
-            v = parent[v]
-        return v
-
+    joined = nx.utils.UnionFind(twin)
     for v in twin:
         for x in g.nodes[v - n_in].inputs:
             u = problem.source.get(x, (None,))[0]
             if u in twin:
-                parent[root(u)] = root(v)
-    groups: dict[int, list[tuple[int, int]]] = {}
-    for v, t in twin.items():
-        groups.setdefault(root(v), []).append((v, t))
-    return list(groups.values())
+                joined.union(u, v)
+    return sorted([(v, twin[v]) for v in sorted(group)] for group in joined.to_sets())
 
 
 def _move_all(pricing: Pricing, moves: Sequence[tuple[int, int]]) -> float:
