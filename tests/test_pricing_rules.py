@@ -229,11 +229,11 @@ def _mlp_problem(mesh_size: int = 4):
 
 
 def test_data_engine_is_data_parallel():
-    from autopar.search import engines
+    from autopar.search import ENGINES
     from autopar.search.evaluate import evaluate
 
     p = _mlp_problem()
-    choice = engines.data(p)
+    choice = ENGINES["data"](p, {}, {})
     g = p.graph
     for i, path in enumerate(g.input_paths):
         spec = p.strategies[i][choice[i]].out_specs[0]

@@ -231,18 +231,17 @@ def search(
             log.info("mesh %s: %s over budget, retrying with %s", problem.mesh.shape, name, stage)
             candidates[key] = run(name, {**pins, **pinned}, key)
             fits |= candidates[key][1].peak_memory_bytes <= memory_budget * sure_fit
-    zero3 = {**zero_stages["zero3"], **pinned}
     if (
         engine == "auto"
         and not problem.loop_body  # a loop's body: its carry is no state to shard
-        and AUTO_ZERO3 not in candidates
-        and zero3 != dict(pinned)
+        and AUTO_ZERO3 not in candidates  # not already run as a memory retry
+        and zero_pins
     ):
         if fits_any() and clock.out_of_time():
             clock.skip(f"{AUTO_ZERO3} on {problem.mesh.shape}")
         else:
             log.info("mesh %s: searching with %s", problem.mesh.shape, AUTO_ZERO3)
-            candidates[AUTO_ZERO3] = run("recursive", zero3, AUTO_ZERO3)
+            candidates[AUTO_ZERO3] = run("recursive", {**zero_pins, **pinned}, AUTO_ZERO3)
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
         best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)

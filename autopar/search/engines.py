@@ -1,6 +1,7 @@
 """Search engines over a `Problem`: D-Rec (`recursive`), greedy propagation
-from pinned nodes (`propagate`, used by the baselines), and the `data` and
-`fsdp` baselines. Each returns one strategy index per cost-graph node."""
+from pinned nodes (`propagate`, used by the baselines), and what the `data` and
+`fsdp` recipes search (`data_problem`, `zero3_problem` and their pins). An engine
+returns one strategy index per cost-graph node."""
 
 from __future__ import annotations
 
@@ -456,21 +457,6 @@ def batch_wave(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
     return propagate(problem, pinned, seeds or None)
 
 
-def data(problem: Problem, pinned: Mapping[int, int] = {}) -> list[int]:  # noqa: B006
-    """Data parallelism: the batch split, parameters replicated, gradients all-reduced.
-    Completing `data_pins` by the cheapest plan would, on a model-parallel-shaped layer
-    (hidden >> batch), gather the batch and compute replicated (or split the weights);
-    so the rest is solved (dp) on `data_problem`, where every reshard that gathers or
-    moves a split value costs `DATA_GATHER_PENALTY` more: each op keeps the batch split
-    where any strategy can, and partial gradients are summed (all-reduce)."""
-    from autopar.search.layers import solve_dp_layered
-
-    pins = {**data_pins(problem), **pinned}
-    penalized = data_problem(problem)
-    g = penalized.cost_graph().restrict(pins)
-    return g.lift_choice(solve_dp_layered(penalized, g, pins).choice, pins)
-
-
 # ops that only cast or re-view a value: a parameter reaches its uses through them
 _VIEWS = frozenset(
     {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze", "copy"}
@@ -500,8 +486,11 @@ def zero3_problem(problem: Problem) -> Problem:
 def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Problem:
     """`problem` with `DATA_GATHER_PENALTY` on every edge entry whose reshard gathers or
     moves a split value (other than the values in `exempt`): what the `data` engine
-    searches (with `data_pins`). Nodes and strategies are `problem`'s, so a choice made
-    on it is priced on `problem`."""
+    searches (with `data_pins`). Completing `data_pins` by the cheapest plan would, on a
+    model-parallel-shaped layer (hidden >> batch), gather the batch and compute
+    replicated (or split the weights); with the penalty each op keeps the batch split
+    where any strategy can, and partial gradients are summed (all-reduce). Nodes and
+    strategies are `problem`'s, so a choice made on it is priced on `problem`."""
     from dataclasses import replace
 
     g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
