@@ -390,6 +390,50 @@ def _check_deltas(problem, choice):
         )
 
 
+def test_a_group_move_put_back_restores_the_pricing():
+    """`_move_all` puts a group that does not pay back by undoing its changes' logs at
+    once: the price, the choice and every level and bucket are as before (a later
+    delta prices as on a fresh `Pricing`), and a kept group is priced right."""
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.examples import gpt_small
+    from autopar.ir.capture import capture
+    from autopar.search import engines
+    from autopar.search.evaluate import step_seconds
+    from autopar.search.polish import Pricing, _move_all
+    from autopar.search.problem import build_problem
+    from autopar.sharding import mesh_info
+
+    w = gpt_small()
+    g = capture(w.fn, w.args, (), None, ())
+    profile = cost_models.load("cpu")
+    info = mesh_info(autopar.make_mesh({"data": 2, "model": 4}), profile.devices_per_node)
+    problem = build_problem(g, info, CostModel(profile, info), None)
+    rec = list(engines.recursive(problem, {}))
+    pricing = Pricing(problem, rec)
+    before = pricing.price
+    rng = np.random.default_rng(1)
+    n_in, kept = problem.num_inputs, 0
+    for _ in range(6):
+        xs = rng.integers(n_in, len(problem.strategies), 8)
+        moves = [(int(x), int(rng.integers(len(problem.strategies[x])))) for x in xs]
+        start = list(pricing.choice)
+        gain = _move_all(pricing, moves)
+        if gain == 0.0:
+            assert pricing.choice == start and pricing.price == pytest.approx(before, rel=1e-12)
+        else:
+            kept += 1
+            before = pricing.price
+        assert pricing.price == pytest.approx(
+            step_seconds(problem, pricing.choice), rel=1e-9, abs=1e-12
+        )
+        fresh = Pricing(problem, pricing.choice)
+        x, s = moves[0]
+        assert pricing.delta(x, s) == pytest.approx(fresh.delta(x, s), rel=1e-9, abs=1e-12)
+        pricing.undo()
+    assert kept < 6  # random groups mostly cost more: the put-back path ran
+
+
 def test_reshard_tables_equal_pairwise_prices():
     """`build_edges` prices whole strategy tables at once (`autopar.cost.tables`): every
     entry equals pricing the pair on its own with `CostModel.reshard`, bit for bit, with

@@ -30,7 +30,7 @@ import numpy as np
 
 from autopar.cost.model import COMBINABLE, COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
 from autopar.search.build import Problem
-from autopar.search.evaluate import output_spec, step_seconds, unmerged
+from autopar.search.evaluate import output_spec, unmerged
 from autopar.sharding import Spec
 from autopar.strategies.settle import settle_spec
 
@@ -149,9 +149,11 @@ def polish(
 ) -> tuple[list[int], float]:
     """(`choice` after the polish, predicted seconds it saved); it ends early, keeping
     the changes made so far, once `stop()` says so (`time_limit=`). Each trial is
-    priced by its delta (`Pricing`); the saving is the full price before and after."""
+    priced by its delta (`Pricing`), and so is the saving (it equals the full price's
+    change; `tests/test_planning_time.py`)."""
     best = list(choice)
     pricing: Pricing | None = None
+    start = 0.0  # the price before the first change
     trials = 0
     changed = False
     local = None
@@ -166,7 +168,9 @@ def polish(
             local = local or _Local(problem)
             if not local.may_pay(best, x, s):
                 continue
-            pricing = pricing or Pricing(problem, best)
+            if pricing is None:
+                pricing = Pricing(problem, best)
+                start = pricing.price
             trials += 1
             if pricing.delta(x, s) < -MIN_GAIN_S:
                 pricing.commit()
@@ -180,13 +184,15 @@ def polish(
             continue
         if stop is not None and stop():
             break
-        pricing = pricing or Pricing(problem, best)
+        if pricing is None:
+            pricing = Pricing(problem, best)
+            start = pricing.price
         trials += 1
         if _move_all(pricing, group) < -MIN_GAIN_S:
             best, changed = list(pricing.choice), True
     if not changed:
         return best, 0.0
-    return best, step_seconds(problem, choice) - step_seconds(problem, best)
+    return best, start - pricing.price
 
 
 def carried_sums(problem: Problem, choice: Sequence[int]) -> list[list[tuple[int, int]]]:
@@ -229,17 +235,17 @@ def carried_sums(problem: Problem, choice: Sequence[int]) -> list[list[tuple[int
 
 def _move_all(pricing: Pricing, moves: Sequence[tuple[int, int]]) -> float:
     """Apply every (op, strategy) of `moves`; keep them if the price drops, else put the
-    ops back. Returns the change kept (0 when put back)."""
-    done, total = [], 0.0
+    ops back (undoing the changes' logs at once, no re-pricing). Returns the change kept
+    (0 when put back)."""
+    log, total = [], 0.0
     for x, s in moves:
-        done.append((x, pricing.choice[x]))
         total += pricing.delta(x, s)
-        pricing.commit()
+        log += pricing.log
+    pricing.log = log
     if total < -MIN_GAIN_S:
-        return total
-    for x, old in reversed(done):
-        pricing.delta(x, old)
         pricing.commit()
+        return total
+    pricing.undo()
     return 0.0
 
 
