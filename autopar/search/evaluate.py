@@ -27,7 +27,7 @@ def total_time(problem: Problem, choice: Sequence[int]) -> float:
 
 
 def edge_collectives(
-    problem: Problem, choice: Sequence[int]
+    problem: Problem, choice: Sequence[int], settled: Settled | None = None
 ) -> list[tuple[int, int | None, Collective]]:
     """(producer, consumer, collective) cost-graph nodes for every reshard the plan pays;
     the consumer is None for a function output. Uses of one value that want the same
@@ -36,15 +36,12 @@ def edge_collectives(
     into its settled spec (`settle_partials`), where the first use that reads it is,
     and every use reads it from there, as the lowering does: summing it again for each
     spec its uses want priced a reduce-scatter and an all-reduce of the same gradient
-    where the program has one all-reduce."""
+    where the program has one all-reduce. `settled`: `settle(problem, choice)`, when
+    the caller has it."""
     g, n_in, strategies = problem.graph, problem.num_inputs, problem.strategies
     out: list[tuple[int, int | None, Collective]] = []
     seen: set[tuple[int, Spec | None]] = set()
-    chosen = [strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
-    targets = output_specs(problem, choice)
-    settled = settle_partials(
-        g, [s.in_specs for s in chosen], [s.out_specs for s in chosen], targets
-    )
+    targets, settled = settled or settle(problem, choice)
 
     def pay(x: int, src: Spec, dst: Spec, at: int | None) -> None:
         if (x, dst) in seen:
@@ -165,9 +162,24 @@ def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
     return [output_spec(problem, o, choice.__getitem__) for o in range(len(problem.graph.outputs))]
 
 
-def _times(problem: Problem, choice: Sequence[int]):
+# (the function outputs' specs, the settled spec of each partial value)
+Settled = tuple[list[Spec], dict[int, Spec]]
+
+
+def settle(problem: Problem, choice: Sequence[int]) -> Settled:
+    """Where each partial sum of the plan is summed (`settle_partials`), with the specs
+    the outputs are returned in: the collectives and the memory walk both read it."""
+    g, n_in = problem.graph, problem.num_inputs
+    strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
+    targets = output_specs(problem, choice)
+    return targets, settle_partials(
+        g, [s.in_specs for s in strat], [s.out_specs for s in strat], targets
+    )
+
+
+def _times(problem: Problem, choice: Sequence[int], settled: Settled | None = None):
     """(compute seconds, communication seconds with all-reduces combined, collectives)."""
-    colls = edge_collectives(problem, choice)
+    colls = edge_collectives(problem, choice, settled)
     node_compute = problem.compute_time()
     compute = sum(float(node_compute[v][s]) for v, s in enumerate(choice))
     comm = sum(c.seconds for _, _, c in colls) - combined_latency(problem, colls)
@@ -181,13 +193,14 @@ def step_seconds(problem: Problem, choice: Sequence[int]) -> float:
 
 
 def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
-    compute, comm, colls = _times(problem, choice)
+    settled = settle(problem, choice)
+    compute, comm, colls = _times(problem, choice, settled)
     by: dict[str, int] = {}
     for _, _, c in colls:
         axes = sorted(c.axes, key=problem.mesh.axis_names.index)
         key = f"{c.kind}@{','.join(axes)}"
         by[key] = by.get(key, 0) + c.bytes
-    peak, args = peak_memory(problem, choice)
+    peak, args = peak_memory(problem, choice, settled)
     return Cost(compute, comm, peak, args, by)
 
 
@@ -218,19 +231,19 @@ def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]
     return out
 
 
-def peak_memory(problem: Problem, choice: Sequence[int]) -> tuple[int, int]:
+def peak_memory(
+    problem: Problem, choice: Sequence[int], settled: Settled | None = None
+) -> tuple[int, int]:
     """(peak, argument) bytes per device: arguments stay live throughout; each
     intermediate lives from its producer to its last consumer (outputs to the end),
     at the size of its settled spec (`settle_partials`). A value fused away
     (`fused_away`) takes no memory; its reads keep its own operands alive instead. An
     op that reads a value in another layout than it is stored in (an all-gathered
     weight, a loop's stacked weights gathered for the whole loop) holds that copy
-    while it runs."""
+    while it runs. `settled`: `settle(problem, choice)`, when the caller has it."""
     g, n_in = problem.graph, problem.num_inputs
     strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
-    settled = settle_partials(
-        g, [s.in_specs for s in strat], [s.out_specs for s in strat], output_specs(problem, choice)
-    )
+    settled = (settled or settle(problem, choice))[1]
     args = int(sum(problem.node_mem[i][choice[i]] for i in range(n_in)))
     made = {
         v: settled.get(v, sp)
