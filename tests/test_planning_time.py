@@ -339,23 +339,31 @@ def test_phases_add_up_to_the_wall_time():
 # ---- the incremental polish --------------------------------------------------------------------
 
 
-def test_incremental_pricing_matches_the_full_price():
-    """Every delta the polish prices incrementally equals the full re-pricing's."""
+def _gpt_small_problem():
+    """gpt_small's problem on data 2 x model 4 priced on the `cpu` profile (where its
+    plans pay all-reduces), and `recursive`'s plan of it."""
     import cost_models
     from autopar.cost.model import CostModel
     from autopar.examples import gpt_small
     from autopar.ir.capture import capture
-    from autopar.search import engines, search
-    from autopar.search.polish import Pricing
+    from autopar.search import engines
     from autopar.search.problem import build_problem
     from autopar.sharding import mesh_info
 
     w = gpt_small()
     g = capture(w.fn, w.args, (), None, ())
-    profile = cost_models.load("cpu")  # where gpt_small's plans pay all-reduces
+    profile = cost_models.load("cpu")
     info = mesh_info(autopar.make_mesh({"data": 2, "model": 4}), profile.devices_per_node)
     problem = build_problem(g, info, CostModel(profile, info), None)
-    rec = list(engines.recursive(problem, {}))
+    return problem, list(engines.recursive(problem, {}))
+
+
+def test_incremental_pricing_matches_the_full_price():
+    """Every delta the polish prices incrementally equals the full re-pricing's."""
+    from autopar.search import search
+    from autopar.search.polish import Pricing
+
+    problem, rec = _gpt_small_problem()
     for choice in (rec, list(search(problem, "fsdp", float("inf")).choice)):
         _check_deltas(problem, choice)
     assert Pricing(problem, rec).saved > 0  # some all-reduces combine
@@ -394,22 +402,10 @@ def test_a_group_move_put_back_restores_the_pricing():
     """`_move_all` puts a group that does not pay back by undoing its changes' logs at
     once: the price, the choice and every level and bucket are as before (a later
     delta prices as on a fresh `Pricing`), and a kept group is priced right."""
-    import cost_models
-    from autopar.cost.model import CostModel
-    from autopar.examples import gpt_small
-    from autopar.ir.capture import capture
-    from autopar.search import engines
     from autopar.search.evaluate import step_seconds
     from autopar.search.polish import Pricing, _move_all
-    from autopar.search.problem import build_problem
-    from autopar.sharding import mesh_info
 
-    w = gpt_small()
-    g = capture(w.fn, w.args, (), None, ())
-    profile = cost_models.load("cpu")
-    info = mesh_info(autopar.make_mesh({"data": 2, "model": 4}), profile.devices_per_node)
-    problem = build_problem(g, info, CostModel(profile, info), None)
-    rec = list(engines.recursive(problem, {}))
+    problem, rec = _gpt_small_problem()
     pricing = Pricing(problem, rec)
     before = pricing.price
     rng = np.random.default_rng(1)

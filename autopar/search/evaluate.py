@@ -20,6 +20,10 @@ from autopar.search.build import Problem
 from autopar.sharding import Spec
 from autopar.strategies.settle import settle_partials
 
+# (the specs the function's outputs are returned in, the settled spec of each partial
+# value): `settle`
+Settled = tuple[list[Spec], dict[int, Spec]]
+
 
 def total_time(problem: Problem, choice: Sequence[int]) -> float:
     t = sum(float(problem.node_time[v][s]) for v, s in enumerate(choice))
@@ -160,10 +164,6 @@ def output_spec(problem: Problem, o: int, pick: Callable[[int], int]) -> Spec:
 
 def output_specs(problem: Problem, choice: Sequence[int]) -> list[Spec]:
     return [output_spec(problem, o, choice.__getitem__) for o in range(len(problem.graph.outputs))]
-
-
-# (the function outputs' specs, the settled spec of each partial value)
-Settled = tuple[list[Spec], dict[int, Spec]]
 
 
 def settle(problem: Problem, choice: Sequence[int]) -> Settled:

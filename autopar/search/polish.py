@@ -153,7 +153,6 @@ def polish(
     change; `tests/test_planning_time.py`)."""
     best = list(choice)
     pricing: Pricing | None = None
-    start = 0.0  # the price before the first change
     trials = 0
     changed = False
     local = None
@@ -168,9 +167,7 @@ def polish(
             local = local or _Local(problem)
             if not local.may_pay(best, x, s):
                 continue
-            if pricing is None:
-                pricing = Pricing(problem, best)
-                start = pricing.price
+            pricing = pricing or Pricing(problem, best)
             trials += 1
             if pricing.delta(x, s) < -MIN_GAIN_S:
                 pricing.commit()
@@ -184,15 +181,13 @@ def polish(
             continue
         if stop is not None and stop():
             break
-        if pricing is None:
-            pricing = Pricing(problem, best)
-            start = pricing.price
+        pricing = pricing or Pricing(problem, best)
         trials += 1
         if _move_all(pricing, group) < -MIN_GAIN_S:
             best, changed = list(pricing.choice), True
     if not changed:
         return best, 0.0
-    return best, start - pricing.price
+    return best, pricing.initial - pricing.price
 
 
 def carried_sums(problem: Problem, choice: Sequence[int]) -> list[list[tuple[int, int]]]:
@@ -344,6 +339,7 @@ class Pricing:
         for grp in list(self.groups):
             self._rebucket(grp)
         self.saved = sum(self.saved_by.values())
+        self.initial = self.price  # the choice's price before any change
         self.log, self._dirty = [], set()
 
     @property

@@ -8,8 +8,9 @@ strategies already fixed for the neighbours it was folded into.
 
 Edge direction only orients matrices, so elimination works on the undirected
 graph. Every step is exact (in float32, `_DTYPE`); a graph that shrinks to nothing
-without giving up (see ``star``) is solved optimally, up to float32's rounding. A memory budget is handled by Lagrangian
-relaxation over the exact solver (see :func:`_within_budget`).
+without giving up (see ``star``) is solved optimally, up to float32's rounding. A
+memory budget is handled by Lagrangian relaxation over the exact solver (see
+:func:`_within_budget`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ __all__ = ["solve_dp"]
 _BROADCAST = 1 << 12
 # Elements of the result block `_minplus` accumulates in place (a few L2 caches' worth).
 _BLOCK = 1 << 15
-# The elimination's arithmetic. float32 halves the bytes the star fusions move and
-# build (on a small ViT step, dp's search fell 3.4 -> 0.9 s, mostly page faults on
-# fresh tables of 100+ MB); plans are priced again in float64, and a plan is optimal
-# up to float32's rounding of the sums it compares (relative 6e-8 per addition).
+# The elimination's arithmetic. float32 halves the bytes the star fusions build and
+# move: their tables reach 100+ MB in float64, and fresh allocations that size are
+# slow (docs/algorithms.md). Plans are priced again in float64; a plan is optimal up
+# to float32's rounding of the sums it compares (relative 6e-8 per addition).
 _DTYPE = np.float32
 # Under a memory budget, how many of the Lagrangian plans (repaired to fit)
 # get the budget-respecting ICM polish.
@@ -73,8 +74,6 @@ class _Eliminator:
 
     def __init__(self, cost, edges, max_states: int, max_work: float):
         self.n = len(cost)
-        # float32 tables (`_DTYPE`): a star's fused tables reach hundreds of MB, and
-        # fresh allocations that size cost a page fault per 4 KiB
         self.cost = [np.asarray(c, dtype=_DTYPE) for c in cost]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in cost]
         # star_plan per node, dropped whenever the node's neighbours change (sizes of
