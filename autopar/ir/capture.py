@@ -195,26 +195,30 @@ class _Builder:
 
     def barrier(self, ins: list[int], prevent_cse, stack: str, site: Site, eqn) -> list[int]:
         """`ins` with those `prevent_cse` marks (a bool for all, or one per input) read
-        through one `optimization_barrier` node (constants excepted)."""
+        through `optimization_barrier` nodes (constants excepted), one per input: JAX
+        puts them all behind one, which stops CSE the same way, but a mesh axis can
+        shard only one tensor of a barrier (`strategies.elementwise.identity_tuple_rule`),
+        so a layer's weights behind one barrier would all be gathered but one."""
         marks = (prevent_cse,) * len(ins) if isinstance(prevent_cse, bool) else prevent_cse
-        held = [v for v, m in zip(ins, marks) if m and v not in self.consts]
+        held = list(dict.fromkeys(v for v, m in zip(ins, marks) if m and v not in self.consts))
         if not held:
             return ins
         outs = [self.new_value_like(v) for v in held]
         src = _source(eqn, site)
-        self.nodes.append(
-            Node(
-                id=len(self.nodes),
-                op="optimization_barrier",
-                inputs=tuple(held),
-                outputs=tuple(outs),
-                primitive=jax.lax.optimization_barrier_p,
-                params={},
-                name_stack=stack,
-                source=src[0],
-                library_source=src[1],
+        for v, out in zip(held, outs):
+            self.nodes.append(
+                Node(
+                    id=len(self.nodes),
+                    op="optimization_barrier",
+                    inputs=(v,),
+                    outputs=(out,),
+                    primitive=jax.lax.optimization_barrier_p,
+                    params={},
+                    name_stack=stack,
+                    source=src[0],
+                    library_source=src[1],
+                )
             )
-        )
         swap = dict(zip(held, outs))
         return [swap.get(v, v) for v in ins]
 

@@ -21,10 +21,11 @@ op of that layer that reads it:
 `layers` limits the rewrite to those layer indices (a per-layer choice: the search
 keeps the activations of some layers and recomputes the others).
 
-As `jax.checkpoint` does, the recomputation reads its inputs through an
-`optimization_barrier`, so XLA cannot merge the copies with the forward ops (common
-subexpression elimination would undo the remat); the barrier also takes one value
-the backward op computes just before (its cotangent), so the copies cannot run
+As `jax.checkpoint` does, the recomputation reads its inputs through
+`optimization_barrier`s (one per input, so that each can be split its own way), so XLA
+cannot merge the copies with the forward ops (common subexpression elimination would
+undo the remat); the activation's barrier also takes one value the backward op
+computes just before (its cotangent), so the copies that read it cannot run
 before the backward pass reaches the layer where XLA schedules with the barriers in
 place (XLA:GPU's pipeline, as read in its source, removes them after scheduling;
 not measured here). XLA:CPU removes them before it
@@ -177,6 +178,23 @@ def remat_layers(
     return out, tuple(report)
 
 
+def _barrier_groups(graph: Graph, ext: list[int], trigger: int | None) -> list[tuple[int, ...]]:
+    """The barriers the copies read `ext` through: one per value, but the cotangent
+    `trigger` shares one with the values of its shape (the activation entering the
+    layer; the barrier splits those alike), or else with the largest value, so the
+    copies that read them wait for the backward pass to reach the layer. One barrier
+    over all would let a mesh axis shard only one of them
+    (`strategies.elementwise.identity_tuple_rule`): every weight gathered but one."""
+    if trigger is None:
+        return [(x,) for x in ext]
+    shape = graph.values[trigger].shape
+    mates = [x for x in ext if graph.values[x].shape == shape and x != trigger]
+    if not mates and ext:
+        mates = [max(ext, key=lambda x: graph.values[x].nbytes)]
+    head = tuple(dict.fromkeys([*mates, trigger]))
+    return [head] + [(x,) for x in ext if x not in head]
+
+
 def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
     values = list(graph.values)
     new_nodes: list[Node] = []
@@ -202,22 +220,23 @@ def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
                     if x not in made and x not in graph.consts
                 )
             )
-            barrier_in = ext + ([trigger] if trigger is not None and trigger not in ext else [])
-            barrier_out = tuple(fresh(x) for x in barrier_in)
-            new_nodes.append(
-                Node(
-                    len(new_nodes),
-                    "optimization_barrier",
-                    tuple(barrier_in),
-                    barrier_out,
-                    _barrier_primitive(),
-                    {},
-                    node.name_stack,
-                    node.source,
-                    library_source=node.library_source,
+            local: dict[int, int] = {}
+            for group in _barrier_groups(graph, ext, trigger):
+                outs = tuple(fresh(x) for x in group)
+                new_nodes.append(
+                    Node(
+                        len(new_nodes),
+                        "optimization_barrier",
+                        group,
+                        outs,
+                        _barrier_primitive(),
+                        {},
+                        node.name_stack,
+                        node.source,
+                        library_source=node.library_source,
+                    )
                 )
-            )
-            local = dict(zip(barrier_in, barrier_out))
+                local.update(zip(group, outs))
             for n in copy:
                 orig = graph.nodes[n]
                 outs = tuple(fresh(v) for v in orig.outputs)

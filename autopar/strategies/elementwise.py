@@ -126,10 +126,17 @@ register(*ELEMENTWISE)(elementwise_rule)
 
 @register("optimization_barrier")
 def identity_tuple_rule(node: Node, graph: Graph) -> FactorRule:
-    """Input i passes through to output i unchanged."""
-    factors, in_dims = [], []
+    """Input i passes through to output i unchanged; inputs of the same shape share
+    their factors (they are split alike: an activation and the cotangent that orders
+    its recomputation). A mesh axis shards one factor, so a barrier over many unrelated
+    tensors could shard at most one per axis: capture and the remat pass put each
+    tensor behind a barrier of its own (`ir.capture`, `passes.remat_unrolled`)."""
+    factors: list[Factor] = []
+    in_dims, by_shape = [], {}
     for v in node.inputs:
         t = graph.values[v]
-        in_dims.append(tuple(range(len(factors), len(factors) + t.rank)))
-        factors.extend(Factor(s) for s in t.shape)
+        if t.shape not in by_shape:
+            by_shape[t.shape] = tuple(range(len(factors), len(factors) + t.rank))
+            factors.extend(Factor(s) for s in t.shape)
+        in_dims.append(by_shape[t.shape])
     return FactorRule(tuple(factors), tuple(in_dims), tuple(in_dims))
