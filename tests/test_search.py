@@ -481,3 +481,22 @@ def test_auto_ranks_zero3_as_a_speed_candidate():
     assert plan.cost.step_s < min(c.step_s for k, c in plan.candidates.items() if k != AUTO_ZERO3)
     kinds = {k.split("@")[0] for k in plan.cost.comm_bytes}
     assert "all-to-all" not in kinds and "all-gather" in kinds
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt_small", "gpt_scan_small", "mlp_small", "cnn_small", "moe_small", "vit_small"]
+)
+def test_memory_floor_is_below_every_plans_peak(name):
+    """`memory_floor`, which drops a try before it is built, is a floor: no plan any
+    engine makes (including ZeRO-3's, the leanest) predicts a lower peak."""
+    from autopar import examples
+    from autopar.search import search
+    from autopar.search.evaluate import memory_floor, peak_memory
+
+    w = getattr(examples, name)()
+    problem = _problem(w.fn, w.args, {"data": 2, "model": 4})
+    floor = memory_floor(problem.graph, 8)
+    assert floor > 0
+    for engine in ("recursive", "data", "fsdp"):
+        choice = search(problem, engine, float("inf")).choice
+        assert floor <= peak_memory(problem, choice)[0], engine

@@ -287,3 +287,35 @@ def peak_memory(
         peak = max(peak, live + held)
         live -= free_at[node.id]
     return int(args + peak), args
+
+
+def memory_floor(graph: Graph, devices: int) -> float:
+    """A floor under `peak_memory` of every plan of `graph` (no pipeline) on `devices`
+    devices: the arguments, and at each op the values made before it that no plan
+    fuses away (`fused_away` needs a FUSED_OPS value read once, by a FUSED_OPS op, and
+    not returned), alive from their producer to their last direct reader, each split
+    over every device. A plan stores each at least that long (a fused reader keeps it
+    longer) and at least that size (replicas and partial sums are larger). Used to
+    drop a try no plan of which can fit before building it."""
+    last: dict[int, int] = {}
+    for node in graph.nodes:
+        for x in node.inputs:
+            last[x] = node.id
+    for x in graph.outputs:
+        last[x] = len(graph.nodes)
+    fused = [n.op in FUSED_OPS for n in graph.nodes]
+    returned = set(graph.outputs)
+    free_at = np.zeros(len(graph.nodes) + 1)
+    live = peak = 0.0
+    for node in graph.nodes:
+        for v in node.outputs:
+            readers = graph.consumers.get(v, ())
+            if fused[node.id] and v not in returned and len(readers) == 1 and fused[readers[0]]:
+                continue  # a plan may keep it inside one fused kernel
+            b = graph.values[v].nbytes
+            live += b
+            free_at[last.get(v, node.id)] += b
+        peak = max(peak, live)
+        live -= free_at[node.id]
+    args = sum(graph.values[v].nbytes for v in graph.inputs)
+    return (args + peak) / devices
