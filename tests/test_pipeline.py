@@ -311,6 +311,43 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch):
     assert one.cost.step_s >= plan.cost.step_s
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_memory_floor_is_under_every_tries_plans(monkeypatch, scan):
+    """`search.evaluate.memory_floor`, with a pipeline's residency, is below the peak of
+    every plan any engine finds for every (mesh, micro-batch count) tried, the stack
+    under `scan` or unrolled in Python (rolled into loops); a budget below a try's
+    floor drops that try unbuilt, and the error or plan says so."""
+    import autopar.compile.driver as driver
+    from autopar.search.evaluate import memory_floor
+
+    ts = gpt.make_train_step(_cfg(layers=8, scan=scan))
+    args = (jax.eval_shape(ts.init, 0), jax.eval_shape(ts.batch, 0))  # 16 devices: abstract
+    real, floors = driver._searched, []
+
+    def check(problem, *a, **k):
+        got = real(problem, *a, **k)
+        floor = memory_floor(problem.graph, problem.mesh.num_devices, problem.resident)
+        for name, _, cost in [] if isinstance(got, driver.Infeasible) else got.ranked:
+            assert 0 < floor <= cost.peak_memory_bytes, (name, floor, cost.peak_memory_bytes)
+        floors.append((floor, bool(problem.resident)))  # resident: a 1F1B pipeline's
+        return got
+
+    monkeypatch.setattr(driver, "_searched", check)
+    par = autopar.parallelize(ts.step, mesh=16, cluster=CLUSTER, pipeline_stages="auto")
+    plan = par.plan(*args)
+    assert len(floors) >= 4 and any(piped for _, piped in floors) and plan.cost.step_s > 0
+    # a budget below the highest floor: that try is dropped unbuilt, and named so
+    budget = max(f for f, _ in floors) * 0.999
+    lean = autopar.parallelize(
+        ts.step, mesh=16, cluster=CLUSTER, pipeline_stages="auto", memory_budget=budget
+    )
+    try:
+        said = "\n".join(lean.plan(*args).warnings)
+    except autopar.MemoryBudgetError as e:  # where no other try fits either
+        said = str(e)
+    assert re.search(r"needs at least .*memory_floor", said), said
+
+
 @pytest.mark.slow  # the pipelined lowering is tested above; this is the demo's wiring
 def test_demo_runs_pipelined(capsys):
     """`autopar demo --pipeline-stages 2` trains the demo GPT as a pipeline, like jax.jit."""

@@ -69,7 +69,7 @@ from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan, TensorRecord
 from autopar.search import ENGINES, search
 from autopar.search.evaluate import evaluate, memory_floor
-from autopar.search.problem import Problem, build_problem, step_floor
+from autopar.search.problem import Problem, build_problem, residency, step_floor
 from autopar.sharding import Spec, mesh_info
 
 # Plans predicted to use more than this fraction of the budget are compiled once on
@@ -345,11 +345,11 @@ class _Driver(PipelineTries):
                 self.clock.skip(left_out(tries, order[step:], self.remat_policy))
                 break
             info, g = self._info(mesh), graph_of(graph, pipelined)
-            need = memory_floor(g, mesh.size) if pipelined is None and len(tries) > 1 else 0
+            need = memory_floor(g, mesh.size, residency(g, pipelined)) if len(tries) > 1 else 0
             if need > o.memory_budget:  # not worth building: no plan of it can fit
                 failures.append(
-                    f"{info.shape}: needs at least {format_bytes(need)} per device "
-                    "(`search.evaluate.memory_floor`)"
+                    f"{try_name(info.shape, pipelined)}: needs at least "
+                    f"{format_bytes(need)} per device (`search.evaluate.memory_floor`)"
                 )
                 memory_bound = True
                 continue

@@ -184,7 +184,7 @@ def build_problem(
     be returned unsummed."""
     piped = pipelined.scans if pipelined is not None else {}
     head = pipelined.head_nodes() if pipelined is not None else frozenset()
-    resident = _fused_residency(graph, pipelined) if head else {}
+    resident = residency(graph, pipelined)
     carried = set(find_aliases(graph).values()) if partial_carry else set()
     n_in = len(graph.inputs)
     strategies: list[tuple[Strategy, ...]] = []
@@ -305,6 +305,13 @@ def build_problem(
         tuple(t - c for t, c in zip(node_time, node_comm)),
         share,
     )
+
+
+def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float]:
+    """`Problem.resident`: the fraction of each value alive at once (1 where absent)."""
+    if pipelined is None or not pipelined.head_nodes():
+        return {}
+    return _fused_residency(graph, pipelined)
 
 
 def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:

@@ -289,14 +289,16 @@ def peak_memory(
     return int(args + peak), args
 
 
-def memory_floor(graph: Graph, devices: int) -> float:
-    """A floor under `peak_memory` of every plan of `graph` (no pipeline) on `devices`
-    devices: the arguments, and at each op the values made before it that no plan
-    fuses away (`fused_away` needs a FUSED_OPS value read once, by a FUSED_OPS op, and
-    not returned), alive from their producer to their last direct reader, each split
-    over every device. A plan stores each at least that long (a fused reader keeps it
-    longer) and at least that size (replicas and partial sums are larger). Used to
-    drop a try no plan of which can fit before building it."""
+def memory_floor(graph: Graph, devices: int, resident: dict[int, float] | None = None) -> float:
+    """A floor under `peak_memory` of every plan of `graph` on `devices` devices (a
+    pipelined graph's: `resident`, its `Problem.resident`): the arguments, and at each
+    op the values made before it that no plan fuses away (`fused_away` needs a
+    FUSED_OPS value read once, by a FUSED_OPS op, and not returned), alive from their
+    producer to their last direct reader, each split over every device. A plan stores
+    each at least that long (a fused reader keeps it longer) and at least that size
+    (replicas and partial sums are larger). Used to drop a try no plan of which can
+    fit before building it."""
+    resident = resident or {}
     last: dict[int, int] = {}
     for node in graph.nodes:
         for x in node.inputs:
@@ -312,7 +314,7 @@ def memory_floor(graph: Graph, devices: int) -> float:
             readers = graph.consumers.get(v, ())
             if fused[node.id] and v not in returned and len(readers) == 1 and fused[readers[0]]:
                 continue  # a plan may keep it inside one fused kernel
-            b = graph.values[v].nbytes
+            b = graph.values[v].nbytes * resident.get(v, 1.0)
             live += b
             free_at[last.get(v, node.id)] += b
         peak = max(peak, live)

@@ -19,6 +19,7 @@ from autopar.search.build import (
     find_aliases,
     graph_flops,
     input_strategies,
+    residency,
     step_floor,
 )
 from autopar.search.nested import search_nested
@@ -33,6 +34,7 @@ __all__ = [
     "find_aliases",
     "graph_flops",
     "input_strategies",
+    "residency",
     "step_floor",
 ]
 
