@@ -26,6 +26,7 @@ from autopar.compile.clock import Clock, left_out, try_name
 from autopar.compile.notes import (
     no_pipeline_why,
     offline_warning,
+    over_floor,
     pipeline_tries,
     screen_note,
 )
@@ -345,12 +346,14 @@ class _Driver(PipelineTries):
                 self.clock.skip(left_out(tries, order[step:], self.remat_policy))
                 break
             info, g = self._info(mesh), graph_of(graph, pipelined)
-            need = memory_floor(g, mesh.size, residency(g, pipelined)) if len(tries) > 1 else 0
-            if need > o.memory_budget:  # not worth building: no plan of it can fit
-                failures.append(
-                    f"{try_name(info.shape, pipelined)}: needs at least "
-                    f"{format_bytes(need)} per device (`search.evaluate.memory_floor`)"
-                )
+            # not worth building when no plan of it can fit (the only try of a call that
+            # is not `remat="auto"` is searched: its error names the largest tensors)
+            floored = len(tries) > 1 or o.remat == "auto"
+            need = memory_floor(g, mesh.size, residency(g, pipelined)) if floored else 0
+            if need > o.memory_budget:
+                failures.append(over_floor(try_name(info.shape, pipelined), need, o.memory_budget))
+                if len(tries) == 1:
+                    return Infeasible(MemoryBudgetError(failures[-1]))
                 memory_bound = True
                 continue
             log.info(

@@ -25,6 +25,17 @@ def pipeline_tries(options, failures) -> str:
     )
 
 
+def over_floor(name: str, need: float, budget: float) -> str:
+    """Why a try was dropped unbuilt: its `search.evaluate.memory_floor` is above the
+    budget."""
+    return (
+        f"{name}: no plan fits the memory budget of {format_bytes(budget)} per device; "
+        f"every plan needs at least {format_bytes(need)} (the arguments and what no "
+        "fusion keeps out of memory, split over every device: "
+        "`search.evaluate.memory_floor`)"
+    )
+
+
 def screen_note(tries, screen: dict, dropped: list, same: dict, best: float, margin: float) -> str:
     """The plan note of a screened mesh-shape search: the shapes not searched in full,
     with the price of their `recursive` plan, and those that are one mesh to the cost
