@@ -361,7 +361,8 @@ def _toy_step(checkpoint: bool):
 def test_user_checkpoint_of_unrolled_layers_is_kept():
     """A user's `jax.checkpoint` (here on layers unrolled in Python, which the remat pass
     does not touch) survives capture: the lowered program has optimization barriers
-    (one per value, jax.jit one for all) and jax.jit's recomputed matmuls, and the predicted peak counts only what is kept."""
+    (one per value, jax.jit one for all) and jax.jit's recomputed matmuls, and the
+    predicted peak counts only what is kept."""
     import re
 
     import autopar
