@@ -314,13 +314,13 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch):
 @pytest.mark.parametrize("scan", [True, False])
 def test_memory_floor_is_under_every_tries_plans(monkeypatch, scan):
     """`search.evaluate.memory_floor`, with a pipeline's residency, is below the peak of
-    every plan any engine finds for every (mesh, micro-batch count) tried, the stack
-    under `scan` or unrolled in Python (rolled into loops); a budget below a try's
+    every plan any engine finds for every (mesh, micro-batch count) tried, a 4-layer
+    stack under `scan` or unrolled in Python (rolled into loops); a budget below a try's
     floor drops that try unbuilt, and the error or plan says so."""
     import autopar.compile.driver as driver
     from autopar.search.evaluate import memory_floor
 
-    ts = gpt.make_train_step(_cfg(layers=8, scan=scan))
+    ts = gpt.make_train_step(_cfg(layers=4, scan=scan))
     args = (jax.eval_shape(ts.init, 0), jax.eval_shape(ts.batch, 0))  # 16 devices: abstract
     real, floors = driver._searched, []
 
@@ -336,6 +336,8 @@ def test_memory_floor_is_under_every_tries_plans(monkeypatch, scan):
     par = autopar.parallelize(ts.step, mesh=16, cluster=CLUSTER, pipeline_stages="auto")
     plan = par.plan(*args)
     assert len(floors) >= 4 and any(piped for _, piped in floors) and plan.cost.step_s > 0
+    if not scan:
+        return  # what follows is the driver's, the same for both
     # a budget below the highest floor: that try is dropped unbuilt, and named so
     budget = max(f for f, _ in floors) * 0.999
     lean = autopar.parallelize(

@@ -484,7 +484,9 @@ def test_auto_ranks_zero3_as_a_speed_candidate():
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt_small", "gpt_scan_small", "mlp_small", "cnn_small", "moe_small", "vit_small"]
+    "name",
+    ["gpt_small", "gpt_scan_small", "mlp_small", "cnn_small"]
+    + [pytest.param(n, marks=pytest.mark.slow) for n in ("moe_small", "vit_small")],
 )
 def test_memory_floor_is_below_every_plans_peak(name):
     """`memory_floor`, which drops a try before it is built, is a floor: no plan any
