@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
-from functools import cache
 
 import jax
 
@@ -51,12 +50,6 @@ from autopar.ir.graph import Graph, Node, check_graph
 from autopar.ir.ops import CONTRACTIONS
 
 POLICIES = ("none", "dots", "selective", "full")  # from most to least memory
-
-
-@cache
-def _barrier_primitive():
-    eqn = jax.make_jaxpr(lambda a: jax.lax.optimization_barrier(a))(1.0).jaxpr.eqns[0]
-    return eqn.primitive
 
 
 def cheapest_contractions(graph: Graph, nodes: Collection[int] | None = None) -> frozenset[int]:
@@ -229,7 +222,7 @@ def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
                         "optimization_barrier",
                         group,
                         outs,
-                        _barrier_primitive(),
+                        jax.lax.optimization_barrier_p,  # as capture's
                         {},
                         node.name_stack,
                         node.source,
