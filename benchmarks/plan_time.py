@@ -171,6 +171,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     want = lambda name: not a.only or name in a.only
     from autopar import examples
+    from autopar.search import workers
 
     rows = []
     for name, mesh, options in SMALL:
@@ -218,7 +219,11 @@ def main(argv=None) -> None:
         "function in the same process (traced first), and `.plan()` again from the plan cache "
         "(a new `parallelize`, same process). Phases as `Plan.phases` records them.\n\n"
         f"Machine: {cpu} CPUs, load average {load:.1f} when it finished "
-        f"(JAX {jax.__version__}).\n\n" + _table(rows) + "\n"
+        f"(JAX {jax.__version__}); search workers: {workers.count()} "
+        "(`AUTOPAR_WORKERS`; `auto`'s engines and the mesh screen run side by side on "
+        "problems of 1000+ nodes, their wall time is the phase `engines` / `screen`).\n\n"
+        + _table(rows)
+        + "\n"
     )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".md").write_text(text)

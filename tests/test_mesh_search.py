@@ -54,7 +54,7 @@ def test_mesh_search_screens_shapes_and_searches_the_promising_ones_in_full():
     full, and the plan says which and why. Here `{"data": 8}` must split the
     contraction (an all-reduce) and is left out; the plan is still the cheapest of all
     shapes planned one by one."""
-    from autopar.compile.driver import SCREEN_MARGIN
+    from autopar.compile.screen import SCREEN_MARGIN
 
     dpn = cost_models.load(CLUSTER).devices_per_node
     prices = {

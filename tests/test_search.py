@@ -86,6 +86,7 @@ def test_plan_files_are_byte_identical(tmp_path):
     assert json.loads(paths[0].read_text())["format"] == "autopar.plan/1"
 
 
+@pytest.mark.slow  # the ILP as the yardstick: tests/test_optimality.py in the default run
 def test_exact_engines_agree_and_beat_the_greedy_ones():
     cfg = gpt.GPTConfig(hidden=256, heads=4, layers=1, seq=64, vocab=512, batch_size=16)
     ts = gpt.make_train_step(cfg)

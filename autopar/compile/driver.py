@@ -45,6 +45,8 @@ from autopar.compile.plans import (
     spec_pins,
     user_pins,
 )
+from autopar.compile.screen import SCREEN_MARGIN, screen
+from autopar.compile.tries import ahead
 from autopar.cost.model import CostModel
 from autopar.errors import (
     MemoryBudgetError,
@@ -57,7 +59,6 @@ from autopar.ir.capture import abstractify_tree, arg_names, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.lower.rolled import abstract_inputs
-from autopar.meshes import equivalent
 from autopar.passes.accumulate import accumulate, batch_problem
 from autopar.passes.pipeline import (
     Pipeline,
@@ -68,8 +69,8 @@ from autopar.passes.remat import rematerialize
 from autopar.passes.roll import Roll
 from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan, TensorRecord
-from autopar.search import ENGINES, search
-from autopar.search.evaluate import evaluate, memory_floor
+from autopar.search import search
+from autopar.search.evaluate import memory_floor
 from autopar.search.problem import Problem, build_problem, residency, step_floor
 from autopar.sharding import Spec, mesh_info
 
@@ -77,12 +78,6 @@ from autopar.sharding import Spec, mesh_info
 # the mesh (when it has devices) and judged by XLA's memory analysis, because the
 # liveness estimate does not see XLA's own temporaries.
 COMPILE_CHECK_FRACTION = 0.7
-# Mesh-shape search: a shape whose `recursive` plan is priced above this many times the
-# best plan found is not searched in full. A heuristic, not a bound: on the 7B
-# Llama-style step the full search's plan was 0.33-1.0x `recursive`'s on the same shape
-# (lowest where the model axis is 32-128 wide), and every shape this margin leaves out
-# there had a full-search plan >= 1.33x the best (docs/features.md, mesh-shape search).
-SCREEN_MARGIN = 2.0
 log = logging.getLogger("autopar")
 T = TypeVar("T")
 
@@ -325,57 +320,56 @@ class _Driver(PipelineTries):
         abstract mesh (no compile check can turn plans away afterwards) a try whose
         floor is above the best price found is skipped, and on any mesh a screened try
         whose screen price is above SCREEN_MARGIN x the best price found. Infeasible
-        when no try gives a plan within the memory budget."""
+        when no try gives a plan within the memory budget. Where `search.workers`
+        allows, the tries are searched side by side first (`compile.tries.ahead`); this
+        walk then takes their results in its own order, to the same decisions."""
         o = self.o
         tries, failures = self._tries(graph)
         floors = [step_floor(graph_of(graph, p), mesh.size, o.profile, p) for _, mesh, p in tries]
         screen, built, same = self._screen(graph, tries, reused)
         ranked, best, skipped, memory_bound, dropped = [], math.inf, 0, False, []
         order = sorted(range(len(tries)), key=lambda i: (floors[i], screen.get(i, 0.0), i))
+        abstract = [isinstance(mesh, AbstractMesh) for _, mesh, _ in tries]
+
+        def pruned(i: int, best: float) -> bool:  # the walk's rules below, as one test
+            return (
+                i in same
+                or (abstract[i] and floors[i] >= best)
+                or screen.get(i, 0.0) > SCREEN_MARGIN * best
+            )
+
+        def one(step: int, i: int):
+            return self._try(graph, tries, i, step, built, reused)
+
+        found = ahead(graph, tries, order, one, pruned, self.clock)
         for step, i in enumerate(order):
             k, mesh, pipelined = tries[i]
             if i in same:
                 continue
-            if isinstance(mesh, AbstractMesh) and floors[i] >= best:
+            if abstract[i] and floors[i] >= best:
                 skipped += 1
                 continue
             if screen.get(i, 0.0) > SCREEN_MARGIN * best:
                 dropped += [i] if math.isfinite(screen[i]) else []  # else: out of time
                 continue
-            if ranked and self.clock.out_of_time():
+            if ranked and self.clock.out_of_time() and i not in found:
                 self.clock.skip(left_out(tries, order[step:], self.remat_policy))
                 break
-            info, g = self._info(mesh), graph_of(graph, pipelined)
-            # not worth building when no plan of it can fit (the only try of a call that
-            # is not `remat="auto"` is searched: its error names the largest tensors)
-            floored = len(tries) > 1 or o.remat == "auto"
-            need = memory_floor(g, mesh.size, residency(g, pipelined)) if floored else 0
-            if need > o.memory_budget:
-                failures.append(over_floor(try_name(info.shape, pipelined), need, o.memory_budget))
+            got = found.pop(i) if i in found else one(step, i)
+            if isinstance(got, str):  # its memory floor is over the budget
+                failures.append(got)
                 if len(tries) == 1:
-                    return Infeasible(MemoryBudgetError(failures[-1]))
+                    return Infeasible(MemoryBudgetError(got))
                 memory_bound = True
                 continue
-            log.info(
-                "mesh %s: pricing the strategies of %d ops",
-                try_name(info.shape, pipelined),
-                len(g.nodes),
-                extra={"autopar_step": (step + 1, len(tries))},
-            )
-            problem = built.pop(i, None) or self._built(g, info, pipelined)
-            pins = self._pins(problem, g is not graph, reused)
-            if isinstance(pins, MeshError):
-                result = Infeasible(pins)
-            else:
-                result = _searched(
-                    problem, o.engine, o.memory_budget, pins, self.clock, isinstance(mesh, Mesh)
-                )
+            problem, result = got
+            problem = problem or built.pop(i, None)  # None: searched in a worker
             if isinstance(result, Infeasible):
                 if len(tries) == 1:
                     if result.memory:
                         return result
                     raise result.error
-                failures.append(f"{info.shape}: {result.why.splitlines()[0]}")
+                failures.append(f"{self._info(mesh).shape}: {result.why.splitlines()[0]}")
                 memory_bound |= result.memory
                 continue
             ranked += [
@@ -394,6 +388,31 @@ class _Driver(PipelineTries):
         if dropped or same:
             screened = screen_note(tries, screen, dropped, same, best, SCREEN_MARGIN)
         return _Found(ranked, failures, len(tries), skipped, memory_bound, screened)
+
+    def _try(self, graph: Graph, tries: list, i: int, step: int, built: dict, reused: dict):
+        """Try `i` searched: (its problem, the search's result or Infeasible), or the
+        note saying its memory floor is over the budget (it is then not built)."""
+        o = self.o
+        _, mesh, pipelined = tries[i]
+        info, g = self._info(mesh), graph_of(graph, pipelined)
+        # not worth building when no plan of it can fit (the only try of a call that
+        # is not `remat="auto"` is searched: its error names the largest tensors)
+        floored = len(tries) > 1 or o.remat == "auto"
+        need = memory_floor(g, mesh.size, residency(g, pipelined)) if floored else 0
+        if need > o.memory_budget:
+            return over_floor(try_name(info.shape, pipelined), need, o.memory_budget)
+        log.info(
+            "mesh %s: pricing the strategies of %d ops",
+            try_name(info.shape, pipelined),
+            len(g.nodes),
+            extra={"autopar_step": (step + 1, len(tries))},
+        )
+        problem = built.pop(i, None) or self._built(g, info, pipelined)
+        pins = self._pins(problem, g is not graph, reused)
+        if isinstance(pins, MeshError):
+            return problem, Infeasible(pins)
+        checked = isinstance(mesh, Mesh)
+        return problem, _searched(problem, o.engine, o.memory_budget, pins, self.clock, checked)
 
     def _built(self, g: Graph, info, pipelined) -> Problem:
         with self.clock.phase("build"):
@@ -414,51 +433,21 @@ class _Driver(PipelineTries):
         return pins
 
     def _screen(self, graph: Graph, tries: list, reused: dict[int, Spec]):
-        """Mesh-shape search without pipelines: every shape's plan by `recursive` (one
-        pass, no polish), priced, before any full search; all shapes have the same FLOP
-        floor, so this price orders them and bounds which are worth a full search
-        (`_search`); a shape the cost model cannot tell from one before it
-        (`meshes.equivalent`) is neither screened nor searched. Returns ({try index:
-        screen price}, {try index: its problem} for the shapes that may still be searched
-        in full, {try index: the earlier try it equals}); ({}, {}, {}) where nothing is
-        screened (one try, pipelines, or an engine as cheap as the screen)."""
+        """`compile.screen.screen` of this call's tries (not for pipelines, or an engine
+        as cheap as the screen)."""
         if len(tries) < 2 or self.o.engine in ("recursive", "propagate"):
             return {}, {}, {}
         if any(p is not None for _, _, p in tries):
             return {}, {}, {}
-        screen, built, fits, infos = {}, {}, {}, {}
-        same: dict[int, int] = {}  # try -> the earlier try it is the same mesh as
-        for step, (_, mesh, _) in enumerate(tries):
-            if screen and self.clock.out_of_time():  # the rest are left out, and named
-                rest = range(step, len(tries))
-                self.clock.skip("the screen and search of " + left_out(tries, rest, None))
-                screen.update(dict.fromkeys(rest, math.inf))
-                break
-            info = self._info(mesh)
-            twin = next((j for j, other in infos.items() if equivalent(other, info)), None)
-            if twin is not None:  # the cost model cannot tell them apart: one search
-                same[step] = twin
-                continue
-            infos[step] = info
-            log.info(
-                "mesh %s: screening with recursive",
-                info.shape,
-                extra={"autopar_step": (step + 1, len(tries))},
-            )
-            problem = self._built(graph, info, None)
-            pins = self._pins(problem, False, reused)
-            if isinstance(pins, MeshError):
-                continue  # its full search reports why
-            with self.clock.phase("screen"):
-                cost = evaluate(problem, ENGINES["recursive"](problem, pins, {}))
-            screen[step], built[step] = cost.step_s, problem
-            fits[step] = cost.peak_memory_bytes <= self.o.memory_budget
-            # a full search keeps recursive's plan if it fits: the best such screen price
-            # bounds the best price, and the problems of shapes above the margin can go
-            top = min((screen[j] for j in fits if fits[j]), default=math.inf)
-            for j in [j for j in built if screen[j] > SCREEN_MARGIN * top]:
-                del built[j]
-        return screen, built, same
+        return screen(
+            graph,
+            tries,
+            self.clock,
+            self._info,
+            lambda info: self._built(graph, info, None),
+            lambda problem: self._pins(problem, False, reused),
+            self.o.memory_budget,
+        )
 
     def _first_that_fits(
         self, graph: Graph, found: _Found, notes: tuple[str, ...], lead: tuple[str, ...]
@@ -468,6 +457,8 @@ class _Driver(PipelineTries):
         o, call = self.o, self.call
         rejected = []
         for _, _, name, mesh, problem, result, pipelined in found.ranked:
+            if problem is None:  # searched in a worker (`compile.tries`): built again here
+                problem = self._built(graph_of(graph, pipelined), self._info(mesh), pipelined)
             with self.clock.phase("plan"):
                 plan = make_plan(problem, result.pick(name), o.profile, mesh, pipelined)
                 plan = replace(

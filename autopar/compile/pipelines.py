@@ -62,7 +62,7 @@ def _applies(fn: Callable[..., T], *args) -> T | Infeasible:
 
 class PipelineTries:
     """The pipeline half of `compile.driver._Driver` (which sets the attributes read
-    here: options `o`, `call`, `name`, the trace before remat `base`, the remat policy
+    here: options `o`, `call`, `name`, `clock`, the trace before remat `base`, the remat policy
     and layer count, `_rolled`/`_rolled_notes`, the rolled stacks per stage count, and
     `traces`, the micro-batch traces every remat policy's driver of the call shares)."""
 
@@ -136,10 +136,11 @@ class PipelineTries:
                     )
                 )
             elif fits:
-                got = _applies(roll, base, fits[0], S, mesh)
-                if not isinstance(got, Infeasible):
-                    g, self._rolled_notes[S] = self._remat_rolled(got[0])
-                    got = (g, got[1])
+                with self.clock.phase("passes"):
+                    got = _applies(roll, base, fits[0], S, mesh)
+                    if not isinstance(got, Infeasible):
+                        g, self._rolled_notes[S] = self._remat_rolled(got[0])
+                        got = (g, got[1])
                 self._rolled[key] = got
             else:
                 loops = [n.params["length"] for n in graph.nodes if n.body is not None]
@@ -192,17 +193,20 @@ class PipelineTries:
         raw = ("trace", shape if by_mesh else None, sig)
         if raw not in self.traces:
             log.info("tracing %s at the micro-batch size", name)
-            self.traces[raw] = self._capture(margs, mesh)
+            with self.clock.phase("capture"):
+                self.traces[raw] = self._capture(margs, mesh)
         key = ("rolled", raw, rolled.stages if rolled is not None else None)
         if key not in self.traces:
             traced = self.traces[raw]
             if rolled is not None:
-                traced = _applies(_roll_like, self._precision(traced)[0], rolled, mesh)
+                with self.clock.phase("passes"):
+                    traced = _applies(_roll_like, self._precision(traced)[0], rolled, mesh)
             self.traces[key] = traced
         micro = self.traces[key]
         if isinstance(micro, Infeasible):
             return micro
-        micro = self._prepare(micro)[0] if rolled is None else self._remat_rolled(micro)[0]
+        with self.clock.phase("passes"):
+            micro = self._prepare(micro)[0] if rolled is None else self._remat_rolled(micro)[0]
         mscans = pipelined_scans(micro, pipe)
         if len(mscans) != len(scans):
             return Infeasible(

@@ -14,7 +14,7 @@ from typing import Any
 
 from autopar.cost.model import Cost
 from autopar.errors import MemoryBudgetError, format_bytes
-from autopar.search import engines
+from autopar.search import engines, workers
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
 from autopar.search.polish import lean_arguments, polish
@@ -156,15 +156,22 @@ def search(
             if lean:
                 zero_stages[f"zero3+loops/{f}"] = {**zero_pins, **lean}
 
+    def priced(choice) -> Cost:
+        with clock.phase("evaluate"):
+            return evaluate(problem, choice)
+
     def run(name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
         info[key] = {}
         with clock.phase(name):
             choice = ENGINES[name](problem, pins, info[key])
-        with clock.phase("evaluate"):
-            cost = evaluate(problem, choice)
-        if clock.out_of_time() and cost.peak_memory_bytes <= memory_budget:
-            clock.skip(f"the latency polish of {key} on {problem.mesh.shape}")
-            return choice, cost
+        # the engine's plan is priced only where needed: a polished plan that fits
+        # replaces it unpriced (a pricing of the 175B step takes 1.6 s)
+        cost = None
+        if clock.out_of_time():
+            cost = priced(choice)
+            if cost.peak_memory_bytes <= memory_budget:
+                clock.skip(f"the latency polish of {key} on {problem.mesh.shape}")
+                return choice, cost
         cut = []
 
         def stop() -> bool:
@@ -178,11 +185,13 @@ def search(
         if cut:
             clock.skip(f"the rest of the latency polish of {key} on {problem.mesh.shape}")
         if saved > 0:
-            with clock.phase("evaluate"):
-                better = evaluate(problem, polished)
-            if better.peak_memory_bytes <= max(memory_budget, cost.peak_memory_bytes):
+            better = priced(polished)
+            if better.peak_memory_bytes <= memory_budget or (
+                better.peak_memory_bytes <= (cost := cost or priced(choice)).peak_memory_bytes
+            ):
                 info[key]["polished_s"] = saved
                 choice, cost = polished, better
+        cost = cost or priced(choice)
         recipe = RECIPE_PINS[name](problem) if name in RECIPE_PINS else {}
         return leaner(choice, cost, {**recipe, **pins}, key)
 
@@ -206,42 +215,112 @@ def search(
     def fits_any() -> bool:
         return any(v[1].peak_memory_bytes <= memory_budget for v in candidates.values())
 
+    # `auto`'s engines and its ZeRO-3 candidate are independent: on a big enough problem
+    # they run side by side (`search.workers`), then the ZeRO retries of those over
+    # budget; the loops below take their results
+    early = {n: (n, pinned) for n in names if n not in AUTO_MEMORY_FALLBACK}
+    if engine == "auto" and not problem.loop_body and zero_pins:
+        early[AUTO_ZERO3] = ("recursive", {**zero_pins, **pinned})
+    n_workers = workers.usable(len(problem.strategies), len(early))
+    done: dict[str, tuple[tuple[list[int], Cost], SolverInfo]] = {}
+
+    def side_by_side(batch: dict[str, tuple[str, Mapping[int, int]]]) -> None:
+        log.info(
+            "mesh %s: searching with %s side by side (%d workers)",
+            problem.mesh.shape,
+            ", ".join(batch),
+            n_workers,
+        )
+
+        def task(name: str, pins: Mapping[int, int], key: str):
+            return lambda: (run(name, pins, key), info[key])
+
+        done.update(
+            workers.run_all(
+                {key: task(n, p, key) for key, (n, p) in batch.items()},
+                n_workers,
+                clock,
+                enough=lambda got: any(
+                    r[0][1].peak_memory_bytes <= memory_budget for r in got.values()
+                ),
+            )
+        )
+
+    def over(key: str) -> bool:  # a plan that gets the ZeRO retries
+        return key in done and done[key][0][1].peak_memory_bytes > memory_budget * sure_fit
+
+    def retries(name: str) -> Iterator[tuple[str, dict[int, int]]]:
+        for stage, pins in zero_stages.items():
+            if pins and not (stage == "zero1" and pins == zero_pins):
+                yield stage, pins
+
+    batches = [early]
+    if n_workers > 1:
+        side_by_side(early)
+        batches.append(
+            {
+                f"{n}+{stage}": (n, {**pins, **pinned})
+                for n in names
+                if over(n) and n not in ("data", "fsdp")
+                for stage, pins in retries(n)
+                if "loops" not in stage and f"{n}+{stage}" not in done
+            }
+        )
+        fit = any(r[0][1].peak_memory_bytes <= memory_budget for r in done.values())
+        if fit and clock.out_of_time():
+            for key in batches[-1]:
+                clock.skip(f"{key} on {problem.mesh.shape} (not started: the time limit)")
+        elif batches[-1]:
+            side_by_side(batches[-1])
+    # stopped by the time limit
+    stopped = {k for b in batches for k in b} - set(done) if n_workers > 1 else set()
+
+    def take(name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
+        if key in done:
+            result, info[key] = done.pop(key)
+            return result
+        return run(name, pins, key)
+
     for i, name in enumerate(names):
         if name in AUTO_MEMORY_FALLBACK and engine == "auto" and fits_any():
             info["skipped"] = {name: "a plan of the other engines fits the memory budget"}
             continue
-        fitting = fits_any()
-        if fitting and clock.out_of_time():
+        if name in stopped:
+            continue
+        if fits_any() and clock.out_of_time() and name not in done:
             clock.skip(f"engines {', '.join(names[i:])} on {problem.mesh.shape}")
             break
-        log.info("mesh %s: searching with %s", problem.mesh.shape, name)
-        candidates[name] = run(name, pinned, name)
+        if name not in done:
+            log.info("mesh %s: searching with %s", problem.mesh.shape, name)
+        candidates[name] = take(name, pinned, name)
         if candidates[name][1].peak_memory_bytes <= memory_budget * sure_fit or name in (
             "data",
             "fsdp",
         ):
             continue
         fits = False
-        for stage, pins in zero_stages.items():
-            if not pins or (stage == "zero1" and pins == zero_pins):
-                continue
+        for stage, pins in retries(name):
             if fits and "loops" in stage:  # leaner loops only trade speed for memory
                 break
             key = f"{name}+{stage}"
+            if key in stopped:
+                continue
             log.info("mesh %s: %s over budget, retrying with %s", problem.mesh.shape, name, stage)
-            candidates[key] = run(name, {**pins, **pinned}, key)
+            candidates[key] = take(name, {**pins, **pinned}, key)
             fits |= candidates[key][1].peak_memory_bytes <= memory_budget * sure_fit
     if (
         engine == "auto"
         and not problem.loop_body  # a loop's body: its carry is no state to shard
         and AUTO_ZERO3 not in candidates  # not already run as a memory retry
+        and AUTO_ZERO3 not in stopped
         and zero_pins
     ):
-        if fits_any() and clock.out_of_time():
+        if fits_any() and clock.out_of_time() and AUTO_ZERO3 not in done:
             clock.skip(f"{AUTO_ZERO3} on {problem.mesh.shape}")
         else:
-            log.info("mesh %s: searching with %s", problem.mesh.shape, AUTO_ZERO3)
-            candidates[AUTO_ZERO3] = run("recursive", {**zero_pins, **pinned}, AUTO_ZERO3)
+            if AUTO_ZERO3 not in done:
+                log.info("mesh %s: searching with %s", problem.mesh.shape, AUTO_ZERO3)
+            candidates[AUTO_ZERO3] = take("recursive", {**zero_pins, **pinned}, AUTO_ZERO3)
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
         best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)

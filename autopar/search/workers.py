@@ -1,0 +1,187 @@
+"""Engines side by side: the independent searches of `auto` in forked worker processes.
+
+`auto` runs several engines on one problem (`search.AUTO_ENGINES` and the ZeRO-3
+candidate); each is deterministic and reads nothing the others write. On a machine with
+more than one core they run at once, each in a child process forked from the planner:
+`fork` hands the child the built problem (its strategies and cost tables) without a
+copy or pickling; a problem holds the captured jaxpr, which does not pickle. The child
+returns the engine's plan (strategy indices), its price, the solver's info, the seconds
+of its phases, what it left out under `time_limit=` and the warnings it raised; the
+parent takes these results in the order the sequential loop would have made them, so the
+ranking, and the plan, are the same byte for byte.
+
+A child runs only numpy and Python (the search never calls into JAX or XLA), which is
+what makes forking a process with XLA's threads alive safe: `fork` copies the calling
+thread only, and nothing in the child waits on a lock another thread held (the child
+drops JAX's garbage-collection hook, the one call into XLA it would make). JAX and
+Python 3.12+ warn about any fork in a multi-threaded process; those warnings are
+filtered at the fork for that reason. A child never forks again (searches it starts run inline).
+
+Workers: `AUTOPAR_WORKERS` (an integer; 1 turns this off), by default the CPUs this
+process may use. A problem below `MIN_NODES` cost-graph nodes is searched inline: its
+engines take less time than a fork of the planner's process."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import wait
+from typing import Any
+
+log = logging.getLogger("autopar")
+
+MIN_NODES = 1000
+_IN_CHILD = False  # set in a worker: it searches inline
+
+
+def count() -> int:
+    """How many searches may run at once (`AUTOPAR_WORKERS`, else the usable CPUs)."""
+    env = os.environ.get("AUTOPAR_WORKERS", "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(
+                f"AUTOPAR_WORKERS={env!r}: expected a whole number of workers"
+            ) from None
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def usable(nodes: int, tasks: int) -> int:
+    """Workers for `tasks` searches of a problem with `nodes` nodes (<= 1: inline)."""
+    if _IN_CHILD or tasks < 2 or nodes < MIN_NODES or not hasattr(os, "fork"):
+        return 1
+    return min(count(), tasks)
+
+
+def run_all(
+    tasks: Mapping[str, Callable[[], Any]],
+    workers: int,
+    clock: Any,
+    enough: Callable[[dict[str, Any]], bool] = lambda done: bool(done),
+    phase: str = "engines",
+    skip: Callable[[Any, dict[Any, Any]], bool] = lambda key, done: False,
+    label: Callable[[Any], str] = str,
+) -> dict[str, Any]:
+    """Each task's result, computed in up to `workers` forked children (in task order).
+
+    The parent's time waiting for them is the clock's `phase` (the children's
+    own phases overlap, so they are logged, not added); their skips go to `clock.skip`,
+    their warnings to `warnings`. Past the clock's deadline, once
+    `enough(results so far)`, the children still running are stopped and named to
+    `clock.skip` (as `label(key)`) and left out of the results; a task whose child
+    died is named in a warning and run in this process. A task for which
+    `skip(key, results so far)` holds when its turn comes is not run (nor named)."""
+    ctx = multiprocessing.get_context("fork")
+    pending = list(tasks.items())
+    running: dict[Any, tuple[str, Any]] = {}  # connection -> (key, process)
+    results: dict[str, Any] = {}
+    phases: dict[str, dict[str, float]] = {}
+    deadline = getattr(clock, "deadline", None)
+
+    def start(key: str, task: Callable[[], Any]) -> None:
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(task, clock, send), daemon=True)
+        with warnings.catch_warnings():  # fork with XLA's threads alive (module docstring)
+            warnings.simplefilter("ignore", DeprecationWarning)  # Python >= 3.12's
+            warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)  # JAX's
+            proc.start()
+        send.close()
+        running[recv] = (key, proc)
+
+    def stop(why: str) -> None:
+        for conn, (key, proc) in running.items():
+            proc.terminate()
+            proc.join()
+            conn.close()
+            if why:
+                clock.skip(f"{label(key)} ({why})")
+        running.clear()
+
+    with clock.phase(phase):
+        try:
+            while pending or running:
+                while pending and len(running) < workers:
+                    key, task = pending.pop(0)
+                    if not skip(key, results):
+                        start(key, task)
+                if not running:
+                    break
+                now = time.perf_counter()
+                if deadline is not None and now >= deadline and results and enough(results):
+                    stop("stopped at the time limit")
+                    for key, _ in pending:
+                        clock.skip(f"{label(key)} (not started: the time limit)")
+                    break
+                timeout = deadline - now if deadline is not None and now < deadline else None
+                for conn in wait(list(running), timeout):
+                    key, proc = running.pop(conn)
+                    try:
+                        status, payload = conn.recv()
+                    except EOFError:
+                        status, payload = "died", None
+                    conn.close()
+                    proc.join()
+                    if status == "error":
+                        raise payload
+                    if status == "died":
+                        warnings.warn(
+                            f"autopar: the search worker for {label(key)} ended without a result "
+                            f"(exit code {proc.exitcode}); it is searched in this process "
+                            "instead",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+                        results[key] = tasks[key]()
+                        continue
+                    result, spent, skipped, caught = payload
+                    results[key] = result
+                    phases[key] = spent
+                    for what in skipped:
+                        clock.skip(what)
+                    for w in caught:
+                        warnings.warn_explicit(w[0], w[1], w[2], w[3])
+        finally:
+            stop("")  # after an error: the other children are not waited for
+    for key, spent in phases.items():
+        log.debug(
+            "%s searched side by side: %s", label(key), {k: round(v, 2) for k, v in spent.items()}
+        )
+    return results
+
+
+def _child(task: Callable[[], Any], clock: Any, send) -> None:
+    global _IN_CHILD
+    _IN_CHILD = True
+    # JAX's collector hook (`jax._src.lib`) calls into XLA on every garbage collection,
+    # which could wait on a lock an XLA thread of the parent held at the fork
+    gc.callbacks.clear()
+    log.disabled = True  # the parent's progress display speaks for its children
+    before = dict(getattr(clock, "phases", {}))
+    skipped = len(getattr(clock, "skipped", []))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = task()
+        spent = {
+            k: v - before.get(k, 0.0)
+            for k, v in getattr(clock, "phases", {}).items()
+            if v - before.get(k, 0.0) > 0
+        }
+        ws = [(w.message, w.category, w.filename, w.lineno) for w in caught]
+        send.send(("ok", (result, spent, list(getattr(clock, "skipped", []))[skipped:], ws)))
+    except BaseException as e:  # noqa: BLE001 - handed to the parent, raised there
+        try:
+            send.send(("error", e))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            send.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+    finally:
+        send.close()

@@ -1,0 +1,168 @@
+"""`auto`'s engines side by side in forked workers (`autopar.search.workers`): the same
+plan as searched inline, errors and dead workers handled, `time_limit=` honoured."""
+
+import os
+import time
+import warnings
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autopar
+from autopar import search
+from autopar.compile import tries
+from autopar.search import workers
+
+
+def step(params, x):  # a train step: `auto` also ranks its ZeRO-3 candidate
+    def loss(p):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    g = jax.grad(loss)(params)
+    return jax.tree_util.tree_map(lambda w, d: w - 0.1 * d, params, g)
+
+
+def args():
+    f = jnp.float32
+    params = {
+        "w1": jax.ShapeDtypeStruct((256, 512), f),
+        "b1": jax.ShapeDtypeStruct((512,), f),
+        "w2": jax.ShapeDtypeStruct((512, 256), f),
+    }
+    return params, jax.ShapeDtypeStruct((64, 256), f)
+
+
+def plan(monkeypatch, n: int, **options):
+    monkeypatch.setenv("AUTOPAR_WORKERS", str(n))
+    monkeypatch.setattr(workers, "MIN_NODES", 0)  # this small problem is forked too
+    options = {"mesh": {"data": 4, "model": 2}, "engine": "auto", **options}
+    return autopar.parallelize(step, progress=False, cache_dir=None, **options).plan(*args())
+
+
+def test_side_by_side_finds_the_plan_searched_inline(monkeypatch):
+    inline = plan(monkeypatch, 1)
+    side = plan(monkeypatch, 2)
+    assert "dp" in inline.phases and "engines" not in inline.phases
+    assert "engines" in side.phases and "dp" not in side.phases  # searched in the children
+    assert side.to_json() == inline.to_json()  # the same plan, candidates and solver info
+    assert set(side.candidates) >= {"recursive", "dp", "data", search.AUTO_ZERO3}
+
+
+def test_a_workers_error_is_raised_in_the_caller(monkeypatch):
+    def broken(problem, pins, info):
+        raise ZeroDivisionError("inside the dp engine")
+
+    monkeypatch.setitem(search.ENGINES, "dp", broken)
+    with pytest.raises(ZeroDivisionError, match="inside the dp engine"):
+        plan(monkeypatch, 2)
+
+
+def test_a_dead_worker_is_named_and_its_search_run_here(monkeypatch):
+    dp = search.ENGINES["dp"]
+
+    def dies(problem, pins, info):
+        if workers._IN_CHILD:
+            os._exit(3)
+        return dp(problem, pins, info)
+
+    monkeypatch.setitem(search.ENGINES, "dp", dies)
+    with pytest.warns(
+        RuntimeWarning, match=r"worker for dp ended without a result \(exit code 3\)"
+    ):
+        p = plan(monkeypatch, 2)
+    monkeypatch.setitem(search.ENGINES, "dp", dp)
+    assert p.to_json() == plan(monkeypatch, 1).to_json()
+
+
+def test_time_limit_stops_the_workers_still_searching(monkeypatch):
+    dp = search.ENGINES["dp"]
+
+    def slow(problem, pins, info):
+        time.sleep(30)
+        return dp(problem, pins, info)
+
+    monkeypatch.setitem(search.ENGINES, "dp", slow)
+    t = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = plan(monkeypatch, 4, time_limit=3.0)
+    assert time.perf_counter() - t < 20
+    said = " ".join(str(w.message) for w in caught)
+    assert "dp (stopped at the time limit)" in said, said
+    assert "dp" not in p.candidates and "recursive" in p.candidates
+
+
+def test_workers_setting_is_read_and_checked(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_WORKERS", "3")
+    assert workers.count() == 3
+    assert workers.usable(10**6, 2) == 2 and workers.usable(10**6, 1) == 1
+    assert workers.usable(workers.MIN_NODES - 1, 4) == 1
+    monkeypatch.setenv("AUTOPAR_WORKERS", "many")
+    with pytest.raises(ValueError, match="AUTOPAR_WORKERS='many'"):
+        workers.count()
+
+
+def test_mesh_shapes_are_screened_side_by_side_to_the_same_plan(monkeypatch):
+    inline = plan(monkeypatch, 1, mesh=8)
+    phases, run_all = [], workers.run_all
+
+    def counted(tasks, n, clock, **kw):
+        phases.append((kw.get("phase", "engines"), len(tasks)))
+        return run_all(tasks, n, clock, **kw)
+
+    monkeypatch.setattr(workers, "run_all", counted)
+    side = plan(monkeypatch, 2, mesh=8)
+    assert phases[0][0] == "screen" and phases[0][1] >= 3, phases
+    assert phases[1][0] == "engines", phases  # the shapes searched in full: engines side by side
+    assert "screen" in inline.phases and "screen" in side.phases
+    assert side.to_json() == inline.to_json()
+    assert [w for w in side.warnings if "mesh shapes" in w] == [
+        w for w in inline.warnings if "mesh shapes" in w
+    ]
+
+
+def test_zero_retries_of_plans_over_budget_run_side_by_side_to_the_same_plan(monkeypatch):
+    roomy = plan(monkeypatch, 1)
+    budget = 0.98 * roomy.cost.peak_memory_bytes  # the ZeRO retries are searched
+    inline = plan(monkeypatch, 1, memory_budget=budget)
+    batches, run_all = [], workers.run_all
+
+    def counted(tasks, n, clock, **kw):
+        batches.append(sorted(tasks))
+        return run_all(tasks, n, clock, **kw)
+
+    monkeypatch.setattr(workers, "run_all", counted)
+    side = plan(monkeypatch, 2, memory_budget=budget)
+    # (plain SGD: no optimizer state, so no ZeRO-1; recursive+zero3 ran in the first batch)
+    assert "dp+zero3" in inline.candidates, inline.candidates
+    assert batches == [["data", "dp", "recursive", "recursive+zero3"], ["dp+zero3"]], batches
+    assert side.to_json() == inline.to_json()
+
+
+@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_pipeline_tries_side_by_side_find_the_plan_searched_inline(monkeypatch, scan):
+    """`pipeline_stages="auto"`: every (stage count, micro-batch count) try searched in
+    a child, layers under `scan` or unrolled in Python (rolled); the plan, its notes on
+    the tries, and the tries left out by their floors are those of the inline walk."""
+    from autopar.examples.models import gpt
+
+    cfg = gpt.GPTConfig(hidden=64, heads=4, seq=32, vocab=256, layers=4, batch_size=8)
+    ts = gpt.make_train_step(replace(cfg, scan_layers=scan))
+    abstract = (jax.eval_shape(ts.init, 0), jax.eval_shape(ts.batch, 0))
+
+    def planned(n):
+        monkeypatch.setenv("AUTOPAR_WORKERS", str(n))
+        # engines inline (every problem below the threshold), the tries side by side
+        monkeypatch.setattr(workers, "MIN_NODES", 10**6)
+        monkeypatch.setattr(tries, "size", lambda graph: 10**7)
+        par = autopar.parallelize(
+            ts.step, mesh=16, cluster="a100-80g", pipeline_stages="auto", progress=False
+        )
+        return par.plan(*abstract)
+
+    inline, side = planned(1), planned(2)
+    assert "tries" in side.phases and "tries" not in inline.phases
+    assert side.to_json() == inline.to_json()
