@@ -48,6 +48,12 @@ def test_side_by_side_finds_the_plan_searched_inline(monkeypatch):
     assert "dp" in inline.phases and "engines" not in inline.phases
     assert "engines" in side.phases and "dp" not in side.phases  # searched in the children
     assert side.to_json() == inline.to_json()  # the same plan, candidates and solver info
+    # what the workers spent is reported beside the parent's phases, not added to them
+    assert inline.worker_phases is None and side.worker_phases["dp"] > 0
+    assert "side by side, in the workers (overlapping): " in side.summary()
+    from test_cli import SCHEMA, check_schema
+
+    assert check_schema(side.to_json(timings=True), SCHEMA) == []
     assert set(side.candidates) >= {"recursive", "dp", "data", search.AUTO_ZERO3}
 
 

@@ -19,6 +19,9 @@ class Clock:
         self.time_limit = time_limit
         self.deadline = None if time_limit is None else self.start + float(time_limit)
         self.phases: dict[str, float] = {}
+        # seconds the search workers (`search.workers`) spent per phase, added up over
+        # the workers: they overlap the parent's wait ("engines", "screen", "tries")
+        self.workers: dict[str, float] = {}
         self.skipped: list[str] = []
         self._stack: list[list[float]] = []  # [started, seconds of nested phases]
 
@@ -40,6 +43,9 @@ class Clock:
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def worked(self, name: str, seconds: float) -> None:
+        self.workers[name] = self.workers.get(name, 0.0) + seconds
 
     def skip(self, what: str) -> None:
         if what not in self.skipped:

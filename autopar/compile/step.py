@@ -63,7 +63,8 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
         )
         warnings.warn(f"autopar: {fn_name(options.fn)}: {note}", stacklevel=4)
         got = replace(got, plan=replace(got.plan, warnings=(*got.plan.warnings, note)))
-    plan = replace(got.plan, phases=clock.report())
+    workers = {k: round(v, 6) for k, v in clock.workers.items()} or None
+    plan = replace(got.plan, phases=clock.report(), worker_phases=workers)
     if cache is not None and not clock.skipped:
         with clock.phase("cache"):
             path = cache.store(key, plan, parts)

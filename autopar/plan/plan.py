@@ -223,6 +223,9 @@ class Plan:
     # "build", one per engine, "polish", "compile check", ..., "other", "total"; see
     # `autopar.compile.clock`); not in the plan file unless `to_json(timings=True)`
     phases: dict | None = field(default=None, compare=False)
+    # seconds the search workers spent per phase (`autopar.search.workers`), added up
+    # over the workers; they ran during `phases`' "engines" / "screen" / "tries"
+    worker_phases: dict | None = field(default=None, compare=False)
     # the plan cache's part ({"status": "hit" | "stored", "path", and on a hit
     # "searched_s": the search the entry came from}); None when the cache is off
     cache: dict | None = field(default=None, compare=False)
@@ -294,6 +297,8 @@ class Plan:
             d["remat_layers"] = self.remat_layers
         if timings and self.phases:
             d["phases"] = dict(self.phases)
+        if timings and self.worker_phases:
+            d["worker_phases"] = dict(self.worker_phases)
         return d
 
     def save(self, path: str | os.PathLike) -> None:
@@ -335,6 +340,7 @@ class Plan:
                 remat=d.get("remat"),
                 remat_layers=d.get("remat_layers"),
                 phases=d.get("phases"),
+                worker_phases=d.get("worker_phases"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed plan file ({type(e).__name__}: {e})") from None
@@ -371,6 +377,15 @@ class Plan:
         ]
         if self.phases:
             lines.append("  time: " + _phase_line(self.phases))
+        if self.worker_phases:
+            lines.append(
+                "  side by side, in the workers (overlapping): "
+                + ", ".join(
+                    f"{k} {v:.2f} s"
+                    for k, v in sorted(self.worker_phases.items(), key=lambda kv: -kv[1])
+                    if v >= 0.005
+                )
+            )
         if self.cache:
             c2 = self.cache
             lines.append(

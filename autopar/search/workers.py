@@ -73,8 +73,9 @@ def run_all(
 ) -> dict[str, Any]:
     """Each task's result, computed in up to `workers` forked children (in task order).
 
-    The parent's time waiting for them is the clock's `phase` (the children's
-    own phases overlap, so they are logged, not added); their skips go to `clock.skip`,
+    The parent's time waiting for them is the clock's `phase`; the children's own
+    phases overlap it, so they go to `clock.worked`, not to its phases; their skips go
+    to `clock.skip`,
     their warnings to `warnings`. Past the clock's deadline, once
     `enough(results so far)`, the children still running are stopped and named to
     `clock.skip` (as `label(key)`) and left out of the results; a task whose child
@@ -152,6 +153,9 @@ def run_all(
         finally:
             stop("")  # after an error: the other children are not waited for
     for key, spent in phases.items():
+        for name, seconds in spent.items():
+            if hasattr(clock, "worked"):
+                clock.worked(name, seconds)
         log.debug(
             "%s searched side by side: %s", label(key), {k: round(v, 2) for k, v in spent.items()}
         )
