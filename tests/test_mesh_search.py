@@ -74,6 +74,19 @@ def test_mesh_search_screens_shapes_and_searches_the_promising_ones_in_full():
     assert plan.cost.step_s == pytest.approx(min(prices.values()), rel=1e-9)
 
 
+def test_a_device_count_below_the_memory_floor_is_not_screened(monkeypatch):
+    """All shapes of one device count share a memory floor: when it is over the budget
+    no shape is built or screened, and the error says the floor is what failed."""
+    import autopar.compile.driver as driver
+
+    def never(*a, **k):
+        raise AssertionError("screened")
+
+    monkeypatch.setattr(driver, "screen", never)
+    with pytest.raises(autopar.MemoryBudgetError, match="memory_floor"):
+        autopar.parallelize(_layer, mesh=8, cluster=CLUSTER, memory_budget=1e3).plan(*ARGS)
+
+
 def test_equivalent_meshes_are_relabelings_with_the_same_node_boundaries():
     """`meshes.equivalent`: same axis sizes up to a relabeling, and every group of axes
     inside a node in one exactly when in the other."""

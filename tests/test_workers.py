@@ -13,7 +13,7 @@ import pytest
 import autopar
 from autopar import search
 from autopar.compile import tries
-from autopar.search import workers
+from autopar.search import _NoClock, workers
 
 
 def step(params, x):  # a train step: `auto` also ranks its ZeRO-3 candidate
@@ -106,6 +106,10 @@ def test_workers_setting_is_read_and_checked(monkeypatch):
     assert workers.count() == 3
     assert workers.usable(10**6, 2) == 2 and workers.usable(10**6, 1) == 1
     assert workers.usable(workers.MIN_NODES - 1, 4) == 1
+    monkeypatch.setattr(workers, "memory_cap", lambda: 1)  # memory for one child only
+    assert workers.usable(10**6, 4) == 1
+    monkeypatch.undo()
+    assert workers.memory_cap() >= 1
     monkeypatch.setenv("AUTOPAR_WORKERS", "many")
     with pytest.raises(ValueError, match="AUTOPAR_WORKERS='many'"):
         workers.count()
@@ -172,3 +176,31 @@ def test_pipeline_tries_side_by_side_find_the_plan_searched_inline(monkeypatch, 
     inline, side = planned(1), planned(2)
     assert "tries" in side.phases and "tries" not in inline.phases
     assert side.to_json() == inline.to_json()
+
+
+def test_a_try_is_left_out_ahead_only_where_the_walk_leaves_it_out(monkeypatch):
+    """`compile.tries.ahead` skips a try at its turn only by the walk replayed over the
+    results in: here try 1's screen price is past the margin of try 0's price (the walk
+    drops it) yet its own search is the cheapest; try 2 must still be searched, though
+    2 x try 1's price is below its screen price."""
+    from types import SimpleNamespace
+
+    from autopar.search.result import SearchResult
+
+    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
+    monkeypatch.setattr(workers, "MIN_NODES", 10**6)  # engines inline, tries side by side
+    monkeypatch.setattr(tries, "size", lambda graph: 10**7)
+    screen, price = {0: 1.0, 1: 10.0, 2: 3.0}, {0: 4.0, 1: 1.0, 2: 5.0}
+
+    def one(step, i):
+        time.sleep(1.0 if i == 0 else 0.0)  # try 1 finishes while try 0 still searches
+        cost = SimpleNamespace(step_s=price[i])
+        return None, SearchResult((), "dp", cost, 0.0, {}, (("dp", (), cost),))
+
+    def pruned(i, best):  # the walk's screen-margin rule
+        return screen[i] > 2.0 * best
+
+    mesh = SimpleNamespace(axis_names=("data",), axis_sizes=(8,))
+    graph = SimpleNamespace(nodes=[])
+    got = tries.ahead(graph, [(0, mesh, None)] * 3, [0, 1, 2], one, pruned, _NoClock())
+    assert sorted(got) == [0, 1, 2]  # the walk searches 0 and 2 (best 4: 3 <= 2 x 4)

@@ -439,6 +439,10 @@ class _Driver(PipelineTries):
             return {}, {}, {}
         if any(p is not None for _, _, p in tries):
             return {}, {}, {}
+        # every shape has the same devices, so the same memory floor: over the budget, no
+        # shape can fit, and the walk drops each unbuilt (`_try`) without a screen
+        if memory_floor(graph, tries[0][1].size, residency(graph, None)) > self.o.memory_budget:
+            return {}, {}, {}
         return screen(
             graph,
             tries,

@@ -4,13 +4,13 @@
 try that the best price found so far rules out (its FLOP floor on an abstract mesh, its
 screen price past the margin). `ahead` searches the tries at once in forked workers
 (`search.workers`), in the walk's order, and leaves out at a try's turn only what the
-walk is sure to leave out: the walk's best price before a try is the lowest of the
-prices found at the tries before it that it searched, and each try before it that a
-worker finished (searched by the walk or not) has a price at or above that best, so a
-try ruled out by the lowest finished price before it is ruled out by the walk's best
-too. The walk then takes the workers' results in its own order and makes the same
-decisions, notes and plan as it would alone. A result comes back without its problem
-(a problem does not pickle); the driver builds the problem of a plan it makes again."""
+walk is sure to leave out: it replays the walk over the tries before it as far as their
+results are in; the best price of that replayed prefix is at or above the walk's best
+when it reaches the try (a best only falls), and both rules leave out more under a
+lower best. The walk then takes the workers' results in its own order and makes the
+same decisions, notes and plan as it would alone. A result comes back without its
+problem (a problem does not pickle); the driver builds the problem of a plan it makes
+again."""
 
 from __future__ import annotations
 
@@ -49,8 +49,14 @@ def ahead(
     position = {i: p for p, i in enumerate(order)}
 
     def skip(i: int, done: dict[int, Any]) -> bool:
-        before = [_price(r) for j, r in done.items() if position[j] < position[i]]
-        return pruned(i, min(before, default=math.inf))
+        best = math.inf  # the walk's, over the tries before `i` whose results are in
+        for j in order[: position[i]]:
+            if pruned(j, best):
+                continue  # left out by the walk too (a try skipped here is, by induction)
+            if j not in done:
+                break  # still searching: the walk's best from here on is at most `best`
+            best = min(best, _price(done[j]))
+        return pruned(i, best)
 
     def task(step: int, i: int) -> Callable[[], Any]:
         def run() -> Any:

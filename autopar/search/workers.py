@@ -1,24 +1,27 @@
-"""Engines side by side: the independent searches of `auto` in forked worker processes.
+"""Searches side by side, in forked worker processes.
 
-`auto` runs several engines on one problem (`search.AUTO_ENGINES` and the ZeRO-3
-candidate); each is deterministic and reads nothing the others write. On a machine with
-more than one core they run at once, each in a child process forked from the planner:
-`fork` hands the child the built problem (its strategies and cost tables) without a
-copy or pickling; a problem holds the captured jaxpr, which does not pickle. The child
-returns the engine's plan (strategy indices), its price, the solver's info, the seconds
-of its phases, what it left out under `time_limit=` and the warnings it raised; the
-parent takes these results in the order the sequential loop would have made them, so the
-ranking, and the plan, are the same byte for byte.
+The planner runs searches that are deterministic and read nothing the others write:
+`auto`'s engines on one problem (`search.AUTO_ENGINES`, the ZeRO-3 candidate, then the
+ZeRO retries), the screen of each mesh shape (`compile.screen`) and a call's (mesh,
+pipeline) tries (`compile.tries`). On a machine with more than one core they run at
+once, each in a child process forked from the planner: `fork` hands the child the
+built problem (its strategies and cost tables) without a copy or pickling; a problem
+holds the captured jaxpr, which does not pickle. The child returns its result (a plan
+as strategy indices, its price, the solver's info), the seconds of its phases, what it
+left out under `time_limit=` and the warnings it raised; the caller takes the results
+in the order its sequential loop would have made them, so the plan is the same byte
+for byte.
 
 A child runs only numpy and Python (the search never calls into JAX or XLA), which is
 what makes forking a process with XLA's threads alive safe: `fork` copies the calling
 thread only, and nothing in the child waits on a lock another thread held (the child
 drops JAX's garbage-collection hook, the one call into XLA it would make). JAX and
 Python 3.12+ warn about any fork in a multi-threaded process; those warnings are
-filtered at the fork for that reason. A child never forks again (searches it starts run inline).
+filtered at the fork for that reason. A child never forks again (the searches it
+starts run inline).
 
 Workers: `AUTOPAR_WORKERS` (an integer; 1 turns this off), by default the CPUs this
-process may use. A problem below `MIN_NODES` cost-graph nodes is searched inline: its
+process may use, and never more than the memory available holds (`memory_cap`). A problem below `MIN_NODES` cost-graph nodes is searched inline: its
 engines take less time than a fork of the planner's process."""
 
 from __future__ import annotations
@@ -56,39 +59,53 @@ def count() -> int:
 
 
 def usable(nodes: int, tasks: int) -> int:
-    """Workers for `tasks` searches of a problem with `nodes` nodes (<= 1: inline)."""
+    """Workers for `tasks` searches of a problem with `nodes` nodes (<= 1: inline), at
+    most as many as the free memory holds (`memory_cap`)."""
     if _IN_CHILD or tasks < 2 or nodes < MIN_NODES or not hasattr(os, "fork"):
         return 1
-    return min(count(), tasks)
+    return max(1, min(count(), tasks, memory_cap()))
+
+
+def memory_cap() -> int:
+    """How many children the memory available holds, each taken to need as much as
+    this process has resident (a child's search tables are of the size of the
+    problem it shares with the parent); unbounded where /proc does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 1 << 30
+    return max(1, avail // max(resident, 1))
 
 
 def run_all(
-    tasks: Mapping[str, Callable[[], Any]],
+    tasks: Mapping[Any, Callable[[], Any]],
     workers: int,
     clock: Any,
     enough: Callable[[dict[str, Any]], bool] = lambda done: bool(done),
     phase: str = "engines",
     skip: Callable[[Any, dict[Any, Any]], bool] = lambda key, done: False,
     label: Callable[[Any], str] = str,
-) -> dict[str, Any]:
+) -> dict[Any, Any]:
     """Each task's result, computed in up to `workers` forked children (in task order).
 
     The parent's time waiting for them is the clock's `phase`; the children's own
     phases overlap it, so they go to `clock.worked`, not to its phases; their skips go
-    to `clock.skip`,
-    their warnings to `warnings`. Past the clock's deadline, once
+    to `clock.skip`, their warnings to `warnings`. Past the clock's deadline, once
     `enough(results so far)`, the children still running are stopped and named to
     `clock.skip` (as `label(key)`) and left out of the results; a task whose child
     died is named in a warning and run in this process. A task for which
     `skip(key, results so far)` holds when its turn comes is not run (nor named)."""
     ctx = multiprocessing.get_context("fork")
     pending = list(tasks.items())
-    running: dict[Any, tuple[str, Any]] = {}  # connection -> (key, process)
-    results: dict[str, Any] = {}
-    phases: dict[str, dict[str, float]] = {}
+    running: dict[Any, tuple[Any, Any]] = {}  # connection -> (key, process)
+    results: dict[Any, Any] = {}
+    phases: dict[Any, dict[str, float]] = {}
     deadline = getattr(clock, "deadline", None)
 
-    def start(key: str, task: Callable[[], Any]) -> None:
+    def start(key: Any, task: Callable[[], Any]) -> None:
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_child, args=(task, clock, send), daemon=True)
         with warnings.catch_warnings():  # fork with XLA's threads alive (module docstring)
