@@ -342,6 +342,7 @@ class _Driver(PipelineTries):
             return self._try(graph, tries, i, step, built, reused)
 
         found = ahead(graph, tries, order, one, pruned, self.clock)
+        left: list[int] = []  # not searched: the time limit came first
         for step, i in enumerate(order):
             k, mesh, pipelined = tries[i]
             if i in same:
@@ -353,8 +354,8 @@ class _Driver(PipelineTries):
                 dropped += [i] if math.isfinite(screen[i]) else []  # else: out of time
                 continue
             if ranked and self.clock.out_of_time() and i not in found:
-                self.clock.skip(left_out(tries, order[step:], self.remat_policy))
-                break
+                left.append(i)  # (a worker's result, searched already, is still taken)
+                continue
             got = found.pop(i) if i in found else one(step, i)
             if isinstance(got, str):  # its memory floor is over the budget
                 failures.append(got)
@@ -377,6 +378,8 @@ class _Driver(PipelineTries):
                 for name, _, cost in result.ranked
             ]
             best = min([best] + [cost.step_s for _, _, cost in result.ranked])
+        if left:
+            self.clock.skip(left_out(tries, left, self.remat_policy))
         if not ranked:
             return Infeasible(
                 MemoryBudgetError(
