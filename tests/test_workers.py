@@ -1,5 +1,6 @@
-"""`auto`'s engines side by side in forked workers (`autopar.search.workers`): the same
-plan as searched inline, errors and dead workers handled, `time_limit=` honoured."""
+"""Searches side by side in forked workers (`autopar.search.workers`): `auto`'s engines
+and ZeRO retries, the mesh screen and pipeline tries give the plan searched inline;
+errors and dead workers are handled, `time_limit=` honoured."""
 
 import os
 import time
@@ -38,6 +39,7 @@ def args():
 def plan(monkeypatch, n: int, **options):
     monkeypatch.setenv("AUTOPAR_WORKERS", str(n))
     monkeypatch.setattr(workers, "MIN_NODES", 0)  # this small problem is forked too
+    monkeypatch.setattr(workers, "memory_cap", lambda: 64)  # whatever memory is free
     options = {"mesh": {"data": 4, "model": 2}, "engine": "auto", **options}
     return autopar.parallelize(step, progress=False, cache_dir=None, **options).plan(*args())
 
@@ -103,6 +105,7 @@ def test_time_limit_stops_the_workers_still_searching(monkeypatch):
 
 def test_workers_setting_is_read_and_checked(monkeypatch):
     monkeypatch.setenv("AUTOPAR_WORKERS", "3")
+    monkeypatch.setattr(workers, "memory_cap", lambda: 64)
     assert workers.count() == 3
     assert workers.usable(10**6, 2) == 2 and workers.usable(10**6, 1) == 1
     assert workers.usable(workers.MIN_NODES - 1, 4) == 1
@@ -167,6 +170,7 @@ def test_pipeline_tries_side_by_side_find_the_plan_searched_inline(monkeypatch, 
         monkeypatch.setenv("AUTOPAR_WORKERS", str(n))
         # engines inline (every problem below the threshold), the tries side by side
         monkeypatch.setattr(workers, "MIN_NODES", 10**6)
+        monkeypatch.setattr(workers, "memory_cap", lambda: 64)
         monkeypatch.setattr(tries, "size", lambda graph: 10**7)
         par = autopar.parallelize(
             ts.step, mesh=16, cluster="a100-80g", pipeline_stages="auto", progress=False
@@ -189,6 +193,7 @@ def test_a_try_is_left_out_ahead_only_where_the_walk_leaves_it_out(monkeypatch):
 
     monkeypatch.setenv("AUTOPAR_WORKERS", "2")
     monkeypatch.setattr(workers, "MIN_NODES", 10**6)  # engines inline, tries side by side
+    monkeypatch.setattr(workers, "memory_cap", lambda: 64)
     monkeypatch.setattr(tries, "size", lambda graph: 10**7)
     screen, price = {0: 1.0, 1: 10.0, 2: 3.0}, {0: 4.0, 1: 1.0, 2: 5.0}
 
