@@ -113,6 +113,9 @@ def test_workers_setting_is_read_and_checked(monkeypatch):
     assert workers.usable(10**6, 4) == 1
     monkeypatch.undo()
     assert workers.memory_cap() >= 1
+    monkeypatch.delenv("AUTOPAR_WORKERS", raising=False)
+    monkeypatch.setattr(workers.sys, "platform", "darwin")  # inline unless asked
+    assert workers.count() == 1
     monkeypatch.setenv("AUTOPAR_WORKERS", "many")
     with pytest.raises(ValueError, match="AUTOPAR_WORKERS='many'"):
         workers.count()

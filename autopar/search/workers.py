@@ -21,7 +21,9 @@ filtered at the fork for that reason. A child never forks again (the searches it
 starts run inline).
 
 Workers: `AUTOPAR_WORKERS` (an integer; 1 turns this off), by default the CPUs this
-process may use, and never more than the memory available holds (`memory_cap`). A problem below `MIN_NODES` cost-graph nodes is searched inline: its
+process may use on Linux (elsewhere 1: on macOS a fork of a threaded process can crash
+in system libraries, which is why Python stopped forking there by default), and never
+more than the memory available holds (`memory_cap`). A problem below `MIN_NODES` cost-graph nodes is searched inline: its
 engines take less time than a fork of the planner's process."""
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -43,7 +46,8 @@ _IN_CHILD = False  # set in a worker: it searches inline
 
 
 def count() -> int:
-    """How many searches may run at once (`AUTOPAR_WORKERS`, else the usable CPUs)."""
+    """How many searches may run at once: `AUTOPAR_WORKERS`, else the CPUs this process
+    may use on Linux and 1 elsewhere."""
     env = os.environ.get("AUTOPAR_WORKERS", "").strip()
     if env:
         try:
@@ -52,10 +56,9 @@ def count() -> int:
             raise ValueError(
                 f"AUTOPAR_WORKERS={env!r}: expected a whole number of workers"
             ) from None
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    if not sys.platform.startswith("linux"):
+        return 1  # macOS: a fork of a threaded process can crash in system libraries
+    return len(os.sched_getaffinity(0))
 
 
 def usable(nodes: int, tasks: int) -> int:
