@@ -313,7 +313,7 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch):
 
 @pytest.mark.parametrize(
     "scan",
-    [True, pytest.param(False, marks=pytest.mark.slow)],  # rolled: the floor's rule is one
+    [True, pytest.param(False, marks=pytest.mark.slow)],  # the rolled stack: 20 s more
 )
 def test_memory_floor_is_under_every_tries_plans(monkeypatch, scan):
     """`search.evaluate.memory_floor`, with a pipeline's residency, is below the peak of

@@ -91,7 +91,7 @@ AUTO_MEMORY_FALLBACK = ("fsdp",)
 class _NoClock:
     """The clock of a search nobody times (`autopar.compile.clock.Clock` is the real one:
     `phase(name)` times a phase, `out_of_time()` says `time_limit=` is reached, `skip(what)`
-    names the work left out)."""
+    names the work left out, `worked(name, s)` takes what search workers spent)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -101,6 +101,9 @@ class _NoClock:
         return False
 
     def skip(self, what: str) -> None:
+        pass
+
+    def worked(self, name: str, seconds: float) -> None:
         pass
 
 

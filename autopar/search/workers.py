@@ -174,8 +174,7 @@ def run_all(
             stop("")  # after an error: the other children are not waited for
     for key, spent in phases.items():
         for name, seconds in spent.items():
-            if hasattr(clock, "worked"):
-                clock.worked(name, seconds)
+            clock.worked(name, seconds)
         log.debug(
             "%s searched side by side: %s", label(key), {k: round(v, 2) for k, v in spent.items()}
         )
