@@ -12,7 +12,8 @@ left out under `time_limit=` and the warnings it raised; the caller takes the re
 in the order its sequential loop would have made them, so the plan is the same byte
 for byte.
 
-A child runs only numpy and Python (the search never calls into JAX or XLA), which is
+A child runs numpy and Python (of JAX only its dtype and pytree helpers: it never
+traces, compiles or touches a device array), which is
 what makes forking a process with XLA's threads alive safe: `fork` copies the calling
 thread only, and nothing in the child waits on a lock another thread held (the child
 drops JAX's garbage-collection hook, the one call into XLA it would make). JAX and
