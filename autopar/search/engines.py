@@ -33,13 +33,23 @@ _TIER = {
 
 
 def neighbour_tables(problem: Problem) -> list[list[tuple[int, np.ndarray]]]:
-    """Per node v: (neighbour u, matrix indexed [s_u, s_v]) for every edge touching v."""
-    n = len(problem.strategies)
-    nb: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
-    for (u, v), m in problem.edges.items():
+    """Per node v: (neighbour u, matrix indexed [s_u, s_v]) for every edge touching v.
+    The engines, the refine rounds and the polish of one search ask for the same
+    problem's tables many times: the last few are kept (by the edge dict's identity,
+    which a problem never changes)."""
+    edges = problem.edges
+    for held, nb in _NEIGHBOURS:
+        if held is edges:
+            return nb
+    nb = [[] for _ in range(len(problem.strategies))]
+    for (u, v), m in edges.items():
         nb[u].append((v, m.T))
         nb[v].append((u, m))
+    _NEIGHBOURS.append((edges, nb))
     return nb
+
+
+_NEIGHBOURS: deque = deque(maxlen=4)
 
 
 def edge_sum(nb_v, choice, decided, size):

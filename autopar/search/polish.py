@@ -229,14 +229,10 @@ def carried_sums(problem: Problem, choice: Sequence[int]) -> list[list[tuple[int
 
 
 def _move_all(pricing: Pricing, moves: Sequence[tuple[int, int]]) -> float:
-    """Apply every (op, strategy) of `moves`; keep them if the price drops, else put the
-    ops back (undoing the changes' logs at once, no re-pricing). Returns the change kept
+    """Apply every (op, strategy) of `moves` at once; keep them if the price drops, else
+    put the ops back (undoing the change's log, no re-pricing). Returns the change kept
     (0 when put back)."""
-    log, total = [], 0.0
-    for x, s in moves:
-        total += pricing.delta(x, s)
-        log += pricing.log
-    pricing.log = log
+    total = pricing.delta_all(moves)
     if total < -MIN_GAIN_S:
         pricing.commit()
         return total
@@ -447,14 +443,23 @@ class Pricing:
     # ---- changes ---------------------------------------------------------------------------------
     def delta(self, x: int, s: int) -> float:
         """Run op `x` with strategy `s`; the price's change (kept until `commit`/`undo`)."""
+        return self.delta_all([(x, s)])
+
+    def delta_all(self, moves: Sequence[tuple[int, int]]) -> float:
+        """Run each op `x` of `moves` with its strategy `s`, at once: the values they
+        read and make priced again once, one walk of the levels from every node whose
+        all-reduces changed. The price's change (kept until `commit`/`undo`)."""
         p, before = self.p, self.price
         self.log, self._dirty = [], set()
-        old = self.choice[x]
-        self._set(self.choice, x, s)
-        own = self.node_compute[x]
-        self._set_scalar("compute", self.compute + float(own[s] - own[old]))
-        node = p.graph.nodes[x - self.n_in]
-        values = dict.fromkeys([v for v in node.inputs if v in p.source] + list(node.outputs))
+        values: dict[int, None] = {}
+        for x, s in moves:
+            old = self.choice[x]
+            self._set(self.choice, x, s)
+            own = self.node_compute[x]
+            self._set_scalar("compute", self.compute + float(own[s] - own[old]))
+            node = p.graph.nodes[x - self.n_in]
+            values.update(dict.fromkeys([v for v in node.inputs if v in p.source]))
+            values.update(dict.fromkeys(node.outputs))
         changed_at: set[int] = set()
         comm = self.comm
         for v in values:
