@@ -1,7 +1,8 @@
 """Planning time against tracing: `.plan()` wall time (capture included) next to a
-`jax.make_jaxpr` trace of the same function in the same process (trace first), the
-seconds of each phase as the plan records them, and `.plan()` again from the plan
-cache in the same process (a new `parallelize`, so only the disk cache can answer).
+`jax.make_jaxpr` trace of the same function in the same process (trace first; both
+from cleared JAX trace caches), the seconds of each phase as the plan records them,
+and `.plan()` again from the plan cache in the same process (a new `parallelize`, so
+only the disk cache can answer).
 
     python -m benchmarks.plan_time            # the suite's small models, engine auto
     python -m benchmarks.plan_time --large    # also GPT-3 175B (96 unrolled layers,
@@ -104,11 +105,14 @@ def llama_7b(layers: int = 32, batch: int = 8, seq: int = 2048):
 def measure(name: str, fn, args, mesh, donate=(), **options) -> dict:
     import autopar
 
+    # JAX caches the traces of the jitted functions a step calls (jnp's, flax's): building
+    # the example (its `init`) warms some, the trace below warms the rest. Both the trace
+    # and `.plan()` (whose capture traces the step) start from cleared caches, so neither
+    # is timed warmer than the other.
+    jax.clear_caches()
     t = time.perf_counter()
     jaxpr = jax.make_jaxpr(fn)(*args)
     trace = time.perf_counter() - t
-    # The trace warmed JAX's caches of the jitted functions it called (jnp's, flax's);
-    # clear them so the capture inside `.plan()` traces from as cold a start as it did.
     jax.clear_caches()
     common = dict(mesh=mesh, donate_argnums=donate, progress=False, **options)
     with tempfile.TemporaryDirectory() as cache, warnings.catch_warnings():
@@ -216,8 +220,9 @@ def main(argv=None) -> None:
         "# Planning time against tracing\n\n"
         "`python -m benchmarks.plan_time" + (" --large" if a.large else "") + "`: `.plan()` wall "
         "time (capture included, plan cache off) next to a `jax.make_jaxpr` trace of the same "
-        "function in the same process (traced first), and `.plan()` again from the plan cache "
-        "(a new `parallelize`, same process). Phases as `Plan.phases` records them.\n\n"
+        "function in the same process (traced first; JAX's trace caches cleared before the "
+        "trace and before `.plan()`, so both start cold), and `.plan()` again from the plan "
+        "cache (a new `parallelize`, same process). Phases as `Plan.phases` records them.\n\n"
         f"Machine: {cpu} CPUs, load average {load:.1f} when it finished "
         f"(JAX {jax.__version__}); search workers: {workers.count()} "
         "(`AUTOPAR_WORKERS`; `auto`'s engines and the mesh screen run side by side on "

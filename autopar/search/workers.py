@@ -188,6 +188,9 @@ def _child(task: Callable[[], Any], clock: Any, send) -> None:
     # JAX's collector hook (`jax._src.lib`) calls into XLA on every garbage collection,
     # which could wait on a lock an XLA thread of the parent held at the fork
     gc.callbacks.clear()
+    # the parent's objects out of the child's collections: collecting would walk (and
+    # write to, so copy) every inherited page, the more the longer the planner has run
+    gc.freeze()
     log.disabled = True  # the parent's progress display speaks for its children
     before = dict(getattr(clock, "phases", {}))
     skipped = len(getattr(clock, "skipped", []))
