@@ -269,63 +269,6 @@ def test_restricted_graph_is_the_pinned_problem(seed):
     assert not any(u in pinned or v in pinned for u, v in edges)
 
 
-def _one_leaf_at_a_time(nodes, cost, adj):
-    """The forest elimination written plainly (a reference for `_Flat.solve`): pop a
-    leaf, fold it into its neighbour, read the strategies back in reverse."""
-    import collections
-
-    cost, adj = dict(cost), {v: dict(a) for v, a in adj.items()}
-    log, done = [], set()
-    low = collections.deque(x for x in nodes if len(adj[x]) <= 1)
-    while low:
-        x = low.popleft()
-        if x in done:
-            continue
-        done.add(x)
-        if not adj[x]:
-            log.append((x, -1, cost[x]))
-            continue
-        ((u, m),) = adj[x].items()
-        t = m + cost[x][:, None]
-        cost[u] = cost[u] + t.min(axis=0)
-        log.append((x, u, t))
-        del adj[u][x]
-        adj[x] = {}
-        if len(adj[u]) <= 1:
-            low.append(u)
-    choice = {}
-    for x, u, t in reversed(log):
-        choice[x] = int((t if u < 0 else t[:, choice[u]]).argmin())
-    return choice
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_forest_waves_equal_one_leaf_at_a_time(seed):
-    """The forest descent's wave-at-a-time elimination gives the plan, to the bit, of the
-    one-leaf-at-a-time elimination, on random forests with isolated nodes, two-node
-    trees (the pair case: both ends are leaves in one wave), paths and stars, with
-    integer-valued costs so that ties are common and the tie-breaking is tested."""
-    from autopar.search.solvers.forest import _Flat
-
-    rng = np.random.default_rng(seed)
-    n = 60
-    sizes = rng.integers(1, 6, n)
-    cost = [rng.integers(0, 4, s).astype(float) for s in sizes]
-    edges = {}
-    for v in range(1, n):  # a random forest: each node joins an earlier one, or none
-        if rng.random() < 0.8:
-            u = int(rng.integers(0, v))
-            edges[(u, v)] = rng.integers(0, 4, (sizes[u], sizes[v])).astype(float)
-    flat = _Flat(cost, edges)
-    in_t = np.ones(n, dtype=bool)
-    got = flat.solve(list(range(n)), in_t, flat.folded(in_t, np.zeros(n, dtype=np.int64)))
-    adj = {v: {} for v in range(n)}
-    for (u, v), m in edges.items():
-        adj[u][v], adj[v][u] = m, m.T
-    want = _one_leaf_at_a_time(list(range(n)), dict(enumerate(cost)), adj)
-    assert got.tolist() == [want[v] for v in range(n)]
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_forest_descent_solves_a_tree_exactly_and_never_worsens(seed):
     """On a tree every round's forest is the whole graph, so one round reaches the
