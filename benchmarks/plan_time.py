@@ -136,6 +136,7 @@ def measure(name: str, fn, args, mesh, donate=(), **options) -> dict:
         "ratio": round(planned / trace, 1),
         "cached_plan_s": round(cached, 3),
         "phases": plan.phases,
+        "worker_phases": plan.worker_phases,  # the searches side by side: their own seconds
         "cached_phases": hit.phases,
     }
     print(json.dumps(row), flush=True)
