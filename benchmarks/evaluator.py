@@ -336,6 +336,8 @@ class Measured:
     upcast_bytes: float = 0.0
     unknown_trip_loops: int = 0
     in_loop: int = 0
+    # per kernel (`kernels`): (flops, bytes, times it runs) of each op a device launches
+    kernels: list[tuple[float, float, int]] = field(default_factory=list)
 
     @property
     def comm_bytes(self) -> dict[str, float]:
@@ -354,7 +356,10 @@ class Measured:
         d["collectives_count"] = len(self.collectives)
         d["comm_bytes"] = self.comm_bytes
         d["total_comm_bytes"] = self.total_comm_bytes
-        del d["collectives"]
+        del d["collectives"], d["kernels"]
+        d["kernel_count"] = len(self.kernels)
+        d["kernel_flops"] = sum(f * k for f, _, k in self.kernels)
+        d["kernel_bytes"] = sum(b * k for _, b, k in self.kernels)
         return d
 
 
@@ -447,6 +452,74 @@ def f32_copies_at_peak(dump_dir: str, mod: HloModule | None = None) -> dict[str,
     }
 
 
+# Ops a device does not launch as a kernel of its own (no memory traffic of their own, or
+# a control op whose computations are counted), and the collectives (priced apart).
+_NOT_KERNELS = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+    "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+    "all-reduce-start", "all-reduce-done", "all-gather-start", "all-gather-done",
+    "collective-permute-start", "collective-permute-done", "async-start", "async-done",
+}  # fmt: skip
+_DIMS_RE = re.compile(r"\b(lhs_contracting_dims)=\{([\d,]*)\}")
+_LABELS_RE = re.compile(r"dim_labels=\w+_(\w+)->")
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    m = re.search(r"\[([\d,]*)\]", shape)
+    return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
+
+
+def _contraction_flops(mod: HloModule, ins) -> float:
+    """2 x multiply-adds of a dot or convolution (0 for other ops)."""
+    out = float(np.prod(_dims(ins.shape)))
+    shape = lambda i: mod.instrs[_name(ins.operands[i])].shape  # noqa: E731
+    if ins.opcode == "dot":
+        m = _DIMS_RE.search(ins.attrs)
+        lhs = _dims(shape(0))
+        k = np.prod([lhs[int(d)] for d in m.group(2).split(",") if d]) if m else 1
+        return 2.0 * out * float(k)
+    if ins.opcode == "convolution":
+        rhs = _dims(shape(1))
+        labels = _LABELS_RE.search(ins.attrs)
+        o = labels.group(1).index("o") if labels else len(rhs) - 1
+        return 2.0 * out * float(np.prod(rhs)) / max(rhs[o], 1)
+    return 0.0
+
+
+def kernels(mod: HloModule) -> list[tuple[float, float, int]]:
+    """(flops, bytes, times run) of each kernel of the program: every op of the entry
+    computation and of the loops' and branches' bodies, a fusion as one kernel (the dots
+    and convolutions inside it give its flops); bytes are its operands' and its result's.
+    A GPU runs these one after another, each at its own roofline, which is what
+    `price`'s per-kernel figure sums (the whole-program roofline, max(all flops, all
+    bytes), lets a memory-bound optimizer update hide behind the matmuls)."""
+    fused = set()
+    for ins in mod.instrs.values():
+        if ins.opcode == "fusion":
+            fused.add(mod._fused(ins))
+    reducers = {m for ins in mod.instrs.values() for m in _TO_APPLY_RE.findall(ins.attrs)}
+    out = []
+    for comp, instrs in mod.comp_instrs.items():
+        if comp in fused or comp in reducers or comp not in mod.mult:
+            continue
+        for ins in instrs:
+            if ins.opcode in _NOT_KERNELS:
+                continue
+            nbytes = shape_bytes(ins.shape) + sum(
+                shape_bytes(mod.instrs[_name(o)].shape)
+                for o in ins.operands
+                if _name(o) in mod.instrs
+            )
+            if ins.opcode == "fusion":
+                inner = mod.comp_instrs.get(mod._fused(ins), [])
+                flops = sum(_contraction_flops(mod, i) for i in inner)
+            else:
+                flops = _contraction_flops(mod, ins)
+            out.append((flops, float(nbytes), mod.mult[comp]))
+    return out
+
+
 def measure(
     compiled,
     mesh,
@@ -474,6 +547,7 @@ def measure(
         bytes_accessed=float(ca.get("bytes accessed", 0.0)),
         memory=memory,
         unknown_trip_loops=mod.unknown_trip_loops,
+        kernels=kernels(mod),
     )
     all_axes = tuple(a for a, s in zip(info.axis_names, info.axis_sizes) if s > 1)
     for hc in parse_collectives(text, mesh):
@@ -563,6 +637,9 @@ class Priced:
     comm_s_by_axis: dict[str, float]
     step_no_overlap_s: float
     step_overlap_s: float
+    # the roofline per kernel, summed (secondary: see `kernels`), and with communication
+    compute_kernels_s: float = float("nan")
+    step_kernels_s: float = float("nan")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -574,6 +651,7 @@ def price(m: Measured, profile, mesh, dtype) -> Priced:
     info = mesh_info(mesh, prof.devices_per_node)
     cm = CostModel(prof, info)
     compute = cm.compute_seconds(m.flops, m.bytes_accessed, dtype)
+    per_kernel = sum(cm.compute_seconds(f, b, dtype) * k for f, b, k in m.kernels)
     by_axis: dict[str, float] = {}
     comm = 0.0
     for c in m.collectives:
@@ -581,4 +659,12 @@ def price(m: Measured, profile, mesh, dtype) -> Priced:
         key = ",".join(c.axes)
         by_axis[key] = by_axis.get(key, 0.0) + s
         comm += s
-    return Priced(compute, comm, dict(sorted(by_axis.items())), compute + comm, max(compute, comm))
+    return Priced(
+        compute,
+        comm,
+        dict(sorted(by_axis.items())),
+        compute + comm,
+        max(compute, comm),
+        per_kernel,
+        per_kernel + comm,
+    )

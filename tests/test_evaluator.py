@@ -181,3 +181,44 @@ def test_memory_less_f32_copies_is_the_bf16_programs_own_footprint(tmp_path, nam
     assert f32["live_peak_less_f32_copies"] == f32["live_peak"]
     assert bf16["live_peak"] > f32["live_peak"] / 2  # the CPU's copies are there
     assert bf16["live_peak_less_f32_copies"] == f32["live_peak"] // 2, (f32, bf16)
+
+
+def test_kernels_price_a_memory_bound_update_the_whole_program_roofline_hides():
+    """`kernels`: a matmul and a conv give their exact FLOPs (2 x multiply-adds, read
+    from the HLO: the sum is XLA's own count less the elementwise ops), and bytes as
+    XLA's cost analysis counts them; priced kernel by kernel, an Adam-like update of a
+    large vector (memory bound) adds its own time, which the whole-program roofline
+    (max of all FLOPs and all bytes) hides behind the matmul's FLOPs."""
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.sharding import mesh_info
+
+    def step(w, x, k, img, v, m):
+        y = jnp.tanh(x @ w)
+        z = jax.lax.conv_general_dilated(
+            img, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        m = 0.9 * m + 0.1 * v
+        return y.sum() + z.sum(), v - 0.01 * m / (jnp.sqrt(m * m) + 1e-8), m
+
+    n, c = 1 << 22, (jax.ShapeDtypeStruct, jnp.float32)
+    args = [
+        c[0]((1024, 1024), c[1]),
+        c[0]((2048, 1024), c[1]),
+        c[0]((3, 3, 16, 32), c[1]),
+        c[0]((8, 32, 32, 16), c[1]),
+        c[0]((n,), c[1]),
+        c[0]((n,), c[1]),
+    ]
+    compiled = jax.jit(step).lower(*args).compile()
+    mesh = jax.make_mesh((1,), ("data",))
+    m = ev.measure(compiled, mesh)
+    flops = sum(f * k for f, _, k in m.kernels)
+    want = 2 * 2048 * 1024 * 1024 + 2 * (8 * 32 * 32 * 32) * (3 * 3 * 16)
+    assert flops == want
+    assert m.flops >= flops
+    assert sum(b * k for _, b, k in m.kernels) == pytest.approx(m.bytes_accessed, rel=0.02)
+    priced = ev.price(m, "h100-sxm", mesh, jnp.float32)
+    cm = CostModel(cost_models.load("h100-sxm"), mesh_info(mesh, 8))
+    update = cm.compute_seconds(0.0, 4 * n * 4, jnp.float32)  # reads v, m; writes both
+    assert priced.compute_kernels_s >= priced.compute_s + 0.9 * update
