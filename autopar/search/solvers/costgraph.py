@@ -29,7 +29,7 @@ _SEPARABLE_RTOL = 1e-13
 
 def _frozen_array(x, ndim: int, what: str) -> np.ndarray:
     try:
-        a = np.array(x, dtype=np.float64)
+        a = np.asarray(x, dtype=np.float64).view()  # no copy of a float64 array
     except (TypeError, ValueError) as e:
         raise ValueError(f"{what} must be convertible to a float64 array: {e}") from None
     if a.ndim != ndim:
@@ -49,8 +49,10 @@ class CostGraph:
         (a DAG in node index order), but the solvers do not require it; a pair
         given in both orientations counts as two parallel edges.
 
-    Arrays are copied to read-only float64 on construction; call :meth:`check`
-    to validate shapes and values (the solvers do).
+    Arrays are held as read-only float64 views (copied only where the input is not
+    a float64 array already: the engines' tables are large, and a search builds
+    several graphs of them), so a caller must not change them in place afterwards;
+    call :meth:`check` to validate shapes and values (the solvers do).
     """
 
     node_cost: tuple[np.ndarray, ...]
