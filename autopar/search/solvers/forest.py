@@ -22,7 +22,10 @@ def _solve_forest(nodes: list[int], cost: dict, adj: dict) -> dict[int, int]:
     arithmetic (so the same plan), without the general eliminator's bookkeeping."""
     cost = dict(cost)
     minimum = np.minimum.reduce  # ndarray.min without its Python wrapper
-    log: list[tuple[int, int, np.ndarray]] = []
+    # (node, neighbour or -1, the edge's matrix): the strategies are read back from the
+    # node's final cost and one column of the matrix (the same sums as the full table
+    # `m + cost[x][:, None]`, which is not kept: on wide meshes it is ~S^2 per node)
+    log: list[tuple[int, int, np.ndarray | None]] = []
     low = collections.deque(x for x in nodes if len(adj[x]) <= 1)
     done: set[int] = set()
     while low:
@@ -31,12 +34,11 @@ def _solve_forest(nodes: list[int], cost: dict, adj: dict) -> dict[int, int]:
             continue
         done.add(x)
         if not adj[x]:
-            log.append((x, -1, cost[x]))
+            log.append((x, -1, None))
             continue
         ((u, m),) = adj[x].items()
-        t = m + cost[x][:, None]
-        cost[u] = cost[u] + minimum(t, axis=0)
-        log.append((x, u, t))
+        cost[u] = cost[u] + minimum(m + cost[x][:, None], axis=0)
+        log.append((x, u, m))
         del adj[u][x]
         adj[x] = {}
         if len(adj[u]) <= 1:
@@ -44,8 +46,8 @@ def _solve_forest(nodes: list[int], cost: dict, adj: dict) -> dict[int, int]:
     if len(done) != len(nodes):
         raise ValueError("_solve_forest needs a forest; the graph has a cycle")
     choice: dict[int, int] = {}
-    for x, u, t in reversed(log):
-        choice[x] = int((t if u < 0 else t[:, choice[u]]).argmin())
+    for x, u, m in reversed(log):  # cost[x] is final once x is eliminated
+        choice[x] = int((cost[x] if u < 0 else m[:, choice[u]] + cost[x]).argmin())
     return choice
 
 
