@@ -129,9 +129,11 @@ class _Eliminator:
                    node_u'(su) = node_u(su) + min_sv edge(sv, su) + node_v(sv)
         """
         (u,) = self.adj[v]
-        t = self.adj[v][u] + self.cost[v][:, None]  # [S_v, S_u]
-        self.cost[u] = self.cost[u] + t.min(axis=0)
-        self.log.append(("leaf", v, u, t))
+        m, c = self.adj[v][u], self.cost[v]  # [S_v, S_u], [S_v]
+        self.cost[u] = self.cost[u] + (m + c[:, None]).min(axis=0)
+        # the table m + c is not kept (S_v x S_u floats per leaf): `replay` adds the one
+        # column it needs, the same sums
+        self.log.append(("leaf", v, u, m, c))
         self._remove(v)
         self.counts["merge" if v < u else "contract"] += 1
 
@@ -147,9 +149,10 @@ class _Eliminator:
                    edge'(su, sw) = min_sv edge(su, sv) + node_v(sv) + edge(sv, sw)
         """
         u, w = self.adj[v]
-        a = self.adj[u][v] + self.cost[v][None, :]  # [S_u, S_v]
+        m, c = self.adj[u][v], self.cost[v]  # [S_u, S_v], [S_v]
+        a = m + c[None, :]
         b = self.adj[v][w]  # [S_v, S_w]
-        self.log.append(("op", v, u, w, a, b))
+        self.log.append(("op", v, u, w, m, c, b))  # not `a`: `replay` adds the row it needs
         self._remove(v)
         self.counts["triangle" if self._add_edge(u, w, _minplus(a, b)) else "op"] += 1
 
@@ -307,11 +310,11 @@ class _Eliminator:
                 _, v, c = entry
                 choice[v] = int(np.argmin(c))
             elif kind == "leaf":
-                _, v, u, t = entry
-                choice[v] = int(np.argmin(t[:, choice[u]]))
+                _, v, u, m, c = entry
+                choice[v] = int(np.argmin(m[:, choice[u]] + c))
             elif kind == "op":
-                _, v, u, w, a, b = entry
-                choice[v] = int(np.argmin(a[choice[u]] + b[:, choice[w]]))
+                _, v, u, w, m, c, b = entry
+                choice[v] = int(np.argmin(m[choice[u]] + c + b[:, choice[w]]))
             elif kind == "fuse":
                 _, k, a, b, sb = entry
                 choice[a], choice[b] = divmod(choice[k], sb)
