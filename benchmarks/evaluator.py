@@ -461,7 +461,7 @@ _NOT_KERNELS = {
     "all-reduce-start", "all-reduce-done", "all-gather-start", "all-gather-done",
     "collective-permute-start", "collective-permute-done", "async-start", "async-done",
 }  # fmt: skip
-_DIMS_RE = re.compile(r"\b(lhs_contracting_dims)=\{([\d,]*)\}")
+_DIMS_RE = re.compile(r"\blhs_contracting_dims=\{([\d,]*)\}")
 _LABELS_RE = re.compile(r"dim_labels=\w+_(\w+)->")
 
 
@@ -477,7 +477,7 @@ def _contraction_flops(mod: HloModule, ins) -> float:
     if ins.opcode == "dot":
         m = _DIMS_RE.search(ins.attrs)
         lhs = _dims(shape(0))
-        k = np.prod([lhs[int(d)] for d in m.group(2).split(",") if d]) if m else 1
+        k = np.prod([lhs[int(d)] for d in m.group(1).split(",") if d]) if m else 1
         return 2.0 * out * float(k)
     if ins.opcode == "convolution":
         rhs = _dims(shape(1))

@@ -201,15 +201,9 @@ def test_kernels_price_a_memory_bound_update_the_whole_program_roofline_hides():
         m = 0.9 * m + 0.1 * v
         return y.sum() + z.sum(), v - 0.01 * m / (jnp.sqrt(m * m) + 1e-8), m
 
-    n, c = 1 << 22, (jax.ShapeDtypeStruct, jnp.float32)
-    args = [
-        c[0]((1024, 1024), c[1]),
-        c[0]((2048, 1024), c[1]),
-        c[0]((3, 3, 16, 32), c[1]),
-        c[0]((8, 32, 32, 16), c[1]),
-        c[0]((n,), c[1]),
-        c[0]((n,), c[1]),
-    ]
+    n = 1 << 22
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    args = [f32(1024, 1024), f32(2048, 1024), f32(3, 3, 16, 32), f32(8, 32, 32, 16), f32(n), f32(n)]
     compiled = jax.jit(step).lower(*args).compile()
     mesh = jax.make_mesh((1,), ("data",))
     m = ev.measure(compiled, mesh)
