@@ -1,8 +1,8 @@
 """Planning time against tracing: `.plan()` wall time (capture included) next to a
-`jax.make_jaxpr` trace of the same function in the same process (trace first; both
-from cleared JAX trace caches), the seconds of each phase as the plan records them,
-and `.plan()` again from the plan cache in the same process (a new `parallelize`, so
-only the disk cache can answer).
+`jax.make_jaxpr` trace of the same function in the same process (trace first, the
+median of three; each from cleared JAX trace caches, as `.plan()` is), the seconds of
+each phase as the plan records them, and `.plan()` again from the plan cache in the
+same process (a new `parallelize`, so only the disk cache can answer).
 
     python -m benchmarks.plan_time            # the suite's small models, engine auto
     python -m benchmarks.plan_time --large    # also GPT-3 175B (96 unrolled layers,
@@ -22,6 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -39,6 +40,7 @@ SMALL = [  # example, mesh, options
     ("wide_resnet_small", {"data": 4, "model": 2}, {}),
 ]
 LARGE_MESH = {"data": 128, "model": 8}
+TRACES = 3  # cold traces per model; the ratio divides by their median
 OUT = Path(__file__).parent / "results" / "plan_time"
 
 
@@ -106,13 +108,17 @@ def measure(name: str, fn, args, mesh, donate=(), **options) -> dict:
     import autopar
 
     # JAX caches the traces of the jitted functions a step calls (jnp's, flax's): building
-    # the example (its `init`) warms some, the trace below warms the rest. Both the trace
-    # and `.plan()` (whose capture traces the step) start from cleared caches, so neither
-    # is timed warmer than the other.
-    jax.clear_caches()
-    t = time.perf_counter()
-    jaxpr = jax.make_jaxpr(fn)(*args)
-    trace = time.perf_counter() - t
+    # the example (its `init`) warms some, a trace warms the rest. Each trace and `.plan()`
+    # (whose capture traces the step) start from cleared caches, so neither is timed
+    # warmer than the other. The trace is the median of three: one trace of the same
+    # step varied 1.0-1.9 s between runs on this machine, the ratio's whole spread.
+    traces = []
+    for _ in range(TRACES):
+        jax.clear_caches()
+        t = time.perf_counter()
+        jaxpr = jax.make_jaxpr(fn)(*args)
+        traces.append(time.perf_counter() - t)
+    trace = statistics.median(traces)
     jax.clear_caches()
     common = dict(mesh=mesh, donate_argnums=donate, progress=False, **options)
     with tempfile.TemporaryDirectory() as cache, warnings.catch_warnings():
@@ -132,6 +138,7 @@ def measure(name: str, fn, args, mesh, donate=(), **options) -> dict:
         "step_ms": round(plan.cost.step_s * 1e3, 4),
         "engine": plan.engine,
         "trace_s": round(trace, 3),
+        "traces_s": [round(x, 3) for x in traces],
         "plan_s": round(planned, 3),
         "ratio": round(planned / trace, 1),
         "cached_plan_s": round(cached, 3),
@@ -145,7 +152,7 @@ def measure(name: str, fn, args, mesh, donate=(), **options) -> dict:
 
 def _table(rows: list[dict]) -> str:
     lines = [
-        "| model | jaxpr eqns | mesh | engine | make_jaxpr s | .plan() s | ratio | cached .plan() s | largest phases |",
+        "| model | jaxpr eqns | mesh | engine | make_jaxpr s (median of 3) | .plan() s | ratio | cached .plan() s | largest phases |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -221,8 +228,9 @@ def main(argv=None) -> None:
         "# Planning time against tracing\n\n"
         "`python -m benchmarks.plan_time" + (" --large" if a.large else "") + "`: `.plan()` wall "
         "time (capture included, plan cache off) next to a `jax.make_jaxpr` trace of the same "
-        "function in the same process (traced first; JAX's trace caches cleared before the "
-        "trace and before `.plan()`, so both start cold), and `.plan()` again from the plan "
+        "function in the same process (traced first, the median of three traces; JAX's trace "
+        "caches cleared before each trace and before `.plan()`, so all start cold), and "
+        "`.plan()` again from the plan "
         "cache (a new `parallelize`, same process). Phases as `Plan.phases` records them.\n\n"
         f"Machine: {cpu} CPUs, load average {load:.1f} when it finished "
         f"(JAX {jax.__version__}); search workers: {workers.count()} "
