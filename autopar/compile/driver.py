@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh
 
 import cost_models
 from autopar.compile.clock import Clock, left_out, try_name
+from autopar.compile.lowering import compiled_memory, info_str, lowered
 from autopar.compile.notes import (
     no_pipeline_why,
     offline_warning,
@@ -68,7 +69,7 @@ from autopar.passes.precision import mixed_precision
 from autopar.passes.remat import rematerialize
 from autopar.passes.roll import Roll
 from autopar.passes.stacks import find_stacks
-from autopar.plan.plan import Plan, TensorRecord
+from autopar.plan.plan import Plan
 from autopar.search import search
 from autopar.search.evaluate import memory_floor
 from autopar.search.problem import Problem, build_problem, residency, step_floor
@@ -570,36 +571,3 @@ def _mesh_for_plan(meshes: Sequence, plan: Plan) -> Mesh | AbstractMesh:
         ):
             return mesh
     return meshes[0]  # bind_plan reports the mismatch
-
-
-def compiled_memory(compiled) -> int:
-    """Per-device bytes XLA needs: arguments + outputs + temporaries - aliased."""
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
-def info_str(plan: Plan) -> str:
-    return f"{plan.engine} on {plan.mesh.shape}"
-
-
-def lowered(jitted, flat_args, plan: Plan, mesh) -> jax.stages.Lowered:
-    """`jitted` lowered for `flat_args` laid out as `plan` says (on an abstract mesh:
-    traced and lowered for GPUs, without devices)."""
-    flat = [_sds_for(x, r, mesh) for x, r in zip(flat_args, plan.inputs)]
-    if isinstance(mesh, AbstractMesh):
-        return jitted.trace(*flat).lower(lowering_platforms=("cuda",))
-    return jitted.lower(*flat)
-
-
-def _sds_for(x, rec: TensorRecord, mesh):
-    a = abstractify_tree(x)
-    if isinstance(a, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=NamedSharding(mesh, rec.spec.to_pspec())
-        )
-    return a

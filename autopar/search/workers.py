@@ -13,19 +13,20 @@ in the order its sequential loop would have made them, so the plan is the same b
 for byte.
 
 A child runs numpy and Python (of JAX only its dtype and pytree helpers: it never
-traces, compiles or touches a device array), which is
-what makes forking a process with XLA's threads alive safe: `fork` copies the calling
-thread only, and nothing in the child waits on a lock another thread held (the child
-drops JAX's garbage-collection hook, the one call into XLA it would make). JAX and
-Python 3.12+ warn about any fork in a multi-threaded process; those warnings are
-filtered at the fork for that reason. A child never forks again (the searches it
-starts run inline).
+traces, compiles or touches a device array), which is what makes forking a process
+with XLA's threads alive safe: `fork` copies the calling thread only, and nothing in the
+child waits on a lock another thread held (the child drops JAX's garbage-collection
+hook, the one call into XLA it would make, and freezes the objects it inherits out of
+its own collections). JAX and Python 3.12+ warn about any fork in a multi-threaded
+process; those warnings are filtered at the fork for that reason. A child never forks
+again (the searches it starts run inline).
 
 Workers: `AUTOPAR_WORKERS` (an integer; 1 turns this off), by default the CPUs this
 process may use on Linux (elsewhere 1: on macOS a fork of a threaded process can crash
 in system libraries, which is why Python stopped forking there by default), and never
-more than the memory available holds (`memory_cap`). A problem below `MIN_NODES` cost-graph nodes is searched inline: its
-engines take less time than a fork of the planner's process."""
+more than the memory available holds (`memory_cap`). A problem below `MIN_NODES`
+cost-graph nodes is searched inline: its engines take less time than a fork of the
+planner's process."""
 
 from __future__ import annotations
 
