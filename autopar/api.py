@@ -379,9 +379,13 @@ def parallelize(
     with `microbatches` micro-batches per step (default: the best of S, 2S, 4S, 8S and
     12S under the cost model); each stage's layers are searched on the other axes.
     `pipeline_schedule` is "1f1b" (the forward and backward layer loops interleaved in
-    one pipeline, each stage holding at most 2S - 1 micro-batches' activations),
-    "gpipe" (every forward pass, then every backward one: M micro-batches' activations)
-    or None: 1F1B where the step splits that way, else GPipe. `pipeline_stages="auto"`
+    one pipeline in lock-step ticks of a forward and a backward slot, each stage
+    holding at most 2S - 1 micro-batches' activations), "1f1b-async" (Megatron's 1F1B:
+    stages alternate forward and backward half-slots, stage s holds S - s micro-batches,
+    each half-slot lasts the slower of the two passes; on XLA:CPU every stage computes
+    both passes each half-slot), "gpipe" (every forward pass, then every backward one:
+    M micro-batches' activations) or None: 1F1B where the step splits that way, else
+    GPipe. `pipeline_stages="auto"`
     with `mesh` a device count tries every stage count S dividing it, on
     `{"stage": S, "data": ..., "model": ...}` with the model axis
     inside a node (`meshes.pipeline_meshes`; S = 1 is no pipeline), and keeps the

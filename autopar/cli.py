@@ -39,6 +39,7 @@ import sys
 import time
 
 from autopar.errors import AutoparError, UsageError
+from autopar.passes.pipeline import SCHEDULES
 from autopar.tools.verify import one_line
 
 PROG = "autopar"
@@ -169,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--microbatches", type=int, metavar="M", help="pipeline micro-batches")
     s.add_argument(
         "--pipeline-schedule",
-        choices=("1f1b", "gpipe"),
+        choices=SCHEDULES,
         help="pipeline schedule (default: 1f1b where the step allows it, else gpipe)",
     )
     s.add_argument(

@@ -72,6 +72,12 @@ class Spec:
     def to_pspec(self) -> PartitionSpec:
         return PartitionSpec(*[None if not a else a[0] if len(a) == 1 else a for a in self.dims])
 
+    def stacked_pspec(self) -> PartitionSpec:
+        """The layout of a Partial value held stacked, one summand per device of its
+        partial axes in a leading dim: that dim split over them, the rest as `dims`."""
+        lead = self.partial[0] if len(self.partial) == 1 else tuple(self.partial)
+        return PartitionSpec(lead, *self.without_partial().to_pspec())
+
     def to_json(self) -> list:
         return [None if not a else a[0] if len(a) == 1 else list(a) for a in self.dims]
 

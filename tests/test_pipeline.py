@@ -41,10 +41,10 @@ def _pipelined(microbatches: int | None = 4, schedule: str | None = None):
     return ts, step
 
 
-@pytest.mark.parametrize("schedule", [None, "gpipe"])
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b-async"])
 def test_pipelined_training_matches_single_device(schedule):
     """Default (1F1B: the loops interleaved, the loss head per micro-batch on the last
-    stage) and GPipe both train like jax.jit."""
+    stage), GPipe and the alternating 1F1B all train like jax.jit."""
     ts, step = _pipelined(schedule=schedule)
     state = jax.jit(ts.init)(0)
     losses, states = run_steps(step, state, ts.batch, 3, keep_states=True)
@@ -70,7 +70,7 @@ def test_pipelined_training_matches_single_device(schedule):
     stacked = [r for r in plan.inputs if "/h/block/" in r.path]
     assert stacked and all(r.spec.dims[0][:1] == ("stage",) for r in stacked), stacked
     assert f"pipeline: 2 stages over 'stage', 4 micro-batches, {name}" in str(plan)
-    if name == "1f1b":
+    if name != "gpipe":
         (fused,) = p["fused"]
         assert {fused["forward"], fused["backward"]} == {s["op"] for s in p["scans"]}
         # the head (final norm, logits, loss and their gradients) runs on the last
@@ -84,7 +84,7 @@ def test_pipelined_training_matches_single_device(schedule):
     t = timeline(p)
     assert not t.estimated and 0 < t.seconds <= plan.cost.step_s
     held = [t.in_flight(s) for s in range(2)]
-    assert held == ([3, 1] if name == "1f1b" else [4, 4]), held
+    assert held == {"1f1b": [3, 1], "1f1b-async": [2, 1], "gpipe": [4, 4]}[name], held
     assert f"micro-batches held per stage: {held[0]}, {held[1]}" in str(plan)
     assert f"bubble {t.bubble:.0%}" in str(plan)
     from autopar.tools.inspect import inspect_summary, render_inspect
@@ -92,7 +92,7 @@ def test_pipelined_training_matches_single_device(schedule):
     assert inspect_summary(plan)["schedule"]["held_per_stage"] == held
     text = render_inspect(plan)
     assert "== pipeline schedule (" in text and f"held per stage: {held[0]}, {held[1]})" in text
-    assert ("F0 H0 B0" if name == "1f1b" else "B0 B1 B2 B3") in text  # the last stage's row
+    assert ("B0 B1 B2 B3" if name == "gpipe" else "F0 H0 B0") in text  # the last stage's row
 
 
 def test_compiled_pipeline_moves_activations_with_collective_permute(capfd):
@@ -134,6 +134,56 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     gpipe, one = plans["gpipe"].cost, plans["1f1b"].cost
     assert one.peak_memory_bytes < 0.6 * gpipe.peak_memory_bytes
     assert one.step_s < 1.1 * gpipe.step_s
+
+
+def test_alternating_1f1b_holds_fewer_activations_and_prices_its_waits(monkeypatch):
+    """On 4 stages with M = 16, lock-step 1F1B's first stage holds 2S - 1 = 7
+    micro-batches, the alternating schedule's S - s (4, 3, 2, 1): the compiled
+    temporaries shrink, and the predicted peak with them. Its half-slots last the
+    slower pass: the price adds (M + S - 1) |f - b| per loop pair to the loops' own,
+    in the engines' objective (an edge), the final price and the polish alike."""
+    import numpy as np
+
+    import autopar.compile.driver as driver
+    from autopar.search.evaluate import step_seconds
+    from autopar.search.polish import Pricing
+
+    cfg = gpt.GPTConfig(
+        hidden=64, heads=4, seq=64, vocab=256, layers=4, batch_size=32, scan_layers=True
+    )
+    ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    made = []
+    real = driver.make_plan
+    monkeypatch.setattr(driver, "make_plan", lambda p, r, *a: made.append((p, r)) or real(p, r, *a))
+    temp, plans = {}, {}
+    for schedule in ("1f1b", "1f1b-async"):
+        step = autopar.parallelize(
+            ts.step,
+            mesh={"stage": 4, "data": 2},
+            cluster=CLUSTER,
+            pipeline_stages=4,
+            microbatches=16,
+            pipeline_schedule=schedule,
+        )
+        plans[schedule] = step.plan(*args)
+        temp[schedule] = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    held = {k: [timeline(p.pipeline).in_flight(s) for s in range(4)] for k, p in plans.items()}
+    assert held == {"1f1b": [7, 5, 3, 1], "1f1b-async": [4, 3, 2, 1]}, held
+    assert temp["1f1b-async"] < 0.95 * temp["1f1b"], temp
+    assert plans["1f1b-async"].cost.peak_memory_bytes < 0.8 * plans["1f1b"].cost.peak_memory_bytes
+
+    problem, result = made[-1]
+    ch, ticks = result.choice, 16 + 4 - 1
+    ((u, v, wait),) = problem.waits
+    assert problem.edges[(u, v)][ch[u], ch[v]] >= wait[ch[u], ch[v]] > 0  # in the objective
+    # the loops' own prices are lock-step slots, `ticks` of each; the wait is the gap
+    f, b = (problem.node_time[x] / ticks for x in (u, v))
+    assert np.allclose(wait, ticks * np.abs(f[:, None] - b[None, :]), rtol=0.05, atol=1e-6)
+    price = step_seconds(problem, ch)
+    assert price == pytest.approx(plans["1f1b-async"].cost.step_s)
+    assert Pricing(problem, ch).price == pytest.approx(price)
+    without = sum(float(problem.compute_time()[x][c]) for x, c in enumerate(ch))
+    assert plans["1f1b-async"].cost.compute_s == pytest.approx(without + wait[ch[u], ch[v]])
 
 
 def test_plan_file_round_trips_and_replays(tmp_path):

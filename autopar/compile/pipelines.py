@@ -17,6 +17,7 @@ from autopar.compile.notes import no_layer_loop
 from autopar.errors import AutoparError, MemoryBudgetError, MicrobatchError, PipelineError
 from autopar.ir.graph import Graph, find_aliases
 from autopar.passes.pipeline import (
+    FUSED_SCHEDULES,
     Pipeline,
     PipelinedScans,
     batch_size,
@@ -223,7 +224,7 @@ class PipelineTries:
                 return labels
             bodies[i] = (with_full_consts(micro_node.body, full_node.body), labels)
         extra = {"graph": graph, "roll": rolled} if rolled is not None else {}
-        if pipe.schedule != "1f1b":
+        if pipe.schedule not in FUSED_SCHEDULES:
             return PipelinedScans(pipe, bodies, **extra)
         if scans != mscans:
             why = f"{name}: the captures at the two batch sizes do not line up"
@@ -235,8 +236,8 @@ class PipelineTries:
                 why = f"{name}: no forward loop is followed by its backward loop"
             else:
                 return PipelinedScans(pipe, bodies, fused, **extra)
-        if self.o.pipeline_schedule == "1f1b":
-            return Infeasible(PipelineError(f"pipeline_schedule='1f1b': {why}"))
+        if self.o.pipeline_schedule in FUSED_SCHEDULES:
+            return Infeasible(PipelineError(f"pipeline_schedule={pipe.schedule!r}: {why}"))
         log.info("1F1B does not apply (%s); GPipe", why)
         return PipelinedScans(replace(pipe, schedule="gpipe"), bodies, **extra)
 

@@ -106,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
         "(e.g. --mesh stage=2,data=2,model=2 --pipeline-stages 2)",
     )
     p.add_argument(
-        "--pipeline-schedule", choices=("1f1b", "gpipe"), help="default: 1f1b where it applies"
+        "--pipeline-schedule",
+        choices=("1f1b", "1f1b-async", "gpipe"),
+        help="default: 1f1b where it applies",
     )
     p.add_argument(
         "--grad-accumulation", type=_positive, metavar="M", help="accumulate over M micro-batches"

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from autopar.ir.eval import bind_node, run_nodes
 from autopar.ir.graph import Graph, Node
@@ -86,12 +86,14 @@ def interpret(
             first = math.prod(jax.lax.axis_index(a) == 0 for a in want.partial)
             return (jnp.where(first, x, jnp.zeros_like(x))[None],)
 
-        return smap(body, [want.to_pspec()], [_stacked(want)])(x)[0]
+        return smap(body, [want.to_pspec()], [want.stacked_pspec()])(x)[0]
 
     def run(*flat_args):
         if pin_inputs:
             flat_args = [
-                jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _stacked(in_specs[v])))
+                jax.lax.with_sharding_constraint(
+                    x, NamedSharding(mesh, in_specs[v].stacked_pspec())
+                )
                 if in_specs[v].partial
                 else constrain(x, in_specs[v])
                 if in_specs[v].dims
@@ -346,11 +348,6 @@ def _run_cond(node: Node, rec, mesh, invals) -> list:
     )
 
 
-def _stacked(spec: Spec) -> PartitionSpec:
-    lead = spec.partial[0] if len(spec.partial) == 1 else tuple(spec.partial)
-    return PartitionSpec(lead, *spec.without_partial().to_pspec())
-
-
 def _casts_of(node: Node, rec, graph: Graph, plan, wants) -> list[Node]:
     """The float casts of a contraction's result planned in the layout it comes out in
     (e.g. a batch norm's f32 upcast of a bf16 convolution): they run per device in the
@@ -393,8 +390,8 @@ def _run_local(node: Node, rec, graph: Graph, mesh, smap, invals, casts=()) -> l
         cast = [bind(c, [outs[0]], local_shapes[0])[0] for c in casts]
         return (*(o[None] if s.partial else o for o, s in zip(outs, rec.out_specs)), *cast)
 
-    ins = [_stacked(s) if s.partial else s.to_pspec() for s in rec.in_specs]
-    outs = [_stacked(s) if s.partial else s.to_pspec() for s in rec.out_specs]
+    ins = [s.stacked_pspec() if s.partial else s.to_pspec() for s in rec.in_specs]
+    outs = [s.stacked_pspec() if s.partial else s.to_pspec() for s in rec.out_specs]
     outs += [rec.out_specs[0].to_pspec()] * len(casts)
     return list(smap(body, ins, outs)(*invals))
 

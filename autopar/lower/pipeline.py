@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir.graph import Graph, Node
 from autopar.passes.microbatch import cut, uncut
@@ -66,6 +66,7 @@ class PipelinedLoop:
             (math.prod(mesh.shape[a] for a in sp.partial),) if sp.partial else ()
             for sp in out_specs[self.n_k :]
         ]
+        self.out_specs = out_specs
         self.y_labels = labels.outs[self.n_k :]
         self.y_types = [micro_body.values[v] for v in outs[self.n_k :]]
         self.carry_types = [micro_body.values[v] for v in outs[: self.n_k]]
@@ -99,6 +100,19 @@ class PipelinedLoop:
 
         return jax.lax.scan(layer, list(carry), list(xs), length=self.k, reverse=self.reverse)
 
+    def pin(self, carry, ys) -> tuple[list, list]:
+        """A run's results in the layouts the body's plan makes them (its carry, and
+        its per-layer outputs stacked over this stage's layers), where XLA would
+        otherwise pick one of its own (the results of a `lax.switch`)."""
+        carry = [_pin(x, sp.to_pspec()) for x, sp in zip(carry, self.out_specs[: self.n_k])]
+        return carry, [_pin(y, self.y_pspec(j)) for j, y in enumerate(ys)]
+
+    def y_pspec(self, j: int, lead: int = 1) -> PartitionSpec:
+        """The layout of per-layer output `j` stacked over this stage's layers (and
+        `lead - 1` more leading dims, e.g. micro-batch slots), as the body makes it."""
+        sp = self.out_specs[self.n_k + j]
+        return PartitionSpec(*[None] * lead, *(sp.stacked_pspec() if sp.partial else sp.to_pspec()))
+
     def carry0(self) -> list:
         return [jnp.zeros(t.shape, t.dtype) for t in self.carry_types]
 
@@ -115,9 +129,14 @@ class PipelinedLoop:
     def accumulate(self, ys, y, mc, active) -> list:
         return [_accumulate(b, v, lab, mc, active) for b, v, lab in zip(ys, y, self.y_labels)]
 
-    def hop(self, carry) -> list:
+    def hop(self, carry, senders: Sequence[int] | None = None) -> list:
+        """The carry passed on to the next stage, from `senders` (every stage when
+        None; the others' next stage gets zeros)."""
         S, step = self.pipe.stages, -1 if self.reverse else 1
-        perm = [(i, i + step) for i in range(S) if 0 <= i + step < S]
+        senders = range(S) if senders is None else senders
+        perm = [(i, i + step) for i in senders if 0 <= i + step < S]
+        if not perm:
+            return [jnp.zeros_like(c) for c in carry]
         return [jax.lax.ppermute(c, self.pipe.axis, perm) for c in carry]
 
     def finish_carry(self, out) -> list:
@@ -130,6 +149,13 @@ class PipelinedLoop:
             else uncut(y, lab + 1, lead=1)
             for y, lab, stack in zip(ys, self.y_labels, self.stacks)
         ]
+
+
+def _pin(x, pspec: PartitionSpec):
+    """`x` laid out as `pspec` on the mesh of the enclosing (partly manual) program."""
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(jax.sharding.get_abstract_mesh(), pspec)
+    )
 
 
 def _collect(out, carry, mc, on) -> list:
@@ -188,15 +214,17 @@ def run_1f1b(
     keep: frozenset[int],
 ) -> tuple[list, list, dict]:
     """The forward loop, the head and the backward loop of `fused` as one 1F1B
-    pipeline. `f_in`: the forward loop's inputs; `b_in`: the backward loop's inputs
-    from outside the region, by position; `h_in`: the values of `fused.head_ins` not
-    made by the forward loop; `keep`: the forward loop's outputs the rest of the step
-    reads. Returns the forward loop's outputs (None where not kept), the backward
-    loop's, and the head's `head_outs` by value id."""
+    pipeline, lock-step or alternating (`pipe.schedule`: "1f1b", "1f1b-async"; the
+    module's docstring). `f_in`: the forward loop's inputs; `b_in`: the backward loop's
+    inputs from outside the region, by position; `h_in`: the values of
+    `fused.head_ins` not made by the forward loop; `keep`: the forward loop's outputs
+    the rest of the step reads. Returns the forward loop's outputs (None where not
+    kept), the backward loop's, and the head's `head_outs` by value id."""
     pipe = fw.pipe
     S, M, axis = pipe.stages, pipe.microbatches, pipe.axis
+    alternate = pipe.schedule == "1f1b-async"
+    R = min(M, S if alternate else 2 * S - 1)  # saved activations held per stage
     F, B = fw.node, bw.node
-    R = min(M, 2 * S - 1)  # saved activations held per stage
     f_outs = list(F.outputs)
     ys_f = f_outs[fw.n_k :]
     # where each backward input comes from: outside, a saved activation, the head
@@ -225,22 +253,50 @@ def run_1f1b(
         s = jax.lax.axis_index(axis)
         bargs = dict(zip(b_ext, bargs))
 
-        def forward(st, slot):
-            """Forward `slot`: micro-batch slot - s through this stage's layers."""
-            m = slot - s
+        def f_in(st, m):
+            """The forward pass of micro-batch `m` (idle outside 0..M-1): (whether it is
+            on, its index clipped, its inputs, its carry in)."""
             on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
             fc = [jnp.where(s == 0, x, c) for x, c in zip(fw.init(fargs, mc), st["fc"])]
-            fc, fy = fw.run([fw.pick(i, a, mc) for i, a in enumerate(fargs)], fc)
+            return on, mc, [fw.pick(i, a, mc) for i, a in enumerate(fargs)], fc
+
+        def f_keep(st, on, mc, fc, fy):
+            """The forward pass's results kept: saved activations, the last stage's
+            carry where the step reads it, the carry to pass on."""
             st["res"] = [
-                jnp.where(on, r.at[mc % R].set(fy[j]), r) for r, j in zip(st["res"], res_ys)
+                _pin(jnp.where(on, r.at[mc % R].set(fy[j]), r), fw.y_pspec(j, 2))
+                for r, j in zip(st["res"], res_ys)
             ]
             st["fout"] = _collect(st["fout"], [fc[j] for j in kept_carry], mc, on & (s == S - 1))
-            st["fc"] = fw.hop(fc)
+            st["fc"] = fc
+
+        def forward(st, m):
+            """Micro-batch `m` (idle outside 0..M-1) through this stage's layers."""
+            on, mc, xs, fc = f_in(st, m)
+            fc, fy = fw.run(xs, fc)
+            f_keep(st, on, mc, fc, fy)
             return fc, mc
 
-        def backward(st, slot, hv):
-            """Backward `slot`: micro-batch slot - (S - 1 - s), from the last stage down."""
-            m = slot - (S - 1 - s)
+        def turn(st, fc, mc, on=True):
+            """The head of micro-batch `mc` (the last stage's, where `on`): its values
+            for the backward loop; its outputs summed or stored."""
+            hx = [_at(x, lab, mc, False) for x, (_, lab) in zip(hargs, head_ext)]
+            hv = head(fc, hx)
+            last = (s == S - 1) & on
+            st["hacc"] = {
+                v: (
+                    a + jnp.where(last, hv[v], 0)
+                    if lab == SUM
+                    else jnp.where(last, a.at[mc].set(hv[v]), a)
+                )
+                for (v, lab), a in zip(fused.head_outs, st["hacc"].values())
+            }
+            return hv
+
+        def b_in(st, m, hv):
+            """The backward pass of micro-batch `m` (idle outside 0..M-1); `hv`: the
+            head's values (the last stage's), None where none was run: (whether it is
+            on, its index clipped, its inputs, its carry in)."""
             on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
             picked, init = [], []
             for i, (kind, x) in enumerate(src):
@@ -253,37 +309,17 @@ def run_1f1b(
                     picked.append(zero if hv is None else hv[x])
                 if bw.n_c <= i < bw.n_c + bw.n_k:
                     init.append(picked[-1])
-            bc = [jnp.where(s == S - 1, x, c) for x, c in zip(init, st["bc"])]
-            bc, by = bw.run(picked, bc)
+            return on, mc, picked, [jnp.where(s == S - 1, x, c) for x, c in zip(init, st["bc"])]
+
+        def b_keep(st, on, mc, bc, by):
             st["bys"] = bw.accumulate(st["bys"], by, mc, on)
             st["bout"] = _collect(st["bout"], bc, mc, on & (s == 0))
-            st["bc"] = bw.hop(bc)
+            st["bc"] = bc
 
-        def warm(st, slot):
-            forward(st, slot)
-            return st, None
-
-        def steady(st, k):
-            # forward slot S - 1 + k brings micro-batch k to the end of the last stage,
-            # whose head turns it around for backward slot k
-            fc, mc = forward(st, S - 1 + k)
-            hx = [_at(x, lab, mc, False) for x, (_, lab) in zip(hargs, head_ext)]
-            hv = head(fc, hx)
-            last = s == S - 1
-            st["hacc"] = {
-                v: (
-                    a + jnp.where(last, hv[v], 0)
-                    if lab == SUM
-                    else jnp.where(last, a.at[mc].set(hv[v]), a)
-                )
-                for (v, lab), a in zip(fused.head_outs, st["hacc"].values())
-            }
-            backward(st, k, hv)
-            return st, None
-
-        def cool(st, slot):
-            backward(st, slot, None)
-            return st, None
+        def backward(st, m, hv):
+            on, mc, xs, bc = b_in(st, m, hv)
+            bc, by = bw.run(xs, bc)
+            b_keep(st, on, mc, bc, by)
 
         st = {
             "fc": fw.carry0(),
@@ -296,9 +332,11 @@ def run_1f1b(
             "bout": bw.out0(),
             "bys": bw.ys0(),
         }
-        st, _ = jax.lax.scan(warm, st, jnp.arange(S - 1))
-        st, _ = jax.lax.scan(steady, st, jnp.arange(M))
-        st, _ = jax.lax.scan(cool, st, jnp.arange(M, M + S - 1))
+        if alternate:
+            parts = (f_in, f_keep, b_in, b_keep, turn)
+            st = _alternating(st, s, S, M, fw, bw, parts, _branches(mesh))
+        else:
+            st = _lock_step(st, s, S, M, fw, bw, forward, turn, backward)
         total = lambda xs: [jax.lax.psum(x, axis) for x in xs]
         return (*total(st["fout"]), *total(st["hacc"].values()), *total(st["bout"]), *st["bys"])
 
@@ -333,6 +371,116 @@ def run_1f1b(
         f_results[j] = uncut(c, fw.labels.outs[j])
     heads = {v: a if lab == SUM else uncut(a, lab) for (v, lab), a in zip(fused.head_outs, hacc)}
     return f_results, [*bw.finish_carry(bout), *bw.finish_ys(bys)], heads
+
+
+# XLA:CPU runs the alternating schedule's passes as branches too (tests of the branch
+# code on layers whose plan moves no data by collective-permute, see `_alternating`)
+BRANCHES_ON_CPU = False
+
+
+def _branches(mesh) -> bool:
+    """Whether the alternating schedule runs each stage's pass as a branch: not on
+    XLA:CPU devices (unless `BRANCHES_ON_CPU`)."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or BRANCHES_ON_CPU:  # an abstract mesh: lowered for GPUs
+        return True
+    return devices.flat[0].platform != "cpu"
+
+
+def _lock_step(st: dict, s, S: int, M: int, fw, bw, forward, turn, backward) -> dict:
+    """Lock-step 1F1B: `S - 1` forward slots, `M` ticks of a forward slot, the head
+    and a backward slot, then `S - 1` backward slots; every carry hops each slot."""
+
+    def warm(st, slot):
+        forward(st, slot - s)
+        st["fc"] = fw.hop(st["fc"])
+        return st, None
+
+    def steady(st, k):
+        # forward slot S - 1 + k brings micro-batch k to the end of the last stage,
+        # whose head turns it around for backward slot k
+        fc, mc = forward(st, S - 1 + k - s)
+        st["fc"] = fw.hop(fc)
+        backward(st, k - (S - 1 - s), turn(st, fc, mc))
+        st["bc"] = bw.hop(st["bc"])
+        return st, None
+
+    def cool(st, slot):
+        backward(st, slot - (S - 1 - s), None)
+        st["bc"] = bw.hop(st["bc"])
+        return st, None
+
+    st, _ = jax.lax.scan(warm, st, jnp.arange(S - 1))
+    st, _ = jax.lax.scan(steady, st, jnp.arange(M))
+    st, _ = jax.lax.scan(cool, st, jnp.arange(M, M + S - 1))
+    return st
+
+
+def _alternating(st: dict, s, S: int, M: int, fw, bw, parts, branch: bool) -> dict:
+    """1F1B with stages alternating forward and backward half-slots (Megatron's
+    schedule, lock-step): in slot `t` stage `s` runs the forward pass of micro-batch
+    `(t - s) / 2` when `t - s` is even, else the backward pass of micro-batch
+    `(t - 2S + 1 + s) / 2`; `2 (M + S - 1)` slots. A stage's pass is a `lax.switch`
+    (every device of a stage takes the same branch; a slot with no micro-batch runs
+    nothing); the head runs after it, on every stage (kept on the last stage only),
+    right after the last stage's forward pass of a micro-batch: `M` times, every
+    device taking the same branch of a `lax.cond`. A carry hops from the stages that
+    made it in that slot only.
+
+    Without `branch` (XLA:CPU, `BRANCHES_ON_CPU`) every stage runs the forward pass
+    and then the backward pass in every slot, each result kept only where the slot
+    holds it: the same results and buffers, twice the compute. XLA:CPU runs a
+    collective-permute (a change of layout, in the head or a stage's layers) inside a
+    branch as a rendezvous of every device, which hangs when only some stages take the
+    branch."""
+    f_in, f_keep, b_in, b_keep, turn = parts
+    zero_h = jax.eval_shape(lambda st: turn(dict(st), st["fc"], 0, False), st)
+    st = {**st, "hv": jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), zero_h)}
+
+    def last_m(t):  # the last stage's micro-batch in forward slot t: the same on every device
+        return (t - (S - 1)) // 2
+
+    def head(st, t):
+        st = dict(st)
+        hv = turn(st, st["fc"], last_m(t))
+        st["hv"] = {v: jnp.where(s == S - 1, hv[v], st["hv"][v]) for v in hv}
+        return st
+
+    def half(st, t, parity: int):
+        is_f = s % 2 == parity  # stages of this parity run forward passes in slot t
+        m = jnp.where(is_f, t - s, t - (2 * S - 1 - s)) // 2
+        on = (m >= 0) & (m < M)
+
+        def idle(st):
+            return st
+
+        def fwd(st):
+            st = dict(st)
+            _, mc, xs, fc = f_in(st, m)
+            f_keep(st, on & is_f, mc, *fw.pin(*fw.run(xs, fc)))
+            return st
+
+        def back(st):
+            st = dict(st)
+            _, mc, xs, bc = b_in(st, m, st["hv"])
+            b_keep(st, on & ~is_f, mc, *bw.pin(*bw.run(xs, bc)))
+            return st
+
+        if branch:
+            st = jax.lax.switch(jnp.where(~on, 0, jnp.where(is_f, 1, 2)), [idle, fwd, back], st)
+        else:  # each stage's carry of the pass it does not run is garbage no one reads
+            st = back(fwd(st))
+        if parity == (S - 1) % 2:  # the last stage ran the forward pass of micro-batch m
+            st = jax.lax.cond((last_m(t) >= 0) & (last_m(t) < M), head, lambda st, t: st, st, t)
+        st["fc"] = fw.hop(st["fc"], [i for i in range(S) if i % 2 == parity])
+        st["bc"] = bw.hop(st["bc"], [i for i in range(S) if i % 2 != parity])
+        return st
+
+    def pair(st, j):
+        return half(half(st, 2 * j, 0), 2 * j + 1, 1), None
+
+    st, _ = jax.lax.scan(pair, st, jnp.arange(M + S - 1))
+    return st
 
 
 def _head_buffer(v: int, lab: Label, fused: Fused, M: int):

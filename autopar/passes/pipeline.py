@@ -43,7 +43,11 @@ from autopar.sharding import MeshInfo, Spec
 SUM = "sum"
 SAME = "same"
 Label = int | str
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-async")
+# the schedules that run a forward loop, the head and the backward loop as one pipeline
+# (`Fused`): lock-step 1F1B, and 1F1B with stages alternating forward and backward
+# half-slots (`autopar.lower.pipeline`)
+FUSED_SCHEDULES = ("1f1b", "1f1b-async")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,12 @@ The slots are the lowering's, in order:
   head on the last stage (the other stages wait) and a backward slot, then `S - 1`
   backward slots; the forward slot `i` runs micro-batch `i - s`, the backward slot `b`
   micro-batch `b - (S - 1 - s)`.
+* an alternating 1F1B pair (schedule "1f1b-async"): `2 (M + S - 1)` half-slots; in
+  half-slot `t` stage `s` runs the forward pass of micro-batch `(t - s) / 2` where
+  `t - s` is even, else the backward pass of micro-batch `(t - 2S + 1 + s) / 2`; a
+  half-slot lasts its slowest stage's pass, the others wait (idle); after a
+  half-slot in which the last stage ran a forward pass, the head on the last stage
+  (the other stages wait).
 
 Every slot is lock-step: all stages start it together. A slot lasts the priced time
 of its loop over its `M + S - 1` slots (the plan records each pipelined loop's price,
@@ -109,11 +115,21 @@ def timeline(pipeline: dict) -> Timeline:
             slots.append(Slot(s, t, seconds, kind if ok else IDLE, m if ok else None, loop))
         t += seconds
 
+    alternating = pipeline.get("schedule") == "1f1b-async"
     for scan in pipeline["scans"]:
         op = scan["op"]
         if op in backward_of_fused:
             continue
-        if op in fused:
+        if op in fused and alternating:
+            f = fused[op]
+            tf, tb = slot_s(scan, False), slot_s(scans[f["backward"]], True)
+            th = 0.0 if estimated else float(f.get("head_seconds", 0.0)) / M
+            for half in range(2 * ticks):
+                t += _alternating_half(slots, half, t, S, M, (tf, tb), (op, f["backward"]))
+                m = (half - (S - 1)) // 2
+                if th and (half - S + 1) % 2 == 0 and 0 <= m < M:
+                    run(HEAD, th, lambda s, m=m: m if s == S - 1 else None, "head")
+        elif op in fused:
             f = fused[op]
             back = scans[f["backward"]]
             tf, tb = slot_s(scan, False), slot_s(back, True)
@@ -135,10 +151,33 @@ def timeline(pipeline: dict) -> Timeline:
     return Timeline(S, M, str(pipeline.get("schedule", "")), tuple(slots), t, estimated)
 
 
+def _alternating_half(
+    slots: list[Slot], half: int, start: float, S: int, M: int, times, loops
+) -> float:
+    """Half-slot `half` of the alternating 1F1B schedule appended to `slots` (each
+    stage's pass, then idle to the slowest one's end); its length. `times`: forward and
+    backward seconds per micro-batch; `loops`: the two loops' keys."""
+    length = 0.0
+    for s in range(S):
+        fwd = (half - s) % 2 == 0
+        m = (half - s) // 2 if fwd else (half - (2 * S - 1 - s)) // 2
+        if 0 <= m < M:
+            slot = Slot(s, start, times[1 - fwd], FORWARD if fwd else BACKWARD, m, loops[1 - fwd])
+            slots.append(slot)
+            length = max(length, slot.seconds)
+    for s in range(S):
+        used = max((x.seconds for x in slots if x.stage == s and x.start == start), default=0.0)
+        if length > used:
+            slots.append(Slot(s, start + used, length - used, IDLE, None, loops[0]))
+    return length
+
+
 def schedule_line(t: Timeline) -> str:
     """One line for `Plan.summary`: the schedule, its pipelined time and bubble, and how
     many micro-batches' activations each stage holds at once."""
-    name = {"1f1b": "1F1B", "gpipe": "GPipe"}.get(t.schedule, t.schedule)
+    name = {"1f1b": "1F1B", "gpipe": "GPipe", "1f1b-async": "alternating 1F1B"}.get(
+        t.schedule, t.schedule
+    )
     held = ", ".join(str(t.in_flight(s)) for s in range(t.stages))
     span = (
         "unit slot times (the plan records no prices)"

@@ -15,7 +15,7 @@ so this module stays below the engines and the driver that run it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -115,9 +115,22 @@ class Problem:
     # a loop's body: every step runs it, so repeated layers in it have no ends that
     # touch an embedding or a head (`search.layers` folds all of them into one)
     loop_body: bool = False
+    # (forward loop, backward loop, seconds by their two strategies): what the
+    # alternating 1F1B schedule adds to the two loops' own prices, the wait of the
+    # faster pass for the slower in each slot (`_alternating_waits`); in `edges` too
+    waits: tuple[tuple[int, int, np.ndarray], ...] = field(default=(), repr=False)
 
     def compute_time(self) -> tuple[np.ndarray, ...]:
         return self.node_time if self.node_compute is None else self.node_compute
+
+    def wait_time(self, choice: Sequence[int], nodes: Collection[int] | None = None) -> float:
+        """The alternating schedule's waits (`waits`) under `choice`: of every pair, or
+        of the pairs with a loop in `nodes`."""
+        return sum(
+            float(w[choice[u], choice[v]])
+            for u, v, w in self.waits
+            if nodes is None or u in nodes or v in nodes
+        )
 
     @property
     def num_inputs(self) -> int:
@@ -265,10 +278,13 @@ def build_problem(
             )
         else:
             node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
+    waits = _alternating_waits(graph, pipelined, bodies, cost) if pipelined is not None else ()
     for i, (_, per_strategy) in conds.items():
         node_time[n_in + i] = np.array([b.seconds for b in per_strategy])
     node_time = tuple(node_time)
     edges = build_edges(graph, cost, strategies, source, share, combinable, after)
+    for u, v, wait in waits:
+        add_edge(edges, n_in + u, n_in + v, wait)
     aliases = find_aliases(graph)
     for o, i in aliases.items():
         v = graph.outputs[o]
@@ -304,6 +320,7 @@ def build_problem(
         conds,
         tuple(t - c for t, c in zip(node_time, node_comm)),
         share,
+        waits=tuple((n_in + u, n_in + v, w) for u, v, w in waits),
     )
 
 
@@ -316,15 +333,17 @@ def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float
 
 def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:
     """In a 1F1B pipeline a stage holds the saved activations of at most 2S - 1
-    micro-batches, and the head's values one micro-batch's worth, but for the values
-    the rest of the step reads from it."""
+    micro-batches (lock-step) or S (alternating: stage s holds S - s, and every stage
+    has the first stage's buffer), and the head's values one micro-batch's worth, but
+    for the values the rest of the step reads from it."""
     M, S = pipelined.pipe.microbatches, pipelined.pipe.stages
+    held = S if pipelined.pipe.schedule == "1f1b-async" else 2 * S - 1
     out = {}
     for fz in pipelined.fused:
         F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
         for v in F.outputs[F.params["num_carry"] :]:
             if v in B.inputs:
-                out[v] = min(M, 2 * S - 1) / M
+                out[v] = min(M, held) / M
         kept = {v for v, _ in fz.head_outs}
         for h in fz.head:
             out.update((v, 1 / M) for v in graph.nodes[h].outputs if v not in kept)
@@ -379,6 +398,55 @@ def step_floor(
     return total / (max(profile.peak_flops.values()) * profile.compute_efficiency * devices)
 
 
+def _alternating_waits(
+    graph: Graph, pipelined: PipelinedScans, bodies: dict, cost: CostModel
+) -> tuple[tuple[int, int, np.ndarray], ...]:
+    """The alternating 1F1B schedule (`autopar.lower.pipeline`) runs `2 (M + S - 1)`
+    half-slots, in each some stages a forward pass and the others a backward one, so
+    a half-slot lasts the slower of the two: `2 (M + S - 1) max(f, b)` in all, where
+    the two loops' own prices (`_pipeline_seconds`, lock-step slots) add up to
+    `(M + S - 1) (f + b)`. The difference, `(M + S - 1) |f - b|`, depends on both
+    loops' strategies: per fused pair (forward, backward, its matrix). The head,
+    priced per micro-batch on its own, runs in the last stage's forward half-slots
+    and could hide behind a slower backward pass: it is counted in full."""
+    pipe = pipelined.pipe
+    if pipe.schedule != "1f1b-async":
+        return ()
+    ticks = pipe.microbatches + pipe.stages - 1
+    out = []
+    for fz in pipelined.fused:
+        f, b = (
+            np.array(
+                [_slot_seconds(graph.nodes[i], bodies[i][0], pipe, cost, r) for r in bodies[i][1]]
+            )
+            for i in (fz.forward, fz.backward)
+        )
+        out.append((fz.forward, fz.backward, ticks * np.abs(f[:, None] - b[None, :])))
+    return tuple(out)
+
+
+def _carry_bytes(node: Node, body: Problem, result: SearchResult) -> int:
+    """Each device's shard of one micro-batch's carry (`result`: one layer's plan at
+    the micro-batch size, on the `body` problem)."""
+    n_c, n_k = node.params["num_consts"], node.params["num_carry"]
+    return sum(
+        body.cost.local_bytes(
+            body.graph.values[body.graph.inputs[i]],
+            body.strategies[i][result.choice[i]].out_specs[0],
+        )
+        for i in range(n_c, n_c + n_k)
+    )
+
+
+def _slot_seconds(
+    node: Node, body: Problem, pipe: Pipeline, cost: CostModel, result: SearchResult
+) -> float:
+    """One slot of a pipelined scan: one micro-batch through one stage's layers and
+    one collective-permute of its carry (`_carry_bytes`) to the next stage."""
+    hop = cost.collective("collective-permute", (pipe.axis,), _carry_bytes(node, body, result))
+    return stage_layers(node, pipe) * result.cost.step_s + hop.seconds
+
+
 def _pipeline_seconds(
     node: Node,
     body: Problem,
@@ -387,27 +455,16 @@ def _pipeline_seconds(
     result: SearchResult,
     collect: bool = True,
 ) -> float:
-    """Time of a pipelined scan: `M + S - 1` slots, each one micro-batch through one
-    stage's layers (`result`: one layer's plan at the micro-batch size, on the `body`
-    problem) and one collective-permute of each device's shard of the micro-batch's
-    carry to the next stage; then (`collect`) the final carry, which only the last
-    stage holds, is all-reduced over the stage axis. GPipe and 1F1B alike: 1F1B runs a
-    forward and a backward slot per tick, with ramps of forward-only and
-    backward-only slots."""
-    n_c, n_k = node.params["num_consts"], node.params["num_carry"]
-    sent = sum(
-        body.cost.local_bytes(
-            body.graph.values[body.graph.inputs[i]],
-            body.strategies[i][result.choice[i]].out_specs[0],
-        )
-        for i in range(n_c, n_c + n_k)
-    )
-    hop = cost.collective("collective-permute", (pipe.axis,), sent)
+    """Time of a pipelined scan: `M + S - 1` slots (`_slot_seconds`); then (`collect`)
+    the final carry, which only the last stage holds, is all-reduced over the stage
+    axis. GPipe and lock-step 1F1B alike: 1F1B runs a forward and a backward slot per
+    tick, with ramps of forward-only and backward-only slots (the alternating 1F1B
+    adds `_alternating_waits`)."""
     # the last stage's outputs reach every stage: an all-reduce of all micro-batches' carry
-    out = cost.collective("all-reduce", (pipe.axis,), sent * pipe.microbatches)
-    layers = stage_layers(node, pipe)
+    sent = _carry_bytes(node, body, result) * pipe.microbatches
+    out = cost.collective("all-reduce", (pipe.axis,), sent)
     ticks = pipe.microbatches + pipe.stages - 1
-    return ticks * (layers * result.cost.step_s + hop.seconds) + out.seconds * collect
+    return ticks * _slot_seconds(node, body, pipe, cost, result) + out.seconds * collect
 
 
 def batch_like_body_inputs(node) -> list[int]:

@@ -182,6 +182,7 @@ def _times(problem: Problem, choice: Sequence[int], settled: Settled | None = No
     colls = edge_collectives(problem, choice, settled)
     node_compute = problem.compute_time()
     compute = sum(float(node_compute[v][s]) for v, s in enumerate(choice))
+    compute += problem.wait_time(choice)
     comm = sum(c.seconds for _, _, c in colls) - combined_latency(problem, colls)
     return compute, comm, colls
 

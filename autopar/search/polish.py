@@ -130,6 +130,9 @@ class _Local:
         values = {v for v in node.inputs if v in p.source} | set(node.outputs)
         own = p.compute_time()[x]
         delta = float(own[s] - own[choice[x]])
+        if p.waits:
+            moved = [s if v == x else c for v, c in enumerate(choice)]
+            delta += p.wait_time(moved, (x,)) - p.wait_time(choice, (x,))
         added = 0.0
         for v in values:
             if v not in p.source:
@@ -314,6 +317,7 @@ class Pricing:
         ]
         self.node_compute = p.compute_time()
         self.compute = sum(float(self.node_compute[v][s]) for v, s in enumerate(self.choice))
+        self.compute += p.wait_time(self.choice)
         self.paid: dict[int, tuple] = {}  # value -> ((position, Collective), ...)
         self.comm = 0.0
         self.at: dict[int, dict] = {}  # node or END -> {position: (producer, Collective)}
@@ -452,6 +456,8 @@ class Pricing:
         p, before = self.p, self.price
         self.log, self._dirty = [], set()
         values: dict[int, None] = {}
+        moved = {x for x, _ in moves}
+        waited = p.wait_time(self.choice, moved) if p.waits else 0.0
         for x, s in moves:
             old = self.choice[x]
             self._set(self.choice, x, s)
@@ -460,6 +466,8 @@ class Pricing:
             node = p.graph.nodes[x - self.n_in]
             values.update(dict.fromkeys([v for v in node.inputs if v in p.source]))
             values.update(dict.fromkeys(node.outputs))
+        if p.waits:
+            self._set_scalar("compute", self.compute + p.wait_time(self.choice, moved) - waited)
         changed_at: set[int] = set()
         comm = self.comm
         for v in values:
