@@ -24,7 +24,7 @@ import numpy as np
 
 from autopar.cost.model import FUSED_OPS, CostModel, node_flops, rate_dtype
 from autopar.ir.graph import Graph, Node, TensorType, find_aliases
-from autopar.passes.pipeline import SUM, Pipeline, PipelinedScans, stage_layers, sub_mesh
+from autopar.passes.pipeline import SUM, PipelinedScans, sub_mesh
 from autopar.search.edges import (
     add_edge,
     bucket_share,
@@ -34,6 +34,7 @@ from autopar.search.edges import (
     reshard_matrix,
     reshard_seconds,
 )
+from autopar.search.piped import alternating_waits, loop_times, residency
 from autopar.search.result import SearchResult
 from autopar.search.solvers.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
@@ -117,7 +118,7 @@ class Problem:
     loop_body: bool = False
     # (forward loop, backward loop, seconds by their two strategies): what the
     # alternating 1F1B schedule adds to the two loops' own prices, the wait of the
-    # faster pass for the slower in each slot (`_alternating_waits`); in `edges` too
+    # faster pass for the slower in each slot (`alternating_waits`); in `edges` too
     waits: tuple[tuple[int, int, np.ndarray], ...] = field(default=(), repr=False)
 
     def compute_time(self) -> tuple[np.ndarray, ...]:
@@ -266,19 +267,14 @@ def build_problem(
     node_time, node_comm = list(node_time), list(node_comm)
     for i in (*bodies, *conds):  # priced whole by their nested plans below
         node_comm[n_in + i] = np.zeros(len(strategies[n_in + i]))
+    piped_times = loop_times(graph, pipelined, bodies, cost) if pipelined is not None else {}
     for i, (_, results) in bodies.items():
         node = graph.nodes[i]
-        if i in piped:
-            collect = i not in _inside_1f1b(graph, pipelined)
-            node_time[n_in + i] = np.array(
-                [
-                    _pipeline_seconds(node, bodies[i][0], pipelined.pipe, cost, r, collect)
-                    for r in results
-                ]
-            )
+        if i in piped_times:
+            node_time[n_in + i] = piped_times[i]
         else:
             node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
-    waits = _alternating_waits(graph, pipelined, bodies, cost) if pipelined is not None else ()
+    waits = alternating_waits(graph, pipelined, bodies, cost) if pipelined is not None else ()
     for i, (_, per_strategy) in conds.items():
         node_time[n_in + i] = np.array([b.seconds for b in per_strategy])
     node_time = tuple(node_time)
@@ -324,46 +320,6 @@ def build_problem(
     )
 
 
-def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float]:
-    """`Problem.resident`: the fraction of each value alive at once (1 where absent)."""
-    if pipelined is None or not pipelined.head_nodes():
-        return {}
-    return _fused_residency(graph, pipelined)
-
-
-def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:
-    """In a 1F1B pipeline a stage holds the saved activations of at most 2S - 1
-    micro-batches (lock-step) or S (alternating: stage s holds S - s, and every stage
-    has the first stage's buffer), and the head's values one micro-batch's worth, but
-    for the values the rest of the step reads from it."""
-    M, S = pipelined.pipe.microbatches, pipelined.pipe.stages
-    held = S if pipelined.pipe.schedule == "1f1b-async" else 2 * S - 1
-    out = {}
-    for fz in pipelined.fused:
-        F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
-        for v in F.outputs[F.params["num_carry"] :]:
-            if v in B.inputs:
-                out[v] = min(M, held) / M
-        kept = {v for v, _ in fz.head_outs}
-        for h in fz.head:
-            out.update((v, 1 / M) for v in graph.nodes[h].outputs if v not in kept)
-    return out
-
-
-def _inside_1f1b(graph: Graph, pipelined: PipelinedScans) -> set[int]:
-    """The 1F1B forward loops whose final carry only the head reads: it never leaves
-    the pipeline."""
-    out = set()
-    for fz in pipelined.fused:
-        F, members = graph.nodes[fz.forward], fz.members()
-        carry = set(F.outputs[: F.params["num_carry"]])
-        if carry & set(graph.outputs):
-            continue
-        if all(n.id in members for n in graph.nodes if carry & set(n.inputs)):
-            out.add(fz.forward)
-    return out
-
-
 def graph_flops(graph: Graph) -> float:
     """All FLOPs of one run of `graph`, loops at their length."""
     return sum(_run_flops(node, graph) for node in graph.nodes)
@@ -396,75 +352,6 @@ def step_floor(
         else:
             total += _run_flops(node, graph)
     return total / (max(profile.peak_flops.values()) * profile.compute_efficiency * devices)
-
-
-def _alternating_waits(
-    graph: Graph, pipelined: PipelinedScans, bodies: dict, cost: CostModel
-) -> tuple[tuple[int, int, np.ndarray], ...]:
-    """The alternating 1F1B schedule (`autopar.lower.pipeline`) runs `2 (M + S - 1)`
-    half-slots, in each some stages a forward pass and the others a backward one, so
-    a half-slot lasts the slower of the two: `2 (M + S - 1) max(f, b)` in all, where
-    the two loops' own prices (`_pipeline_seconds`, lock-step slots) add up to
-    `(M + S - 1) (f + b)`. The difference, `(M + S - 1) |f - b|`, depends on both
-    loops' strategies: per fused pair (forward, backward, its matrix). The head,
-    priced per micro-batch on its own, runs in the last stage's forward half-slots
-    and could hide behind a slower backward pass: it is counted in full."""
-    pipe = pipelined.pipe
-    if pipe.schedule != "1f1b-async":
-        return ()
-    ticks = pipe.microbatches + pipe.stages - 1
-    out = []
-    for fz in pipelined.fused:
-        f, b = (
-            np.array(
-                [_slot_seconds(graph.nodes[i], bodies[i][0], pipe, cost, r) for r in bodies[i][1]]
-            )
-            for i in (fz.forward, fz.backward)
-        )
-        out.append((fz.forward, fz.backward, ticks * np.abs(f[:, None] - b[None, :])))
-    return tuple(out)
-
-
-def _carry_bytes(node: Node, body: Problem, result: SearchResult) -> int:
-    """Each device's shard of one micro-batch's carry (`result`: one layer's plan at
-    the micro-batch size, on the `body` problem)."""
-    n_c, n_k = node.params["num_consts"], node.params["num_carry"]
-    return sum(
-        body.cost.local_bytes(
-            body.graph.values[body.graph.inputs[i]],
-            body.strategies[i][result.choice[i]].out_specs[0],
-        )
-        for i in range(n_c, n_c + n_k)
-    )
-
-
-def _slot_seconds(
-    node: Node, body: Problem, pipe: Pipeline, cost: CostModel, result: SearchResult
-) -> float:
-    """One slot of a pipelined scan: one micro-batch through one stage's layers and
-    one collective-permute of its carry (`_carry_bytes`) to the next stage."""
-    hop = cost.collective("collective-permute", (pipe.axis,), _carry_bytes(node, body, result))
-    return stage_layers(node, pipe) * result.cost.step_s + hop.seconds
-
-
-def _pipeline_seconds(
-    node: Node,
-    body: Problem,
-    pipe: Pipeline,
-    cost: CostModel,
-    result: SearchResult,
-    collect: bool = True,
-) -> float:
-    """Time of a pipelined scan: `M + S - 1` slots (`_slot_seconds`); then (`collect`)
-    the final carry, which only the last stage holds, is all-reduced over the stage
-    axis. GPipe and lock-step 1F1B alike: 1F1B runs a forward and a backward slot per
-    tick, with ramps of forward-only and backward-only slots (the alternating 1F1B
-    adds `_alternating_waits`)."""
-    # the last stage's outputs reach every stage: an all-reduce of all micro-batches' carry
-    sent = _carry_bytes(node, body, result) * pipe.microbatches
-    out = cost.collective("all-reduce", (pipe.axis,), sent)
-    ticks = pipe.microbatches + pipe.stages - 1
-    return ticks * _slot_seconds(node, body, pipe, cost, result) + out.seconds * collect
 
 
 def batch_like_body_inputs(node) -> list[int]:

@@ -1,0 +1,145 @@
+"""What pipelining adds to the price of a step (`search.build`): the time of each
+pipelined loop, the alternating 1F1B schedule's waits, and the fraction of the values
+a 1F1B pipeline holds at once. The schedules are `autopar.lower.pipeline`'s."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.cost.model import CostModel
+from autopar.ir.graph import Graph, Node
+from autopar.passes.pipeline import Pipeline, PipelinedScans, stage_layers
+from autopar.search.result import SearchResult
+
+if TYPE_CHECKING:  # `search.build` imports this module
+    from autopar.search.build import Problem
+
+
+def loop_times(
+    graph: Graph, pipelined: PipelinedScans, bodies: dict, cost: CostModel
+) -> dict[int, np.ndarray]:
+    """Each pipelined loop's time by strategy (`bodies`: node id -> (its body's
+    problem, one body result per strategy), `Problem.bodies`)."""
+    inside = _inside_1f1b(graph, pipelined)
+    return {
+        i: np.array(
+            [
+                _pipeline_seconds(
+                    graph.nodes[i], bodies[i][0], pipelined.pipe, cost, r, i not in inside
+                )
+                for r in bodies[i][1]
+            ]
+        )
+        for i in pipelined.scans
+        if i in bodies
+    }
+
+
+def alternating_waits(
+    graph: Graph, pipelined: PipelinedScans, bodies: dict, cost: CostModel
+) -> tuple[tuple[int, int, np.ndarray], ...]:
+    """The alternating 1F1B schedule (`autopar.lower.pipeline`) runs `2 (M + S - 1)`
+    half-slots, in each some stages a forward pass and the others a backward one, so
+    a half-slot lasts the slower of the two: `2 (M + S - 1) max(f, b)` in all, where
+    the two loops' own prices (`_pipeline_seconds`, lock-step slots) add up to
+    `(M + S - 1) (f + b)`. The difference, `(M + S - 1) |f - b|`, depends on both
+    loops' strategies: per fused pair (forward, backward, its matrix). The head runs
+    `M` times between half-slots, priced per micro-batch as the lock-step head is."""
+    pipe = pipelined.pipe
+    if pipe.schedule != "1f1b-async":
+        return ()
+    ticks = pipe.microbatches + pipe.stages - 1
+    out = []
+    for fz in pipelined.fused:
+        f, b = (
+            np.array(
+                [_slot_seconds(graph.nodes[i], bodies[i][0], pipe, cost, r) for r in bodies[i][1]]
+            )
+            for i in (fz.forward, fz.backward)
+        )
+        out.append((fz.forward, fz.backward, ticks * np.abs(f[:, None] - b[None, :])))
+    return tuple(out)
+
+
+def _carry_bytes(node: Node, body: Problem, result: SearchResult) -> int:
+    """Each device's shard of one micro-batch's carry (`result`: one layer's plan at
+    the micro-batch size, on the `body` problem)."""
+    n_c, n_k = node.params["num_consts"], node.params["num_carry"]
+    return sum(
+        body.cost.local_bytes(
+            body.graph.values[body.graph.inputs[i]],
+            body.strategies[i][result.choice[i]].out_specs[0],
+        )
+        for i in range(n_c, n_c + n_k)
+    )
+
+
+def _slot_seconds(
+    node: Node, body: Problem, pipe: Pipeline, cost: CostModel, result: SearchResult
+) -> float:
+    """One slot of a pipelined scan: one micro-batch through one stage's layers and
+    one collective-permute of its carry (`_carry_bytes`) to the next stage."""
+    hop = cost.collective("collective-permute", (pipe.axis,), _carry_bytes(node, body, result))
+    return stage_layers(node, pipe) * result.cost.step_s + hop.seconds
+
+
+def _pipeline_seconds(
+    node: Node,
+    body: Problem,
+    pipe: Pipeline,
+    cost: CostModel,
+    result: SearchResult,
+    collect: bool = True,
+) -> float:
+    """Time of a pipelined scan: `M + S - 1` slots (`_slot_seconds`); then (`collect`)
+    the final carry, which only the last stage holds, is all-reduced over the stage
+    axis. GPipe and lock-step 1F1B alike: 1F1B runs a forward and a backward slot per
+    tick, with ramps of forward-only and backward-only slots (the alternating 1F1B
+    adds `alternating_waits`)."""
+    # the last stage's outputs reach every stage: an all-reduce of all micro-batches' carry
+    sent = _carry_bytes(node, body, result) * pipe.microbatches
+    out = cost.collective("all-reduce", (pipe.axis,), sent)
+    ticks = pipe.microbatches + pipe.stages - 1
+    return ticks * _slot_seconds(node, body, pipe, cost, result) + out.seconds * collect
+
+
+def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float]:
+    """`Problem.resident`: the fraction of each value alive at once (1 where absent)."""
+    if pipelined is None or not pipelined.head_nodes():
+        return {}
+    return _fused_residency(graph, pipelined)
+
+
+def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:
+    """In a 1F1B pipeline a stage holds the saved activations of at most 2S - 1
+    micro-batches (lock-step) or S (alternating: stage s holds S - s, and every stage
+    has the first stage's buffer), and the head's values one micro-batch's worth, but
+    for the values the rest of the step reads from it."""
+    M, S = pipelined.pipe.microbatches, pipelined.pipe.stages
+    held = S if pipelined.pipe.schedule == "1f1b-async" else 2 * S - 1
+    out = {}
+    for fz in pipelined.fused:
+        F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
+        for v in F.outputs[F.params["num_carry"] :]:
+            if v in B.inputs:
+                out[v] = min(M, held) / M
+        kept = {v for v, _ in fz.head_outs}
+        for h in fz.head:
+            out.update((v, 1 / M) for v in graph.nodes[h].outputs if v not in kept)
+    return out
+
+
+def _inside_1f1b(graph: Graph, pipelined: PipelinedScans) -> set[int]:
+    """The 1F1B forward loops whose final carry only the head reads: it never leaves
+    the pipeline."""
+    out = set()
+    for fz in pipelined.fused:
+        F, members = graph.nodes[fz.forward], fz.members()
+        carry = set(F.outputs[: F.params["num_carry"]])
+        if carry & set(graph.outputs):
+            continue
+        if all(n.id in members for n in graph.nodes if carry & set(n.inputs)):
+            out.add(fz.forward)
+    return out
