@@ -8,14 +8,14 @@ import pytest
 from autopar.plan.schedule import BACKWARD, FORWARD, HEAD, IDLE, schedule_line, timeline
 
 
-def _record(S: int, M: int, fused: bool, seconds=True) -> dict:
+def _record(S: int, M: int, fused: bool, seconds=True, schedule: str = "1f1b") -> dict:
     ticks = M + S - 1
     fwd = {"op": "scan@1", "stages": [], "reverse": False}
     bwd = {"op": "scan@9", "stages": [], "reverse": True}
     if seconds:
         fwd["seconds"], bwd["seconds"] = 1.0 * ticks, 2.0 * ticks  # slots of 1 s and 2 s
     rec = {"stages": S, "microbatches": M, "axis": "stage", "scans": [fwd, bwd]}
-    rec["schedule"] = "1f1b" if fused else "gpipe"
+    rec["schedule"] = schedule if fused else "gpipe"
     if fused:
         rec["fused"] = [
             {"forward": "scan@1", "backward": "scan@9", "head": ["x"], "head_seconds": 0.5 * M}
@@ -58,6 +58,34 @@ def test_lock_step_1f1b_slots(S, M):
     busy = S * M * tick + M * head  # every stage's slots for every micro-batch, one head each
     assert t.bubble == pytest.approx(1 - busy / (S * total))
     assert sum(s.seconds for s in t.slots if s.kind == IDLE) == pytest.approx(S * total - busy)
+
+
+@pytest.mark.parametrize("S,M", [(2, 4), (4, 8), (4, 2), (3, 1)])
+def test_alternating_1f1b_slots(S, M):
+    """Megatron's 1F1B as the lowering runs it: stage s holds S - s micro-batches; each
+    half-slot lasts the slower pass (2 s of backward against 1 s of forward), and the
+    head (0.5 s per micro-batch) follows the last stage's forward passes."""
+    t = timeline(_record(S, M, fused=True, schedule="1f1b-async"))
+    _check_dependencies(t)
+    assert [t.in_flight(s) for s in range(S)] == [min(M, S - s) for s in range(S)]
+    for st in range(S):  # after S - s forward passes a stage alternates, then drains
+        kinds = "".join(s.kind[0] for s in t.slots if s.stage == st and s.kind != IDLE)
+        kinds = kinds.replace("h", "")
+        warm = min(M, S - st)
+        assert kinds == "f" * warm + "bf" * (M - warm) + "b" * warm, (st, kinds)
+    # 2 (M + S - 1) half-slots: those with a backward pass last 2 s, the others 1 s
+    halves = [
+        max(
+            (2.0 if (h - st) % 2 else 1.0)
+            for st in range(S)
+            if 0 <= ((h - st) // 2 if (h - st) % 2 == 0 else (h - 2 * S + 1 + st) // 2) < M
+        )
+        for h in range(2 * (M + S - 1))
+    ]
+    assert t.seconds == pytest.approx(sum(halves) + 0.5 * M)
+    busy = S * M * 3.0 + M * 0.5
+    assert t.bubble == pytest.approx(1 - busy / (S * t.seconds))
+    assert "alternating 1F1B" in schedule_line(t)
 
 
 @pytest.mark.parametrize("S,M", [(2, 4), (4, 8)])
