@@ -95,6 +95,33 @@ def test_pipelined_training_matches_single_device(schedule):
     assert ("B0 B1 B2 B3" if name == "gpipe" else "F0 H0 B0") in text  # the last stage's row
 
 
+def test_alternating_1f1b_branches_train_like_jax_jit(monkeypatch):
+    """The alternating 1F1B as it runs on GPUs: each stage's pass a `lax.switch` branch
+    (on XLA:CPU only where the layers' plan moves no data by collective-permute inside
+    a stage, as here with data parallelism within the stages), equal to `jax.jit`."""
+    import autopar.lower.pipeline as lowering
+
+    monkeypatch.setattr(lowering, "BRANCHES_ON_CPU", True)
+    ts = gpt.make_train_step(_cfg())
+    step = autopar.parallelize(
+        ts.step,
+        mesh={"stage": 2, "data": 4},
+        cluster=CLUSTER,
+        pipeline_stages=2,
+        microbatches=4,
+        pipeline_schedule="1f1b-async",
+    )
+    state = jax.jit(ts.init)(0)
+    hlo = step.lower(state, ts.batch(0)).compile().as_text()
+    # the passes are a three-way switch (idle, forward, backward), not both computed
+    assert re.search(r"branch_computations=\{[^,}]+,[^,}]+,[^,}]+\}", hlo)
+    losses, states = run_steps(step, state, ts.batch, 2, keep_states=True)
+    ref_losses, ref_states = run_steps(jax.jit(ts.step), state, ts.batch, 2, keep_states=True)
+    for i in range(2):
+        assert_trees_close(losses[i], ref_losses[i], what=f"loss at step {i}")
+    assert_trees_close(states[0]["opt_state"], ref_states[0]["opt_state"], what="moments")
+
+
 def test_compiled_pipeline_moves_activations_with_collective_permute(capfd):
     ts, step = _pipelined()
     state, batch = jax.jit(ts.init)(0), ts.batch(0)
