@@ -181,9 +181,9 @@ def _linen(model):
     return step, params, tx.init(params)
 
 
-def _parallel(step):
+def _parallel(step, schedule: str = "1f1b"):
     return autopar.parallelize(
-        step, mesh=MESH, pipeline_stages=2, microbatches=M, pipeline_schedule="1f1b"
+        step, mesh=MESH, pipeline_stages=2, microbatches=M, pipeline_schedule=schedule
     )
 
 
@@ -192,9 +192,9 @@ def _on_stage(leaf, stage: int, mesh) -> bool:
     return leaf.sharding.device_set == devices
 
 
-def _check_linen(model, layer_path):
+def _check_linen(model, layer_path, schedule: str = "1f1b"):
     step, params, opt_state = _linen(model)
-    par = _parallel(step)
+    par = _parallel(step, schedule)
     ref = jax.jit(step)
     a, b = (params, opt_state), (params, opt_state)
     for i in range(3):
@@ -251,6 +251,14 @@ def test_llama_unrolled_pipelines_like_jax_jit():
     assert shapes, "no collective-permute in the compiled program"
     per_micro = (B // M) * T * D
     assert any(T in s and per_micro // 4 <= jnp.prod(jnp.array(s)) <= per_micro for s in shapes)
+
+
+@pytest.mark.slow  # 45 s; test_pipeline.py covers the alternating schedule on scans
+def test_llama_unrolled_pipelines_with_the_alternating_1f1b():
+    _, plan, *_ = _check_linen(
+        Llama(), lambda p, i: p["params"]["layers"][str(i)], schedule="1f1b-async"
+    )
+    assert plan.pipeline["schedule"] == "1f1b-async" and plan.pipeline["fused"]
 
 
 @pytest.mark.slow  # 45 s; the Llama and NNX tests cover the default run
