@@ -1,4 +1,5 @@
-"""A pipelined scan: GPipe or 1F1B over the mesh's stage axis, inside one jitted program.
+"""A pipelined scan: GPipe or 1F1B (lock-step or alternating) over the mesh's stage
+axis, inside one jitted program.
 
 The loop's per-layer inputs (`xs`: weights, saved activations) and outputs (`ys`) are
 split over the stage axis along the layer dim, so stage `s` holds layers
@@ -9,8 +10,8 @@ micro-batch `i - s` through its `k` layers (a `lax.scan` of the micro-batch body
 passes the carry on with `ppermute` (a collective-permute); a reversed loop (a
 backward pass) runs from the last stage to the first. A stage with no micro-batch in a
 slot (the pipeline filling or draining) computes on zeros and drops the result: it
-would wait anyway. (`lax.cond` could skip it, but XLA:CPU deadlocks on collectives in
-branches that only some devices take.)
+would wait anyway. (`lax.cond` could skip it, but XLA:CPU deadlocks on a collective-permute
+in a branch that only some devices take.)
 
 GPipe (`run_gpipe`): `M + S - 1` forward slots, then as a separate pipeline
 `M + S - 1` backward ones; each stage keeps all `M` micro-batches' saved activations
@@ -20,7 +21,10 @@ pipeline of `S - 1` forward slots, then `M` ticks of a forward slot, the head an
 backward slot, then `S - 1` backward slots. The critical path is the same
 `(M + S - 1)` forward and backward slots as GPipe's (plus `M` heads), but stage `s`
 frees a micro-batch's activations `2 (S - 1 - s)` slots after saving them, so it holds
-at most `2S - 1` micro-batches' worth whatever `M` is.
+at most `2S - 1` micro-batches' worth whatever `M` is. The alternating 1F1B
+(`_alternating`, Megatron's schedule) runs `2 (M + S - 1)` half-slots in which the
+stages alternate forward and backward passes, so stage `s` holds `S - s`; a half-slot
+lasts the slower of the two passes.
 
 Micro-batch `m` of a batched value is the strided slice `m::M` of its batch dim, so a
 batch dim sharded over `data` stays sharded the same way in every micro-batch.
