@@ -4,7 +4,7 @@ a 1F1B pipeline holds at once. The schedules are `autopar.lower.pipeline`'s."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -13,8 +13,7 @@ from autopar.ir.graph import Graph, Node
 from autopar.passes.pipeline import Pipeline, PipelinedScans, stage_layers
 from autopar.search.result import SearchResult
 
-if TYPE_CHECKING:  # `search.build` imports this module
-    from autopar.search.build import Problem
+Problem = Any  # a loop body's `search.build.Problem` (which imports this module)
 
 
 def loop_times(
