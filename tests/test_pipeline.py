@@ -95,6 +95,7 @@ def test_pipelined_training_matches_single_device(schedule):
     assert ("B0 B1 B2 B3" if name == "gpipe" else "F0 H0 B0") in text  # the last stage's row
 
 
+@pytest.mark.slow  # 35 s; the form XLA:CPU does not run by default (`BRANCHES_ON_CPU`)
 def test_alternating_1f1b_branches_train_like_jax_jit(monkeypatch):
     """The alternating 1F1B as it runs on GPUs: each stage's pass a `lax.switch` branch
     (on XLA:CPU only where the layers' plan moves no data by collective-permute inside
