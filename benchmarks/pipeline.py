@@ -185,6 +185,24 @@ def run(profile_name: str = "a100-80g") -> dict:
     return out
 
 
+def gpt3_step(scan_layers: bool = True):
+    """The GPT-3 175B train step (`GPT3`, bfloat16; layers under `nn.scan` or unrolled
+    in Python) and its abstract arguments: (train step, args)."""
+    from autopar.examples.models import gpt
+
+    cfg = gpt.GPTConfig(
+        vocab=GPT3.vocab,
+        seq=GPT3.seq,
+        hidden=GPT3.hidden,
+        layers=GPT3.layers,
+        heads=GPT3.heads,
+        dtype=jnp.bfloat16,
+        batch_size=GPT3.batch,
+        scan_layers=scan_layers,
+    )
+    return gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+
+
 def parallelize_auto(
     profile_name: str,
     remat: str = "dots",
@@ -199,20 +217,7 @@ def parallelize_auto(
     micro-batch size searched for real. 1F1B by default (a stage keeps at most 2S - 1
     micro-batches' activations, so selective remat fits); GPipe keeps all M, so only
     full remat fits there."""
-    from autopar.examples.models import gpt
-
-    cfg = gpt.GPTConfig(
-        vocab=GPT3.vocab,
-        seq=GPT3.seq,
-        hidden=GPT3.hidden,
-        layers=GPT3.layers,
-        heads=GPT3.heads,
-        dtype=jnp.bfloat16,
-        batch_size=GPT3.batch,
-        scan_layers=scan_layers,
-    )
-    ts = gpt.make_train_step(cfg)
-    args = gpt.abstract_args(cfg)
+    ts, args = gpt3_step(scan_layers)
     t0 = time.perf_counter()
     step = autopar.parallelize(
         ts.step,

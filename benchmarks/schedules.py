@@ -25,13 +25,11 @@ import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import jax.numpy as jnp  # noqa: E402
-
 import autopar  # noqa: E402
 from autopar.errors import MemoryBudgetError  # noqa: E402
 from autopar.examples.models import gpt  # noqa: E402
 from autopar.plan.schedule import timeline  # noqa: E402
-from benchmarks.pipeline import GPT3  # noqa: E402
+from benchmarks.pipeline import gpt3_step  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "schedules"
 SCHEDULES = ("gpipe", "1f1b", "1f1b-async")
@@ -76,17 +74,7 @@ def compiled_rows() -> list[dict]:
 
 
 def gpt3_rows() -> list[dict]:
-    cfg = gpt.GPTConfig(
-        vocab=GPT3.vocab,
-        seq=GPT3.seq,
-        hidden=GPT3.hidden,
-        layers=GPT3.layers,
-        heads=GPT3.heads,
-        dtype=jnp.bfloat16,
-        batch_size=GPT3.batch,
-        scan_layers=True,
-    )
-    ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    ts, args = gpt3_step()
     rows = []
     for stages in (4, 8):
         for remat in ("dots", "none"):
