@@ -167,7 +167,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
 def test_alternating_1f1b_holds_fewer_activations_and_prices_its_waits(monkeypatch):
     """On 4 stages with M = 16, lock-step 1F1B's first stage holds 2S - 1 = 7
     micro-batches, the alternating schedule's S - s (4, 3, 2, 1): the compiled
-    temporaries shrink, and the predicted peak with them. Its half-slots last the
+    temporaries shrink, and the predicted peak with them (within 15% of them). Its half-slots last the
     slower pass: the price adds (M + S - 1) |f - b| per loop pair to the loops' own,
     in the engines' objective (an edge), the final price and the polish alike."""
     import numpy as np
@@ -198,7 +198,12 @@ def test_alternating_1f1b_holds_fewer_activations_and_prices_its_waits(monkeypat
     held = {k: [timeline(p.pipeline).in_flight(s) for s in range(4)] for k, p in plans.items()}
     assert held == {"1f1b": [7, 5, 3, 1], "1f1b-async": [4, 3, 2, 1]}, held
     assert temp["1f1b-async"] < 0.95 * temp["1f1b"], temp
-    assert plans["1f1b-async"].cost.peak_memory_bytes < 0.8 * plans["1f1b"].cost.peak_memory_bytes
+    above = {k: p.cost.peak_memory_bytes - p.cost.argument_bytes for k, p in plans.items()}
+    assert above["1f1b-async"] < 0.95 * above["1f1b"], above
+    # the prediction counts a 1F1B region as the one loop it runs as (`peak_memory`):
+    # within 15% of the compiled temporaries (before: 21% and 48% under them)
+    for k in plans:
+        assert abs(temp[k] - above[k]) <= 0.15 * above[k], (k, temp[k], above[k])
 
     problem, result = made[-1]
     ch, ticks = result.choice, 16 + 4 - 1

@@ -120,6 +120,9 @@ class Problem:
     # alternating 1F1B schedule adds to the two loops' own prices, the wait of the
     # faster pass for the slower in each slot (`alternating_waits`); in `edges` too
     waits: tuple[tuple[int, int, np.ndarray], ...] = field(default=(), repr=False)
+    # the graph node ids of each 1F1B region (forward loop, head, backward loop), which
+    # run as one loop: what any of them reads or makes is alive for all of it
+    regions: tuple[frozenset[int], ...] = ()
 
     def compute_time(self) -> tuple[np.ndarray, ...]:
         return self.node_time if self.node_compute is None else self.node_compute
@@ -317,6 +320,7 @@ def build_problem(
         tuple(t - c for t, c in zip(node_time, node_comm)),
         share,
         waits=tuple((n_in + u, n_in + v, w) for u, v, w in waits),
+        regions=tuple(f.members() for f in pipelined.fused) if pipelined is not None else (),
     )
 
 

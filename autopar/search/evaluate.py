@@ -241,7 +241,9 @@ def peak_memory(
     (`fused_away`) takes no memory; its reads keep its own operands alive instead. An
     op that reads a value in another layout than it is stored in (an all-gathered
     weight, a loop's stacked weights gathered for the whole loop) holds that copy
-    while it runs. `settled`: `settle(problem, choice)`, when the caller has it."""
+    while it runs. A 1F1B region (`Problem.regions`) runs as one loop: everything its
+    ops make is alive, and every copy they read held, from its first op to its last.
+    `settled`: `settle(problem, choice)`, when the caller has it."""
     g, n_in = problem.graph, problem.num_inputs
     strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
     settled = (settled or settle(problem, choice))[1]
@@ -254,40 +256,47 @@ def peak_memory(
     stored = {v: problem.strategies[i][choice[i]].out_specs[0] for i, v in enumerate(g.inputs)}
     stored.update(made)  # every value in the layout it is stored in
     virtual = fused_away(g, strat, made)
+    # each op's span: itself, or its region's first and last op
+    start = list(range(len(g.nodes)))
+    end = list(range(len(g.nodes)))
+    for region in problem.regions:
+        for i in region:
+            start[i], end[i] = min(region), max(region)
     roots: dict[int, frozenset[int]] = {}
     base = lambda x: roots[x] if x in virtual else (x,)
     last_use: dict[int, int] = {}
-    for node in g.nodes:
-        for x in node.inputs:
+    for node, s in zip(g.nodes, strat):
+        for x, want in zip(node.inputs, s.in_specs):
+            # read as a copy, a value is needed only while the copy is made (a
+            # region's: at its start); in its own layout, while the reader runs
+            copy = x in stored and want != stored[x]
             for r in base(x):
-                last_use[r] = node.id
+                last_use[r] = max(last_use.get(r, -1), (start if copy else end)[node.id])
         for v in node.outputs:
             if v in virtual:
                 roots[v] = frozenset(r for x in node.inputs for r in base(x))
     for x in g.outputs:
         last_use[x] = len(g.nodes)
-    free_at = np.zeros(len(g.nodes) + 1)
-    live = peak = 0.0
+    made_at = np.zeros(len(g.nodes) + 1)  # bytes allocated at each op
+    free_at = np.zeros(len(g.nodes) + 1)  # bytes freed after each op
+    copied: set[tuple[int, int, Spec]] = set()  # (span's first op, value, layout)
     for node, s in zip(g.nodes, strat):
-        copies = {
-            (x, want)
-            for x, want in zip(node.inputs, s.in_specs)
-            if x in stored and want != stored[x]
-        }
-        held = sum(
-            problem.cost.local_bytes(g.values[x], want) * problem.resident.get(x, 1.0)
-            for x, want in copies
-        )
+        at = start[node.id]
+        for x, want in zip(node.inputs, s.in_specs):  # copies, held while the op runs
+            if x in stored and want != stored[x] and (at, x, want) not in copied:
+                copied.add((at, x, want))  # one copy serves a whole region
+                b = problem.cost.local_bytes(g.values[x], want) * problem.resident.get(x, 1.0)
+                made_at[at] += b
+                free_at[end[node.id]] += b
         for v in node.outputs:
             if v in virtual:
                 continue
             b = problem.cost.local_bytes(g.values[v], stored[v])
             b *= problem.resident.get(v, 1.0)
-            live += b
-            free_at[last_use.get(v, node.id)] += b
-        peak = max(peak, live + held)
-        live -= free_at[node.id]
-    return int(args + peak), args
+            made_at[at] += b
+            free_at[max(last_use.get(v, node.id), end[node.id])] += b
+    live = np.cumsum(made_at) - np.concatenate(([0.0], np.cumsum(free_at)[:-1]))
+    return int(args + max(0.0, float(live[: len(g.nodes)].max(initial=0.0)))), args
 
 
 def memory_floor(graph: Graph, devices: int, resident: dict[int, float] | None = None) -> float:
