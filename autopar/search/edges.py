@@ -9,9 +9,9 @@ several latencies dearer than it compiles to on models with many small weights. 
 engines (DP, ILP, recursive) need prices on edges, one pair at a time, so the bucket
 is linearized: an all-reduce of a value that can join a bucket pays its bytes and a
 share of one latency, the larger of its bytes over the bucket size and one over the
-number of values that can join. The final price (`evaluate.combined_latency`) then
-simulates the buckets exactly; the two differ by at most the one latency per bucket
-group that the linear share leaves out when fewer values join than could.
+number of values that can join. The final price (`combiner.combined_latency`) then
+simulates the combiner's pass over the compiled program (its runs follow XLA's
+post-order walk), which the linear share approximates.
 """
 
 from __future__ import annotations

@@ -7,16 +7,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from autopar.cost.model import (
-    COMBINABLE,
-    COMBINE_THRESHOLD_BYTES,
-    COMBINE_THRESHOLD_COUNT,
-    FUSED_OPS,
-    Collective,
-    Cost,
-)
-from autopar.ir.graph import OTHER, Graph
+from autopar.cost.model import FUSED_OPS, Collective, Cost
+from autopar.ir.graph import Graph
 from autopar.search.build import Problem
+from autopar.search.combiner import combined_latency
 from autopar.sharding import Spec
 from autopar.strategies.settle import settle_partials
 
@@ -77,74 +71,6 @@ def edge_collectives(
             u, k = problem.source[x]
             pay(x, strategies[u][choice[u]].out_specs[k], target, None)
     return out
-
-
-def combined_latency(
-    problem: Problem, colls: Sequence[tuple[int, int | None, Collective]]
-) -> float:
-    """Seconds of latency the combiner saves on ``colls`` (from ``edge_collectives``).
-
-    Two all-reduces over one device group can merge when neither depends on the
-    other. Each gets a level: one more than the deepest collective of its kind and group
-    upstream of its producer. Collectives of one level form an antichain, so each level
-    is combined, in program order, into buckets of the threshold's size; every
-    collective past the first of a bucket saves one latency. Except `unmerged` ones: an
-    optimizer op's all-reduce after another (its statistics of a summed gradient)."""
-    g, n_in = problem.graph, problem.num_inputs
-    at: dict[int | None, list[tuple[int, Collective]]] = {}
-    for u, v, c in colls:
-        if c.kind in COMBINABLE and c.seconds > 0:
-            at.setdefault(v, []).append((u, c))
-    if not at:
-        return 0.0
-    empty: dict = {}
-    level: list[dict] = [empty] * (n_in + len(g.nodes))
-    groups: dict[tuple, list[int]] = {}
-
-    def place(u: int, c: Collective, d: dict) -> None:
-        key = (c.kind, c.axes)
-        lvl = level[u].get(key, 0) + 1
-        groups.setdefault((key, lvl, unmerged(problem, u, lvl)), []).append(c.bytes)
-        if d.get(key, 0) < lvl:
-            d[key] = lvl
-
-    for node in g.nodes:
-        v = n_in + node.id
-        ups = {problem.source[x][0] for x in node.inputs if x in problem.source}
-        merged = [level[u] for u in ups if level[u]]
-        d = dict(merged[0]) if merged else {}
-        for m in merged[1:]:
-            for k, lv in m.items():
-                if d.get(k, 0) < lv:
-                    d[k] = lv
-        for u, c in at.get(v, ()):
-            place(u, c, d)
-        level[v] = d or empty
-    for u, c in at.get(None, ()):
-        place(u, c, {})
-    saved = 0.0
-    for ((_, axes), _, late), sizes in groups.items():
-        if late:  # XLA's combiner does not merge it
-            continue
-        buckets, size, count = 1, 0, 0
-        for b in sizes:
-            if count and (size + b > COMBINE_THRESHOLD_BYTES or count == COMBINE_THRESHOLD_COUNT):
-                buckets, size, count = buckets + 1, 0, 0
-            size, count = size + b, count + 1
-        saved += (len(sizes) - buckets) * problem.cost.link(axes)[0]
-    return saved
-
-
-def unmerged(problem: Problem, u: int, level: int) -> bool:
-    """Whether an all-reduce of cost-graph node `u`'s output at `level` is not merged by
-    XLA's combiner: an optimizer op's (neither forward nor backward) after another of
-    its kind. The combiner walks the program in post-order, where the optimizer's
-    per-parameter chains interleave (A's gradient sum, A's statistics, B's gradient
-    sum, ...), and closes a bucket at the first all-reduce that depends on one in it: T5
-    with Adafactor compiled to 100 all-reduces one after another. Gradient sums that
-    follow a loss statistic's all-reduce (level 2 in the backward pass) do merge."""
-    n_in = problem.num_inputs
-    return level > 1 and u >= n_in and problem.graph.phase[u - n_in] == OTHER
 
 
 def output_spec(problem: Problem, o: int, pick: Callable[[int], int]) -> Spec:

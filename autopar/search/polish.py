@@ -2,7 +2,7 @@
 
 Every engine minimises pairwise edge prices, which charge each collective its link
 latency. XLA merges independent all-reduces over one device group into one
-(`evaluate.combined_latency`), which the pairwise prices cannot see: an all-reduce
+(`combiner.combined_latency`), which the pairwise prices cannot see: an all-reduce
 that joins the gradients' combined one costs only its bytes. So the engines can
 prefer two tiny all-gathers (two latencies) to a partial sum that would ride along
 for free. ViT-B/16's data-parallel plan did: it gathered the batch-split logits
@@ -21,16 +21,16 @@ reach."""
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import networkx as nx
 import numpy as np
 
-from autopar.cost.model import COMBINABLE, COMBINE_THRESHOLD_BYTES, COMBINE_THRESHOLD_COUNT
+from autopar.cost.model import COMBINABLE
 from autopar.search.build import Problem
-from autopar.search.evaluate import output_spec, unmerged
+from autopar.search.combiner import combined_latency
+from autopar.search.evaluate import output_spec
 from autopar.sharding import Spec
 from autopar.strategies.settle import settle_spec
 
@@ -284,18 +284,16 @@ class Pricing:
 
     The price is compute (each op's own time) + the collectives of every reshard (each
     value pays once per distinct spec its readers want, as in `edge_collectives`) -
-    the latency the all-reduce combiner saves (`combined_latency`). A change of op x
-    re-prices the values x reads and makes; the combiner's levels are recomputed from
-    the nodes whose all-reduces changed, forward only while a node's levels change;
-    and only the buckets of the (kind, axes, level) groups that changed are counted
-    again. `delta(x, s)` applies the change and returns the price's change; `commit()`
-    keeps it, `undo()` restores the state before it."""
+    the latency the all-reduce combiner saves (`combiner.combined_latency`). A change
+    of op x re-prices the values x reads and makes; where that moves an all-reduce,
+    the combiner's runs are counted again (they follow XLA's walk of the whole
+    program). `delta(x, s)` applies the change and returns the price's change;
+    `commit()` keeps it, `undo()` restores the state before it."""
 
     def __init__(self, problem: Problem, choice: Sequence[int]):
         p = self.p = problem
         g, n_in = p.graph, p.num_inputs
         self.log: list = []  # (dict, list or self; key; old value) of the change under way
-        self._dirty: set = set()  # (key, level, unmerged) groups whose buckets need counting again
         self.choice = list(choice)
         self.n_in = n_in
         self.END = n_in + len(g.nodes)  # the position of the function's outputs
@@ -308,39 +306,17 @@ class Pricing:
         for o, x in enumerate(g.outputs):
             if x in p.source:
                 self.outs.setdefault(x, []).append(o)
-        # readers (cost-graph nodes) of each node's outputs, for the level walk
-        self.down: dict[int, set[int]] = {}
-        for x, rs in self.reads.items():
-            self.down.setdefault(p.source[x][0], set()).update(v for v, _ in rs)
-        self.ups = [()] * n_in + [
-            tuple({p.source[x][0] for x in n.inputs if x in p.source}) for n in g.nodes
-        ]
         self.node_compute = p.compute_time()
         self.compute = sum(float(self.node_compute[v][s]) for v, s in enumerate(self.choice))
         self.compute += p.wait_time(self.choice)
         self.paid: dict[int, tuple] = {}  # value -> ((position, Collective), ...)
         self.comm = 0.0
-        self.at: dict[int, dict] = {}  # node or END -> {position: (producer, Collective)}
         for x in self.reads.keys() | self.outs.keys():
             self.paid[x] = self._pays(x)
-            for pos, c in self.paid[x]:
-                self.comm += c.seconds
-                if c.kind in COMBINABLE and c.seconds > 0:
-                    self.at.setdefault(pos[0], {})[pos] = (p.source[x][0], c)
-        self.level: list[dict] = [{} for _ in range(self.END)]
-        self.placed: dict[
-            int, tuple
-        ] = {}  # node or END -> (((key, level, unmerged), position, bytes), ...)
-        self.groups: dict[tuple, dict] = {}  # (key, level, unmerged) -> {position: bytes}
-        self.saved_by: dict[tuple, float] = {}
-        for v in range(n_in, self.END):
-            self._level(v)
-        self._place_outputs()
-        for grp in list(self.groups):
-            self._rebucket(grp)
-        self.saved = sum(self.saved_by.values())
+            self.comm += sum(c.seconds for _, c in self.paid[x])
+        self.saved = self._combined()
         self.initial = self.price  # the choice's price before any change
-        self.log, self._dirty = [], set()
+        self.log = []
 
     @property
     def price(self) -> float:
@@ -386,64 +362,6 @@ class Pricing:
         else:
             obj[key] = value
 
-    def _level(self, v: int) -> bool:
-        """Recompute node v's levels and its all-reduces' places; whether its levels changed."""
-        level = self.level
-        d: dict = {}
-        for u in self.ups[v]:
-            for key, lv in level[u].items():
-                if d.get(key, 0) < lv:
-                    d[key] = lv
-        places = []
-        for pos, (u, c) in sorted(self.at.get(v, {}).items()):
-            key = (c.kind, c.axes)
-            lvl = level[u].get(key, 0) + 1
-            places.append(((key, lvl, unmerged(self.p, u, lvl)), pos, c.bytes))
-            if d.get(key, 0) < lvl:
-                d[key] = lvl
-        self._replace_places(v, tuple(places))
-        if d == level[v]:
-            return False
-        self._set(level, v, d)
-        return True
-
-    def _place_outputs(self) -> None:
-        places = []
-        for pos, (u, c) in sorted(self.at.get(self.END, {}).items()):
-            key = (c.kind, c.axes)
-            lvl = self.level[u].get(key, 0) + 1
-            places.append(((key, lvl, unmerged(self.p, u, lvl)), pos, c.bytes))
-        self._replace_places(self.END, tuple(places))
-
-    def _replace_places(self, v: int, places: tuple) -> None:
-        old = self.placed.get(v, ())
-        if old == places:
-            return
-        self._set(self.placed, v, places)
-        dirty = set()
-        for grp, pos, _ in old:
-            self._set(self.groups[grp], pos, _MISSING)
-            dirty.add(grp)
-        for grp, pos, b in places:
-            if grp not in self.groups:
-                self._set(self.groups, grp, {})
-            self._set(self.groups[grp], pos, b)
-            dirty.add(grp)
-        self._dirty |= dirty
-
-    def _rebucket(self, grp: tuple) -> None:
-
-        sizes = [b for _, b in sorted(self.groups[grp].items())]
-        buckets, size, count = 1, 0, 0
-        for b in sizes:
-            if count and (size + b > COMBINE_THRESHOLD_BYTES or count == COMBINE_THRESHOLD_COUNT):
-                buckets, size, count = buckets + 1, 0, 0
-            size, count = size + b, count + 1
-        saved = (len(sizes) - buckets) * self.p.cost.link(grp[0][1])[0] if sizes else 0.0
-        if grp[2]:  # not merged (`evaluate.unmerged`)
-            saved = 0.0
-        self._set(self.saved_by, grp, saved)
-
     # ---- changes ---------------------------------------------------------------------------------
     def delta(self, x: int, s: int) -> float:
         """Run op `x` with strategy `s`; the price's change (kept until `commit`/`undo`)."""
@@ -451,10 +369,10 @@ class Pricing:
 
     def delta_all(self, moves: Sequence[tuple[int, int]]) -> float:
         """Run each op `x` of `moves` with its strategy `s`, at once: the values they
-        read and make priced again once, one walk of the levels from every node whose
-        all-reduces changed. The price's change (kept until `commit`/`undo`)."""
+        read and make priced again once, the combiner's runs counted again once if an
+        all-reduce moved. The price's change (kept until `commit`/`undo`)."""
         p, before = self.p, self.price
-        self.log, self._dirty = [], set()
+        self.log = []
         values: dict[int, None] = {}
         moved = {x for x, _ in moves}
         waited = p.wait_time(self.choice, moved) if p.waits else 0.0
@@ -468,7 +386,7 @@ class Pricing:
             values.update(dict.fromkeys(node.outputs))
         if p.waits:
             self._set_scalar("compute", self.compute + p.wait_time(self.choice, moved) - waited)
-        changed_at: set[int] = set()
+        combined = False  # whether an all-reduce moved
         comm = self.comm
         for v in values:
             if v not in self.paid:
@@ -478,39 +396,25 @@ class Pricing:
                 continue
             self._set(self.paid, v, new_pays)
             comm += sum(c.seconds for _, c in new_pays) - sum(c.seconds for _, c in old_pays)
-            u = p.source[v][0]
-            for pays, add in ((old_pays, False), (new_pays, True)):
-                for pos, c in pays:
-                    if c.kind in COMBINABLE and c.seconds > 0:
-                        at = self.at.get(pos[0])
-                        if at is None:
-                            at = {}
-                            self._set(self.at, pos[0], at)
-                        self._set(at, pos, (u, c) if add else _MISSING)
-                        changed_at.add(pos[0])
+            combined = combined or any(
+                c.kind in COMBINABLE and c.seconds > 0 for _, c in (*old_pays, *new_pays)
+            )
         self._set_scalar("comm", comm)
-        self._walk(changed_at)
-        if self._dirty:
-            for grp in self._dirty:
-                self._rebucket(grp)
-            self._set_scalar("saved", sum(self.saved_by.values()))
+        if combined:
+            self._set_scalar("saved", self._combined())
         return self.price - before
 
-    def _walk(self, start: set[int]) -> None:
-        """Levels and places again from the nodes in `start`, forward while levels change."""
-        heap = sorted(v for v in start if v != self.END)
-        queued = set(heap)
-        outputs = self.END in start
-        while heap:
-            v = heapq.heappop(heap)
-            if self._level(v):
-                outputs = True
-                for w in self.down.get(v, ()):
-                    if w not in queued:
-                        queued.add(w)
-                        heapq.heappush(heap, w)
-        if outputs:
-            self._place_outputs()
+    def _combined(self) -> float:
+        """`combiner.combined_latency` of the collectives the plan pays now."""
+        source = self.p.source
+        return combined_latency(
+            self.p,
+            [
+                (source[x][0], None if pos[0] == self.END else pos[0], c)
+                for x, pays in self.paid.items()
+                for pos, c in pays
+            ],
+        )
 
     def _set_scalar(self, name: str, value: float) -> None:
         self.log.append((self, name, getattr(self, name)))
