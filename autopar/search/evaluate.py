@@ -186,8 +186,9 @@ def peak_memory(
     start = list(range(len(g.nodes)))
     end = list(range(len(g.nodes)))
     for region in problem.regions:
+        lo, hi = min(region), max(region)
         for i in region:
-            start[i], end[i] = min(region), max(region)
+            start[i], end[i] = lo, hi
     roots: dict[int, frozenset[int]] = {}
     base = lambda x: roots[x] if x in virtual else (x,)
     last_use: dict[int, int] = {}

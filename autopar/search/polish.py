@@ -243,9 +243,6 @@ def _move_all(pricing: Pricing, moves: Sequence[tuple[int, int]]) -> float:
     return 0.0
 
 
-_MISSING = object()
-
-
 def lean_arguments(
     problem: Problem,
     choice: Sequence[int],
@@ -354,13 +351,9 @@ class Pricing:
         return tuple(out)
 
     def _set(self, obj, key, value) -> None:
-        """obj[key] = value (a dict or a list), undoably; value _MISSING deletes."""
-        old = obj[key] if isinstance(obj, list) else obj.get(key, _MISSING)
-        self.log.append((obj, key, old))
-        if value is _MISSING:
-            del obj[key]
-        else:
-            obj[key] = value
+        """obj[key] = value (an existing entry of a dict or a list), undoably."""
+        self.log.append((obj, key, obj[key]))
+        obj[key] = value
 
     # ---- changes ---------------------------------------------------------------------------------
     def delta(self, x: int, s: int) -> float:
@@ -427,8 +420,6 @@ class Pricing:
         for obj, key, old in reversed(self.log):
             if obj is self:
                 setattr(self, key, old)
-            elif old is _MISSING:
-                del obj[key]
             else:
                 obj[key] = old
         self.log = []
