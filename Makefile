@@ -16,11 +16,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m autopar demo
 
+# Two pytest workers (pytest-xdist): 1.27x on 2 cores, as XLA's compiles and the
+# simulated devices leave cores idle; `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
+
 test: lint $(STAMP)
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15
 
 test-all: $(STAMP)
-	$(BIN)/pytest -q -m ''
+	$(BIN)/pytest -q -n $(TEST_WORKERS) -m ''
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

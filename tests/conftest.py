@@ -6,7 +6,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
-# The default `make test` must stay near 15 minutes on 2 cores; these run under
+# The default `make test` (two pytest workers) must stay near 15 minutes on 2 cores; these run under
 # `make test-all` (`-m ''`). Each is the longest of its feature's tests (seconds
 # measured on 2 busy cores), and its feature keeps a quicker test in the default run.
 SLOW = {
