@@ -123,6 +123,19 @@ def test_alternating_1f1b_branches_train_like_jax_jit(monkeypatch):
     assert_trees_close(states[0]["opt_state"], ref_states[0]["opt_state"], what="moments")
 
 
+def test_loop_invariant_fills_are_built_per_micro_batch():
+    """JAX hoists the causal mask and the -inf of `jnp.where` out of the layer loop,
+    broadcast to the whole batch ([8, 4, 32, 32]); each stage rebuilds one
+    micro-batch's worth from the batch-free operand instead, so the program never cuts
+    them into micro-batches ([4, 2, 4, 32, 32]), and the cost model prices them as never
+    made (`autopar.passes.pipeline.sunk_fills`)."""
+    ts, step = _pipelined()
+    text = step.lower(jax.jit(ts.init)(0), ts.batch(0)).as_text()
+    assert "tensor<4x2x4x32x32x" not in text
+    # the stage broadcasts the mask [32, 32] to one micro-batch's [2, 4, 32, 32]
+    assert re.search(r"broadcast_in_dim.*tensor<32x32xi1>\) -> tensor<2x4x32x32xi1>", text)
+
+
 def test_compiled_pipeline_moves_activations_with_collective_permute(capfd):
     ts, step = _pipelined()
     state, batch = jax.jit(ts.init)(0), ts.batch(0)

@@ -26,7 +26,7 @@ from autopar.ir.eval import bind_node, run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.ir.ops import CONTRACTIONS
 from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
-from autopar.passes.pipeline import Fused, PipelinedScans
+from autopar.passes.pipeline import Fused, PipelinedScans, sunk_fills
 from autopar.passes.precision import upcast_operands
 from autopar.plan.plan import BodyRecord, Plan
 from autopar.sharding import Spec
@@ -139,6 +139,16 @@ def interpret(
                 if have != want:
                     env[v], produced[v] = read(v, want), want
 
+        sinks = sunk_fills(graph, pipelined) if pipelined is not None else {}
+
+        def loop_input(node: Node, i: int, spec: Spec):
+            """Input `i` of a pipelined loop as it enters the pipeline: a sunk fill's
+            batch-free operand (whole: the stage broadcasts it), else the input."""
+            if i in sinks.get(node.id, {}):
+                x = sinks[node.id][i].inputs[0]
+                return read(x, Spec.replicated(graph.values[x].rank))
+            return read(node.inputs[i], spec)
+
         def pipelined_loop(node: Node) -> PipelinedLoop:
             micro, labels = pipelined.scans[node.id]
             rec = plan.ops[node.id]
@@ -147,15 +157,16 @@ def interpret(
                 micro, rec.body, jax.sharding.get_abstract_mesh(), pin_inputs=True
             )(*xs)
             specs = [r.spec for r in rec.body.outputs]
-            return PipelinedLoop(node, micro, labels, run_body, pipelined.pipe, mesh, specs)
+            fills = {i: b.params["broadcast_dimensions"] for i, b in sinks.get(node.id, {}).items()}
+            return PipelinedLoop(node, micro, labels, run_body, pipelined.pipe, mesh, specs, fills)
 
         def run_fused(fz: Fused) -> None:
             F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
             rec_f, rec_b = plan.ops[F.id], plan.ops[B.id]
             made = {v for h in fz.head for v in graph.nodes[h].outputs} | set(F.outputs)
-            f_in = [read(v, s) for v, s in zip(F.inputs, rec_f.in_specs)]
+            f_in = [loop_input(F, i, s) for i, s in enumerate(rec_f.in_specs)]
             b_in = {
-                i: read(v, s)
+                i: loop_input(B, i, s)
                 for i, (v, s) in enumerate(zip(B.inputs, rec_b.in_specs))
                 if v not in made
             }
@@ -216,7 +227,7 @@ def interpret(
                 rec = replace(rec, in_specs=(_with_partial(rec), *rec.in_specs[1:]))
                 local = True
             if pipelined is not None and node.id in pipelined.scans:
-                invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
+                invals = [loop_input(node, i, s) for i, s in enumerate(rec.in_specs)]
                 outs = run_gpipe(pipelined_loop(node), mesh, invals)
                 haves = rec.out_specs
             elif node.body is not None:

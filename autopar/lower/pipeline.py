@@ -57,9 +57,21 @@ class PipelinedLoop:
     the buffers its outputs fill (`ys0`, `accumulate`, `finish`)."""
 
     def __init__(
-        self, node: Node, micro_body: Graph, labels: ScanLabels, run_body, pipe, mesh, out_specs
+        self,
+        node: Node,
+        micro_body: Graph,
+        labels: ScanLabels,
+        run_body,
+        pipe,
+        mesh,
+        out_specs,
+        fills: Mapping[int, Sequence[int]] = {},  # noqa: B006
     ):
         p = node.params
+        # sunk fills (`autopar.passes.pipeline.sunk_fills`): input -> the broadcast's
+        # dims; the input enters as the batch-free operand, broadcast per micro-batch
+        self.fills = dict(fills)
+        self.in_types = [micro_body.values[v] for v in micro_body.inputs]
         self.node, self.labels, self.run_body, self.pipe = node, labels, run_body, pipe
         self.n_c, self.n_k, self.reverse = p["num_consts"], p["num_carry"], p["reverse"]
         self.k = p["length"] // pipe.stages
@@ -79,12 +91,17 @@ class PipelinedLoop:
         """Input `i` with micro-batches stacked in front (consts, carry) or after the
         layer dim (xs)."""
         lab, xs = self.labels.ins[i], int(self.is_x[i])
-        return x if lab == SAME else cut(x, lab + xs, self.pipe.microbatches, lead=xs)
+        if lab == SAME or i in self.fills:
+            return x
+        return cut(x, lab + xs, self.pipe.microbatches, lead=xs)
 
     def spec(self, i: int) -> PartitionSpec:
         return PartitionSpec(self.pipe.axis) if self.is_x[i] else PartitionSpec()
 
     def pick(self, i: int, x, mc):
+        if i in self.fills:
+            t = self.in_types[i]
+            return jax.lax.broadcast_in_dim(x, t.shape, tuple(self.fills[i]))
         return _at(x, self.labels.ins[i], mc, self.is_x[i])
 
     def pos(self, s):

@@ -124,6 +124,30 @@ class PipelinedScans:
         return frozenset(n for f in self.fused for n in f.head)
 
 
+def sunk_fills(graph: Graph, pipelined: PipelinedScans) -> dict[int, dict[int, Node]]:
+    """Per pipelined scan, the batched loop-invariant inputs that a `broadcast_in_dim`
+    makes from a batch-free operand (a causal mask, the -inf of `jnp.where`, that JAX's
+    partial evaluation hoisted out of the loop at the full batch): input index -> that
+    broadcast. A stage rebuilds each, one micro-batch's worth, from the operand
+    (`autopar.lower.pipeline`), so the lowered program never makes the whole value nor
+    cuts it into micro-batches."""
+    out: dict[int, dict[int, Node]] = {}
+    for i, (_, labels) in pipelined.scans.items():
+        node = graph.nodes[i]
+        for k, (v, lab) in enumerate(zip(node.inputs, labels.ins)):
+            p = graph.producer.get(v)
+            made = graph.nodes[p] if p is not None else None
+            if (
+                k < node.params["num_consts"]
+                and isinstance(lab, int)
+                and made is not None
+                and made.op == "broadcast_in_dim"
+                and lab not in made.params["broadcast_dimensions"]
+            ):
+                out.setdefault(i, {})[k] = made
+    return out
+
+
 def check_pipeline(pipe: Pipeline, mesh: MeshInfo) -> None:
     if pipe.schedule not in SCHEDULES:
         raise PipelineError(

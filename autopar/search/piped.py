@@ -10,7 +10,7 @@ import numpy as np
 
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node
-from autopar.passes.pipeline import Pipeline, PipelinedScans, stage_layers
+from autopar.passes.pipeline import Pipeline, PipelinedScans, stage_layers, sunk_fills
 from autopar.search.result import SearchResult
 
 Problem = Any  # a loop body's `search.build.Problem` (which imports this module)
@@ -105,10 +105,28 @@ def _pipeline_seconds(
 
 
 def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float]:
-    """`Problem.resident`: the fraction of each value alive at once (1 where absent)."""
-    if pipelined is None or not pipelined.head_nodes():
+    """`Problem.resident`: the fraction of each value alive at once (1 where absent). A
+    fill that only pipelined loops read, each stage rebuilding one micro-batch's worth
+    (`sunk_fills`), is never made: 0. (Its batch-free operand, read by the loops
+    instead, is priced alive up to the broadcast only: at most 1/batch of the fill.)"""
+    if pipelined is None:
         return {}
-    return _fused_residency(graph, pipelined)
+    fills = sunk_fills(graph, pipelined)
+    sunk = {(c, k) for c, ks in fills.items() for k in ks}
+    out = {
+        v: 0.0
+        for v in {made.outputs[0] for ks in fills.values() for made in ks.values()}
+        if v not in graph.outputs
+        and all(
+            (c, k) in sunk
+            for c in graph.consumers.get(v, ())
+            for k, x in enumerate(graph.nodes[c].inputs)
+            if x == v
+        )
+    }
+    if pipelined.head_nodes():
+        out.update(_fused_residency(graph, pipelined))
+    return out
 
 
 def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:
