@@ -27,7 +27,10 @@ stages alternate forward and backward passes, so stage `s` holds `S - s`; a half
 lasts the slower of the two passes.
 
 Micro-batch `m` of a batched value is the strided slice `m::M` of its batch dim, so a
-batch dim sharded over `data` stays sharded the same way in every micro-batch.
+batch dim sharded over `data` stays sharded the same way in every micro-batch. A
+loop-invariant input broadcast whole from a batch-free operand (a mask or fill JAX
+hoisted out of the loop; `autopar.passes.pipeline.sunk_fills`) enters as that operand,
+and each stage broadcasts one micro-batch's worth where it reads it.
 """
 
 from __future__ import annotations
