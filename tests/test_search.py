@@ -129,6 +129,43 @@ def test_over_budget_tries_zero_stages_and_keeps_the_fastest_that_fits():
     assert base.cost.argument_bytes > zero1.argument_bytes > tried["dp+zero3"].argument_bytes
 
 
+def test_zero1_splits_the_moments_of_a_tensor_parallel_plan_further_not_across():
+    """ZeRO-1 (Megatron's distributed optimizer) shards each optimizer moment over the
+    axes the plan leaves it whole on, within its tensor-parallel split: each device
+    updates a slice of what it already holds, with no all-to-all between layouts. The
+    moments used to be split over every device along one dim, across the model split,
+    and the retry paid all-to-alls (and lost to ZeRO-3)."""
+    cfg = gpt.GPTConfig(hidden=256, heads=4, seq=32, vocab=512, layers=2, batch_size=8)
+    ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    mesh = {"data": 2, "model": 4}
+
+    def megatron_mlp(path, x):  # the MLP's weights tensor-parallel, all else searched
+        p = "/".join(str(getattr(k, "key", k)) for k in path)
+        if "opt_state" not in p and p.endswith("mlp/c_fc/kernel"):
+            return P(None, "model")
+        if "opt_state" not in p and p.endswith("mlp/c_proj/kernel"):
+            return P("model", None)
+        return None
+
+    specs = (jax.tree_util.tree_map_with_path(megatron_mlp, args[0]), None)
+    free = autopar.parallelize(ts.step, mesh=mesh, engine="dp", in_specs=specs).plan(*args)
+    budget = 0.9 * free.cost.peak_memory_bytes
+    plan = autopar.parallelize(
+        ts.step, mesh=mesh, engine="dp", in_specs=specs, memory_budget=budget
+    ).plan(*args)
+    assert plan.engine == "dp+zero1", plan.candidates
+    assert not any(k.startswith("all-to-all") for k in plan.cost.comm_bytes), plan.cost.comm_bytes
+    spec = {r.path: r.spec for r in plan.inputs}
+    for layer in ("h_0", "h_1"):
+        for w, d in (("c_fc", 1), ("c_proj", 0)):
+            param = spec[f"state/params/{layer}/mlp/{w}/kernel"]
+            assert param.dims[d] == ("model",), param
+            for m in ("mu", "nu"):
+                moment = spec[f"state/opt_state/0/{m}/{layer}/mlp/{w}/kernel"]
+                assert moment.dims[d][:1] == ("model",), (m, layer, w, moment)
+                assert set(moment.used_axes) == {"data", "model"}, (m, layer, w, moment)
+
+
 def test_auto_runs_fsdp_when_no_other_plan_fits(monkeypatch):
     """When no plan of `recursive`, `dp` or `data` (nor their ZeRO retries) fits, `auto`
     runs `fsdp`, whose plan is then the one that fits."""

@@ -281,8 +281,8 @@ class _Driver(PipelineTries):
         if o.pipeline_stages == "auto":
             notes += (pipeline_tries(found.ranked, found.failures),)
             stage = [m for m in o.meshes if "stage" in m.axis_names]
-            turned = [f for f in found.failures if "'stage'" in f.split("}", 1)[0]]
-            if stage and len(turned) >= len(stage):  # no pipeline could be made: say why
+            piped = any(r[6] is not None for r in found.ranked)
+            if stage and not piped:  # no pipeline could be made: say why
                 why = no_pipeline_why(found.failures)
                 warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
                 notes += (why,)

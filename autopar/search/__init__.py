@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -252,8 +252,13 @@ def search(
     def over(key: str) -> bool:  # a plan that gets the ZeRO retries
         return key in done and done[key][0][1].peak_memory_bytes > memory_budget * sure_fit
 
-    def retries(name: str) -> Iterator[tuple[str, dict[int, int]]]:
+    def retries(name: str, choice: Sequence[int]) -> Iterator[tuple[str, dict[int, int]]]:
+        """The ZeRO retries of engine `name`'s plan `choice` (over the budget): ZeRO-1
+        splits the optimizer state further than `choice` does (`engines.aligned_pins`)."""
         for stage, pins in zero_stages.items():
+            if stage == "zero1" and pins:
+                aligned = engines.aligned_pins(problem, choice, opt_state - set(pinned))
+                pins = aligned if any(choice[i] != k for i, k in aligned.items()) else {}
             if pins and not (stage == "zero1" and pins == zero_pins):
                 yield stage, pins
 
@@ -265,7 +270,7 @@ def search(
                 f"{n}+{stage}": (n, {**pins, **pinned})
                 for n in names
                 if over(n) and n not in ("data", "fsdp")
-                for stage, pins in retries(n)
+                for stage, pins in retries(n, done[n][0][0])
                 if "loops" not in stage and f"{n}+{stage}" not in done
             }
         )
@@ -302,7 +307,7 @@ def search(
         ):
             continue
         fits = False
-        for stage, pins in retries(name):
+        for stage, pins in retries(name, candidates[name][0]):
             if fits and "loops" in stage:  # leaner loops only trade speed for memory
                 break
             key = f"{name}+{stage}"

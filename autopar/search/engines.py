@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from autopar.ir.graph import BACKWARD, FORWARD, OTHER
 from autopar.search.build import Problem, batch_like_body_inputs
 from autopar.search.edges import combinable_values
 from autopar.search.evaluate import total_time
-from autopar.sharding import axis_order_slow_first
+from autopar.sharding import Spec, axis_order_slow_first
 
 # MindSpore D-Rec weighs the cost of replicating a parameter (a batch cut) by
 # 0.25 against replicating an activation: weights are reused across the batch.
@@ -420,6 +420,29 @@ def fsdp_pins(problem: Problem) -> dict[int, int]:
         i: _batch_spec(problem, i) if batch[i] else _max_sharded(problem, i)
         for i in range(problem.num_inputs)
     }
+
+
+def aligned_pins(problem: Problem, choice: Sequence[int], inputs: set[int]) -> dict[int, int]:
+    """ZeRO over what a plan leaves replicated (Megatron's distributed optimizer): each of
+    `inputs` (the optimizer state) in the layout `choice` gives it, further split by the
+    mesh axes that layout leaves unused, where they divide a dim. Each device's shard is
+    a slice of the one it held, so the update stays aligned with its parameter's
+    tensor-parallel split; `fsdp_pins`' layout, chosen without the plan, may cross it and
+    pay all-to-alls both ways every step."""
+    pins = {}
+    for i in inputs:
+        strats = problem.strategies[i]
+        base = strats[choice[i]].out_specs[0]
+        ks = [k for k, s in enumerate(strats) if _refines(s.out_specs[0], base)]
+        pins[i] = max(ks, key=lambda k: (strats[k].out_specs[0].shards(problem.mesh), -k))
+    return pins
+
+
+def _refines(spec: Spec, base: Spec) -> bool:
+    """Each block of `spec` is a local slice of one of `base`'s (no sum pending)."""
+    return not spec.partial and all(
+        s[: len(b)] == b for s, b in zip(spec.dims, base.dims, strict=True)
+    )
 
 
 def loop_footprint(problem: Problem, v: int, k: int) -> int:
