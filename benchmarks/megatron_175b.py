@@ -1,0 +1,262 @@
+"""Megatron-LM's GPT-3 175B configurations next to autopar's plan, on the captured step
+and priced by one cost model: ``python -m benchmarks.megatron_175b``.
+
+The GPT-3 175B train step (``benchmarks.pipeline.gpt3_step``: layers under ``nn.scan``,
+bf16, seq 2048, batch 1536, AdamW, abstract arguments) on 1024 ``a100-80g`` devices:
+
+* ``auto``: what a user gets, ``autopar.parallelize(mesh=1024, pipeline_stages="auto",
+  remat="auto")`` with the default engine (``benchmarks.pipeline.parallelize_auto``);
+* Megatron's configurations as ``parallelize`` calls that fix everything Megatron fixes:
+  the mesh (``stage x data x model``), the stage count, micro-batch size 1 (M = batch /
+  data), lock-step 1F1B, the remat policy, and Megatron's tensor-parallel layout of every
+  parameter and moment pinned with ``in_specs=`` (``benchmarks.stage_model.megatron_specs``:
+  q/k/v and c_fc column-split, o and c_proj row-split, the token embedding vocab-split,
+  each layer on its stage). With ZeRO-1 (Megatron's distributed optimizer) the moments
+  are pinned split over ``data`` as well. The search (``engine="dp"``) picks only what
+  Megatron leaves open (the activations' layouts, the head) and runs with no memory
+  budget, so the row is Megatron's layout even where it does not fit; the table says
+  whether it fits 80 GB;
+* Megatron's interleaved schedule is listed, not priced: autopar has no interleaved
+  schedule.
+
+Both under the profile as shipped and under the efficiency factors
+``benchmarks.published`` fits to published step times (``compute+hbm``, read from
+``results/published.json``). MFU: 6 N T model FLOPs over the A100's bf16 peak.
+
+Writes ``results/megatron_175b.{json,md}``. About 15 minutes on 2 CPUs (the two ``auto``
+searches take most of it); ``--no-auto`` prices the Megatron rows alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import autopar  # noqa: E402
+import cost_models  # noqa: E402
+from autopar.ir.capture import path_str  # noqa: E402
+from benchmarks import stage_model as SM  # noqa: E402
+from benchmarks.pipeline import (  # noqa: E402
+    DEVICES,
+    GPT3,
+    RESULTS,
+    _fitted_profile,
+    gpt3_step,
+    parallelize_auto,
+)
+
+OUT = RESULTS / "megatron_175b"
+TP = 8
+# (name, pipeline stages, remat, ZeRO stage): Megatron-LM's 175B recipes on 1024 GPUs
+CONFIGS = (
+    ("TP 8 x PP 8, selective recompute", 8, "selective", 0),
+    ("TP 8 x PP 8, selective recompute, ZeRO-1", 8, "selective", 1),
+    ("TP 8 x PP 8, full recompute", 8, "full", 0),
+    ("TP 8 x PP 8, full recompute, ZeRO-1", 8, "full", 1),
+    ("TP 8 x PP 16, selective recompute", 16, "selective", 0),
+    ("TP 8 x PP 16, selective recompute, ZeRO-1", 16, "selective", 1),
+    ("TP 8 x PP 16, full recompute", 16, "full", 0),
+    ("TP 8 x PP 16, full recompute, ZeRO-1", 16, "full", 1),
+)
+NOT_PRICED = (
+    (
+        "TP 8 x PP 8, interleaved 1F1B (v = 2..12), selective recompute",
+        "not priced: autopar has no interleaved schedule (issue 20)",
+    ),
+)
+
+
+def _zero1(spec: P, shape: tuple[int, ...], data: int) -> P:
+    """`spec` with `data` added on the largest dim it leaves whole and `data` divides
+    (Megatron's distributed optimizer shards each moment over the data-parallel group)."""
+    dims = list(tuple(spec) + (None,) * (len(shape) - len(tuple(spec))))
+    free = [d for d, a in enumerate(dims) if a is None and shape[d] % data == 0]
+    if not free:
+        return spec
+    d = max(free, key=lambda d: shape[d])
+    dims[d] = "data"
+    return P(*dims)
+
+
+def megatron_in_specs(args, stages: int, zero: int):
+    """Megatron's layout of the scanned GPT-3 step's (state, batch): `megatron_specs`,
+    each stacked layer parameter's leading (layer) dim on `stage`, and with `zero=1` the
+    optimizer moments split over `data` too."""
+    data = DEVICES // (stages * TP)
+    mesh = {"stage": stages, "data": data, "model": TP}
+    state_specs, batch_specs = SM.megatron_specs(args, mesh)
+
+    def staged(path, spec, x):
+        p = path_str(path)
+        dims = tuple(spec) + (None,) * (len(x.shape) - len(tuple(spec)))
+        if "/h/" in p and x.shape and x.shape[0] == GPT3.layers:  # the scanned stack
+            dims = ("stage", *dims[1:])
+        out = P(*dims) if x.shape else P()
+        if zero and "opt_state" in p and x.shape:
+            out = _zero1(out, x.shape, data)
+        return out
+
+    state_specs = jax.tree_util.tree_map_with_path(
+        staged, state_specs, args[0], is_leaf=lambda s: isinstance(s, P)
+    )
+    return mesh, (state_specs, batch_specs)
+
+
+def price_megatron(profile, stages: int, remat: str, zero: int) -> dict:
+    ts, args = gpt3_step(True)
+    mesh, specs = megatron_in_specs(args, stages, zero)
+    data = mesh["data"]
+    t = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not compile-checked": no devices here
+        plan = autopar.parallelize(
+            ts.step,
+            mesh=mesh,
+            cluster=profile,
+            engine="dp",
+            pipeline_stages=stages,
+            microbatches=GPT3.batch // data,
+            pipeline_schedule="1f1b",
+            remat=remat,
+            in_specs=specs,
+            memory_budget=1e15,
+            progress=False,
+        ).plan(*args)
+    return _summary(plan, profile, time.perf_counter() - t)
+
+
+def _summary(plan, profile, seconds: float) -> dict:
+    prof = cost_models.load(profile)
+    flops = SM.model_flops(GPT3.batch, GPT3.seq, GPT3.layers, GPT3.hidden, GPT3.vocab)
+    peak = prof.flops_for(jnp.bfloat16)
+    pipe = plan.pipeline or {}
+    return {
+        "engine": plan.engine,
+        "mesh": plan.mesh.shape,
+        "stages": pipe.get("stages"),
+        "microbatches": pipe.get("microbatches"),
+        "schedule": pipe.get("schedule"),
+        "remat": plan.remat or "none",
+        "step_s": plan.cost.step_s,
+        "compute_s": plan.cost.compute_s,
+        "comm_s": plan.cost.comm_s,
+        "memory_gb": plan.cost.peak_memory_bytes / 1e9,
+        "fits": plan.cost.peak_memory_bytes <= prof.hbm_bytes,
+        "mfu": flops / (plan.cost.step_s * DEVICES * peak),
+        "plan_s": seconds,
+    }
+
+
+def _auto(profile) -> dict:
+    r = parallelize_auto(profile, remat="auto", engine="auto", scan_layers=True)
+    prof = cost_models.load(profile)
+    p = r["pipeline"] or {}
+    return {
+        "engine": r["engine"],
+        "mesh": r["mesh"],
+        "stages": p.get("stages"),
+        "microbatches": p.get("microbatches"),
+        "schedule": p.get("schedule"),
+        "remat": r["remat"],
+        "step_s": r["step_s"],
+        "compute_s": r["compute_s"],
+        "comm_s": r["comm_s"],
+        "memory_gb": r["memory_gb"],
+        "fits": r["memory_gb"] * 1e9 <= prof.hbm_bytes,
+        "mfu": r["mfu"],
+        "plan_s": r["search_seconds"],
+    }
+
+
+def _row(name: str, r: dict) -> str:
+    mesh = " x ".join(f"{a} {s}" for a, s in r["mesh"].items())
+    fits = "yes" if r["fits"] else "**no**"
+    return (
+        f"| {name} | {mesh} | {r['microbatches']} | {r['schedule']} | {r['remat']} | "
+        f"{r['engine']} | {r['step_s']:.2f} ({r['compute_s']:.2f} + {r['comm_s']:.2f}) | "
+        f"{r['memory_gb']:.1f} ({fits}) | {100 * r['mfu']:.1f}% | {r['plan_s']:.0f} |"
+    )
+
+
+def _section(title: str, rows: dict) -> list[str]:
+    out = [
+        f"## {title}",
+        "",
+        "| plan | mesh | M | schedule | remat | engine | step s (compute + comm) | "
+        "GB/device (fits 80 GB) | MFU | .plan() s |",
+        "|---|---|---:|---|---|---|---|---|---:|---:|",
+    ]
+    out += [_row(n, r) for n, r in rows.items()]
+    out += [f"| {n} | {why} |||||||||" for n, why in NOT_PRICED]
+    fitting = {n: r for n, r in rows.items() if n != "auto" and r["fits"]}
+    if "auto" in rows and fitting:
+        best = min(fitting, key=lambda n: fitting[n]["step_s"])
+        ratio = fitting[best]["step_s"] / rows["auto"]["step_s"]
+        out += [
+            "",
+            f"The fastest Megatron configuration that fits 80 GB: {best}, "
+            f"{fitting[best]['step_s']:.3f} s against `auto`'s {rows['auto']['step_s']:.3f} s: "
+            f"Megatron / auto = {ratio:.4f}.",
+        ]
+    return out + [""]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-auto", action="store_true", help="price the Megatron rows only")
+    ap.add_argument("--out", type=Path, default=OUT, help="results path, without suffix")
+    ap.add_argument("--from-json", action="store_true", help="re-render the saved JSON")
+    a = ap.parse_args(argv)
+    if a.from_json:
+        results = json.loads(a.out.with_suffix(".json").read_text())
+        _write(a.out, results, [k for k in results if k != "efficiency_fitted"])
+        return
+    default = cost_models.load("a100-80g")
+    fitted, eff = _fitted_profile(default)
+    profiles = {"a100-80g as shipped": default}
+    if fitted is not None:
+        profiles["a100-80g, fitted (compute+hbm)"] = fitted
+    results: dict = {"efficiency_fitted": eff}
+    for title, prof in profiles.items():
+        rows: dict = {}
+        if not a.no_auto:
+            rows["auto"] = _auto(prof)
+            print(title, "auto", json.dumps(rows["auto"]), flush=True)
+        for name, stages, remat, zero in CONFIGS:
+            rows[name] = price_megatron(prof, stages, remat, zero)
+            print(title, name, json.dumps(rows[name]), flush=True)
+        results[title] = rows
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    _write(a.out, results, list(profiles))
+
+
+def _write(out: Path, results: dict, titles: list[str]) -> None:
+    eff = results["efficiency_fitted"]
+    lines = [
+        "# GPT-3 175B: Megatron-LM's configurations and autopar's plan, one cost model",
+        "",
+        "`python -m benchmarks.megatron_175b` (what each row fixes: the module docstring). "
+        "Captured step (layers under `nn.scan`), 1024 devices, abstract arguments; "
+        f"machine: {os.cpu_count()} CPUs. Fitted factors: {eff}.",
+        "",
+    ]
+    for title in titles:
+        lines += _section(title, results[title])
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
