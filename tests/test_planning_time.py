@@ -478,6 +478,30 @@ def test_reshard_tables_equal_pairwise_prices():
     assert checked > 10_000
 
 
+def test_reshard_palette_is_shared_by_builds_on_one_mesh():
+    """The pair codes of a mesh's reshards (`cost.tables._palette`) are worked out once
+    for every build on that mesh and profile (each try of a call builds its own
+    problem), and apart for another mesh; the prices are the same either way (the test
+    above builds every matrix with a fresh memo, so on the shared palette)."""
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.cost.tables import reshard_table
+    from autopar.sharding import MeshInfo, Spec
+
+    prof = cost_models.load("a100-80g")
+    mesh = MeshInfo.build(("data", "model"), (4, 2), None, 8)
+    specs = (Spec(((), ())), Spec((("data",), ())), Spec(((), ("model",))))
+    first = reshard_table(CostModel(prof, mesh), specs, specs, {})
+    again = reshard_table(
+        CostModel(prof, MeshInfo.build(("data", "model"), (4, 2), None, 8)), specs, specs, {}
+    )
+    other = reshard_table(
+        CostModel(prof, MeshInfo.build(("data", "model"), (2, 4), None, 8)), specs, specs, {}
+    )
+    assert again.palette is first.palette and other.palette is not first.palette
+    assert np.array_equal(again.codes, first.codes)
+
+
 def _counting_traces(monkeypatch, layers: int):
     """A tiny scanned GPT's step (`ts`, `cfg`) and the token batch of every trace the
     driver makes of it from now on (the micro-batch traces: the full one is made before)."""

@@ -14,6 +14,7 @@ of the time: the search prices hundreds of thousands of pairs on a 3-axis mesh.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 
@@ -112,10 +113,25 @@ class _Palette:
         return self.arrays
 
 
+# Palettes kept across builds, by (profile, mesh): the tries of one call (micro-batch
+# counts, remat policies) build problems on the same few meshes, and a palette's pair
+# codes depend on nothing else. At most MAX_PALETTES of them, of at most MAX_PAIRS pairs.
+MAX_PALETTES = 8
+MAX_PAIRS = 1 << 20
+_PALETTES: collections.OrderedDict[tuple, _Palette] = collections.OrderedDict()
+
+
 def _palette(cost: CostModel, memo: dict) -> _Palette:
     pal = memo.get("palette")
-    if pal is None or pal.cost is not cost:
-        pal = memo["palette"] = _Palette(cost)
+    if pal is None or memo.get("palette_for") is not cost:
+        key = (cost.profile, cost.mesh)
+        pal = _PALETTES.get(key)
+        if pal is None or len(pal.pairs) > MAX_PAIRS:
+            pal = _PALETTES[key] = _Palette(cost)
+        _PALETTES.move_to_end(key)
+        while len(_PALETTES) > MAX_PALETTES:
+            _PALETTES.popitem(last=False)
+        memo["palette"], memo["palette_for"] = pal, cost
     return pal
 
 
@@ -167,7 +183,8 @@ def reshard_table(
 ) -> ReshardTable:
     """The `ReshardTable` of `src` x `dst` (or, not `cross`, of `zip(src, dst)`),
     memoized in the caller's `memo` (one build's: tables are shared by every value whose
-    operand and consumer tables match, and freed with the build)."""
+    operand and consumer tables match, and freed with the build; the palette of pair
+    codes they read is kept across builds on the same mesh, `_palette`)."""
     key = ("table", src, dst, cross)
     table = memo.get(key)
     if table is None:
