@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 import cost_models
-from autopar.cost.model import CostModel
+from autopar.cost.model import CostModel, default_f32_rate
 from autopar.sharding import mesh_info
 from autopar.tools.hlo import _parse_instruction, parse_collectives, shape_bytes
 
@@ -645,13 +645,33 @@ class Priced:
         return asdict(self)
 
 
+def dot_rate(profile, dtype):
+    """The rate a program's contractions in `dtype` run at on `profile`: float32 dots at
+    the rate JAX's default matmul precision picks (`autopar.cost.model.default_f32_rate`:
+    TF32 on tensor cores where the profile has a `tfloat32` peak), others at `dtype`'s.
+    The compiled text does not say which precision a dot asked for, so a step that asks
+    for HIGHEST itself is priced as if it had not."""
+    if np.dtype(dtype) != np.float32:
+        return dtype
+    rate = default_f32_rate()
+    return rate if rate in profile.peak_flops else dtype
+
+
 def price(m: Measured, profile, mesh, dtype) -> Priced:
-    """Seconds on ``profile`` (a cost_models name or ClusterProfile) for a measured program."""
+    """Seconds on ``profile`` (a cost_models name or ClusterProfile) for a measured program:
+    its contraction FLOPs (`kernels`) at `dot_rate`, its other FLOPs at `dtype`'s rate,
+    against its bytes (the whole-program roofline), and kernel by kernel."""
     prof = cost_models.load(profile)
     info = mesh_info(mesh, prof.devices_per_node)
     cm = CostModel(prof, info)
-    compute = cm.compute_seconds(m.flops, m.bytes_accessed, dtype)
-    per_kernel = sum(cm.compute_seconds(f, b, dtype) * k for f, b, k in m.kernels)
+    rate = dot_rate(prof, dtype)
+    dots = sum(f * k for f, _, k in m.kernels)
+    compute = max(
+        cm.compute_seconds(dots, 0.0, rate)
+        + cm.compute_seconds(max(m.flops - dots, 0.0), 0.0, dtype),
+        cm.compute_seconds(0.0, m.bytes_accessed, dtype),
+    )
+    per_kernel = sum(cm.compute_seconds(f, b, rate) * k for f, b, k in m.kernels)
     by_axis: dict[str, float] = {}
     comm = 0.0
     for c in m.collectives:

@@ -261,7 +261,9 @@ def markdown(rows: list[dict], checks: dict, meta: dict) -> str:
         f"wall {meta['wall_s']:.0f} s.",
         "",
         "Priced: the compiled program (XLA on simulated CPU devices) priced on the profile by "
-        "`benchmarks.evaluator`, compute + communication (no overlap). Baselines are plain "
+        "`benchmarks.evaluator` (float32 dots at the rate JAX's default matmul precision runs "
+        "them at, TF32 where the profile has it: `evaluator.dot_rate`), compute + "
+        "communication (no overlap). Baselines are plain "
         "`jax.jit` shardings of the state and batch (`benchmarks.baselines`). Ratio = auto / "
         "best baseline (< 1: auto faster). Predicted: autopar's own cost model for its plan. "
         "Secondary, *per-kernel ratio*: the same programs with compute priced as the sum of "

@@ -188,7 +188,8 @@ def test_kernels_price_a_memory_bound_update_the_whole_program_roofline_hides():
     from the HLO: the sum is XLA's own count less the elementwise ops), and bytes as
     XLA's cost analysis counts them; priced kernel by kernel, an Adam-like update of a
     large vector (memory bound) adds its own time, which the whole-program roofline
-    (max of all FLOPs and all bytes) hides behind the matmul's FLOPs."""
+    (max of all FLOPs and all bytes) hides behind the matmul's FLOPs (at float32's rate:
+    at TF32's the whole program is memory bound too)."""
     import cost_models
     from autopar.cost.model import CostModel
     from autopar.sharding import mesh_info
@@ -212,7 +213,30 @@ def test_kernels_price_a_memory_bound_update_the_whole_program_roofline_hides():
     assert flops == want
     assert m.flops >= flops
     assert sum(b * k for _, b, k in m.kernels) == pytest.approx(m.bytes_accessed, rel=0.02)
-    priced = ev.price(m, "h100-sxm", mesh, jnp.float32)
+    with jax.default_matmul_precision("highest"):  # float32 dots: FLOP-bound as a whole
+        priced = ev.price(m, "h100-sxm", mesh, jnp.float32)
     cm = CostModel(cost_models.load("h100-sxm"), mesh_info(mesh, 8))
     update = cm.compute_seconds(0.0, 4 * n * 4, jnp.float32)  # reads v, m; writes both
     assert priced.compute_kernels_s >= priced.compute_s + 0.9 * update
+
+
+def test_float32_dots_are_priced_at_the_rate_jax_runs_them():
+    """A float32 matmul runs on tensor cores as TF32 under JAX's default matmul precision,
+    so the evaluator prices its FLOPs at the profile's `tfloat32` peak (`dot_rate`); with
+    `jax_default_matmul_precision="highest"` at the plain float32 one. Pricing every f32
+    FLOP at the float32 peak made compute 7x too dear on h100-sxm, which hid the memory
+    traffic a plan saves behind FLOPs that never cost that much."""
+    import cost_models
+
+    prof = cost_models.load("h100-sxm")
+    mesh = jax.make_mesh((1,), ("data",))
+    x = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    m = ev.measure(jax.jit(lambda a, b: a @ b).lower(x, x).compile(), mesh)
+    dots = 2.0 * 2048**3
+    assert sum(f * k for f, _, k in m.kernels) == dots
+    tf32 = dots / (prof.flops_for("tfloat32") * prof.compute_efficiency)
+    assert ev.price(m, prof, mesh, jnp.float32).compute_s == pytest.approx(tf32)
+    with jax.default_matmul_precision("highest"):
+        fp32 = ev.price(m, prof, mesh, jnp.float32).compute_s
+    assert fp32 == pytest.approx(dots / (prof.flops_for(jnp.float32) * prof.compute_efficiency))
+    assert fp32 > 5 * tf32

@@ -216,7 +216,9 @@ _CONFIG_PRECISION = {
 }
 
 
-def _default_f32_rate() -> str:
+def default_f32_rate() -> str:
+    """The rate name a float32 contraction with no precision of its own runs at, by
+    `jax_default_matmul_precision` (TF32 unless it asks for float32 or bfloat16)."""
     import jax
 
     name = jax.config.jax_default_matmul_precision
@@ -226,7 +228,7 @@ def _default_f32_rate() -> str:
 def _f32_rate(precision) -> str:
     """The rate name a float32 contraction with this `precision` param runs at."""
     if precision is None:
-        return _default_f32_rate()
+        return default_f32_rate()
     if not isinstance(precision, tuple | list):
         precision = (precision,)
     names = [getattr(p, "name", str(p)).upper() for p in precision if p is not None]
@@ -241,9 +243,9 @@ def _f32_rate(precision) -> str:
             return "bfloat16"
         if n.startswith("F16"):
             return "float16"
-        return _default_f32_rate()
+        return default_f32_rate()
     if not names or all(n == "DEFAULT" for n in names):
-        return _default_f32_rate()
+        return default_f32_rate()
     rank = ["DEFAULT", "HIGH", "HIGHEST"]
     return _F32_RATE[max(names, key=rank.index)]  # the higher operand precision wins
 
