@@ -624,7 +624,7 @@ METHOD = """\
   bytes accessed, and `memory_analysis()` per-device bytes.
 * **Pricing** on the `h100-sxm` profile with `autopar.cost.model.CostModel`: each collective
   is `alpha + busbw factor x bytes / link bandwidth` (`CostModel.collective`), compute is
-  the whole-program roofline `max(FLOPs / (peak x 0.6), bytes / (HBM bw x 0.8))`. The
+  the whole-program roofline `max(FLOPs / (peak x 0.6), bytes / (HBM bw x 0.8))` (a float32 program's dots at the TF32 peak JAX's default precision runs them at: `evaluator.dot_rate`). The
   step is reported without overlap (`compute + comm`, used for all ratios) and with
   perfect overlap (`max`). The CPU compiler's bytes-accessed (its fusion is not a GPU's)
   dominates the compute term, so compute seconds are an estimate; FLOPs agree closely.
