@@ -45,7 +45,8 @@ loops multiply); the suite's models are unrolled, so the multiplier is 1 there.
 Pricing (``price``), with ``autopar.cost.model.CostModel`` on a cost_models profile: compute is
 the whole-program roofline ``max(flops / (peak(dtype) x eff), bytes / (HBM bw x eff))``;
 each collective is ``CostModel.collective(kind, axes, bytes)`` (alpha + bus factor x bytes
-/ link bandwidth of the slowest link its axes cross). Reported: the no-overlap sum
+/ link bandwidth of the slowest link its axes cross; an all-to-all's copies are kernels of
+the program, so not added again). Reported: the no-overlap sum
 ``compute + comm`` and the perfect-overlap ``max(compute, comm)``.
 """
 
@@ -675,7 +676,9 @@ def price(m: Measured, profile, mesh, dtype) -> Priced:
     by_axis: dict[str, float] = {}
     comm = 0.0
     for c in m.collectives:
-        s = cm.collective(c.kind, c.axes, c.bytes).seconds * c.mult
+        # link time only: the copies XLA puts around an all-to-all are kernels of the
+        # program, priced with its compute
+        s = cm.collective(c.kind, c.axes, c.bytes, copies=False).seconds * c.mult
         key = ",".join(c.axes)
         by_axis[key] = by_axis.get(key, 0.0) + s
         comm += s

@@ -234,7 +234,10 @@ def test_calibrate_recovers_known_synthetic_timings(tmp_path, monkeypatch):
     info = mesh_info(AbstractMesh(tuple(mesh.values()), tuple(mesh)), p.devices_per_node)
     cm = CostModel(p, info)
     for kind, axis, nbytes, t in measured:
-        assert cm.collective(kind, (axis,), nbytes).seconds == pytest.approx(t, rel=2e-3), (
+        # link time: the calibration's all-to-all splits and concatenates the major dim,
+        # which needs none of the HBM copies the model adds for other dims
+        link = cm.collective(kind, (axis,), nbytes, copies=False).seconds
+        assert link == pytest.approx(t, rel=2e-3), (
             kind,
             axis,
             nbytes,

@@ -6,7 +6,8 @@ collective  latency + factor(n) x bytes / (link bw x efficiency), with nccl-test
             and all-to-all (n-1)/n. `bytes` is the full-size per-device buffer
             (all-reduce: the buffer; all-gather: the result; reduce-scatter: the
             input; all-to-all: the buffer), the same convention `autopar.tools.hlo` reads.
-            Several mesh axes at once use the slowest link among them.
+            Several mesh axes at once use the slowest link among them. An all-to-all
+            also copies what it receives into place in HBM (`ALL_TO_ALL_COPIES`).
 reshard     the collectives that turn one Spec into another (`reshard`).
 """
 
@@ -59,6 +60,17 @@ NO_RESHARD = Reshard(0.0, ())
 # parameter), and compiled CPU programs are what the prediction is checked against, so
 # those keep a latency each.
 COMBINABLE = frozenset({"all-reduce"})
+
+# An all-to-all sends contiguous chunks, one per peer, cut along the dim it splits, and
+# the chunks it receives land stacked along that dim, where the value wants them along
+# the dim it concatenates: the received buffer is copied into place once (read and
+# written: 2x its bytes of HBM traffic), at the HBM roofline, beside the link time; the
+# cut before it fuses into the op that makes the value. Compiled on XLA:CPU, the
+# hidden-sharded embedding of a BERT step had a transpose or concatenate of twice its
+# bytes after each all-to-all (and slice fusions before it that re-read their operands
+# per chunk); without the copy the search took that embedding's all-to-alls for cheaper
+# than the gradient all-reduce they replace.
+ALL_TO_ALL_COPIES = 2
 COMBINE_THRESHOLD_BYTES = 30 * 2**20
 COMBINE_THRESHOLD_COUNT = 256
 
@@ -81,12 +93,24 @@ class CostModel:
                 self._link[axes] = (p.inter_latency, p.inter_bandwidth * p.inter_link_efficiency)
         return self._link[axes]
 
-    def collective(self, kind: str, axes: Axes, nbytes: float) -> Collective:
+    def collective(self, kind: str, axes: Axes, nbytes: float, copies: bool = True) -> Collective:
+        """`kind` over `axes` moving `nbytes` (module docstring); with `copies`, an
+        all-to-all's HBM copies too (a compiled program has them as kernels of its own:
+        its pricing passes False)."""
         n = math.prod(self.mesh.size(a) for a in axes)
         if n <= 1:
             return Collective(kind, axes, int(nbytes), 0.0)
         latency, bw = self.link(axes)
-        return Collective(kind, axes, int(nbytes), latency + BUS_FACTOR[kind](n) * nbytes / bw)
+        seconds = latency + BUS_FACTOR[kind](n) * nbytes / bw
+        if copies:
+            seconds += self.local_copy_seconds(kind) * nbytes
+        return Collective(kind, axes, int(nbytes), seconds)
+
+    def local_copy_seconds(self, kind: str) -> float:
+        """Seconds per byte of a collective's copies in HBM (all-to-all only)."""
+        if kind != "all-to-all":
+            return 0.0
+        return ALL_TO_ALL_COPIES / (self.profile.hbm_bandwidth * self.profile.hbm_efficiency)
 
     def bucketed(self, c: Collective, share: float) -> float:
         """Seconds of `c` when XLA's combiner merges it with its peers (`COMBINABLE`

@@ -42,7 +42,7 @@ class _Palette:
     def __init__(self, cost: CostModel):
         self.cost = cost
         self.index: dict[tuple, int] = {}  # (kind, axes, divisor) -> code
-        self.rows: list[tuple] = [("", 0.0, 1.0, 1.0, 1)]
+        self.rows: list[tuple] = [("", 0.0, 1.0, 1.0, 1, 0.0)]
         self.specs: dict[Spec, int] = {}  # spec -> id, for the pairs' int keys
         self.pairs: dict[int, int] = {}  # src id << 32 | dst id -> sequence
         self.seqs: dict[tuple[int, ...], int] = {(): 0}
@@ -84,7 +84,8 @@ class _Palette:
         if code is None:
             latency, bw = self.cost.link(axes)
             code = self.index[key] = len(self.rows)
-            self.rows.append((kind, latency, BUS_FACTOR[kind](n), bw, key[2]))
+            copies = self.cost.local_copy_seconds(kind)
+            self.rows.append((kind, latency, BUS_FACTOR[kind](n), bw, key[2], copies))
             self.arrays = None
         return code
 
@@ -99,7 +100,8 @@ class _Palette:
         return self.seq_codes[seq].T
 
     def columns(self) -> tuple[np.ndarray, ...]:
-        """latency, bus factor, bandwidth, bytes divisor, all-reduce?, gathers? per code."""
+        """latency, bus factor, bandwidth, bytes divisor, all-reduce?, gathers?, HBM copy
+        seconds per byte (`CostModel.local_copy_seconds`) per code."""
         if self.arrays is None:
             rows = self.rows
             self.arrays = (
@@ -109,6 +111,7 @@ class _Palette:
                 np.array([r[4] for r in rows], dtype=np.int64),
                 np.array([r[0] in COMBINABLE for r in rows]),
                 np.array([r[0] in GATHERS for r in rows]),
+                np.array([r[5] for r in rows]),
             )
         return self.arrays
 
@@ -149,9 +152,9 @@ class ReshardTable:
     def _step_seconds(self, nbytes: int, share: float | None) -> np.ndarray:
         """Seconds of each distinct collective for a value of `nbytes` (index 0: none);
         with a `share`, all-reduces priced by bucket (`CostModel.bucketed`)."""
-        latency, factor, bandwidth, divisor, combinable, _ = self.palette.columns()
+        latency, factor, bandwidth, divisor, combinable, _, copies = self.palette.columns()
         nb = nbytes // divisor
-        sec = latency + factor * nb / bandwidth
+        sec = latency + factor * nb / bandwidth + copies * nb
         sec[0] = 0.0
         if share is not None:
             part = np.minimum(1.0, np.maximum(nb / COMBINE_THRESHOLD_BYTES, share))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import jax.numpy as jnp
+import networkx as nx
 import numpy as np
 
 from autopar.cost.model import FUSED_OPS, CostModel, node_flops, rate_dtype
@@ -455,20 +456,41 @@ def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]]
     None for all of them. XLA fuses chains of elementwise and shape ops (FUSED_OPS)
     into one kernel, so such an op reads only operands made outside its chain (by a
     heavy op, or arguments) and writes only results that leave it (read by a heavy
-    op, or returned); values passed along the chain never touch HBM."""
+    op, or returned); values passed along the chain never touch HBM. A value that
+    several ops of one chain read is read once (by the first of them): an optimizer
+    update reads a parameter's gradient in its first- and second-moment terms, and
+    XLA's multi-output fusion loads it once. Chains are the fused ops joined by the
+    values they pass, except scalars, whose producers XLA copies into every consumer's
+    kernel (an Adam step's bias corrections would otherwise join every parameter's
+    update into one chain)."""
     fused = [n.op in FUSED_OPS for n in graph.nodes]
     producer, consumers = graph.producer, graph.consumers
     returned = set(graph.outputs)
+    chains = nx.utils.UnionFind()
+    for n in graph.nodes:
+        if fused[n.id]:
+            chains[n.id]  # noqa: B018 - every fused op is a chain of its own at first
+            for v in n.inputs:
+                p = producer.get(v)
+                if p is not None and fused[p] and graph.values[v].rank:
+                    chains.union(p, n.id)
+    loaded: set[tuple[int, int]] = set()  # (chain, value) read from HBM already
     out: list = []
     for n in graph.nodes:
         if not fused[n.id]:
             out.append(None)
             continue
-        reads = tuple(not (v in producer and fused[producer[v]]) for v in n.inputs)
+        chain = chains[n.id]
+        reads = []
+        for v in n.inputs:
+            outside = not (v in producer and fused[producer[v]])
+            reads.append(outside and (chain, v) not in loaded)
+            if outside:
+                loaded.add((chain, v))
         writes = tuple(
             v in returned or any(not fused[c] for c in consumers.get(v, ())) for v in n.outputs
         )
-        out.append((reads, writes))
+        out.append((tuple(reads), writes))
     return out
 
 
