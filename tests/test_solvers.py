@@ -2,7 +2,6 @@
 
 import math
 import re
-import time
 
 import numpy as np
 import pytest
@@ -208,12 +207,16 @@ def residual_chain(n: int, strategies: int, seed: int = 0, every: int = 4) -> Co
     return CostGraph.build(cost, mem, edges)
 
 
-def test_dp_is_fast_on_a_long_residual_chain():
+def test_dp_solves_a_long_residual_chain_by_local_eliminations():
+    """A 2000-node residual chain is solved exactly with only eliminations whose work
+    does not grow with the graph (no star: a star's fused node grows with its degree),
+    about one per node: linear time. (It ran in ~1.1 s on 2 cores; a wall-clock bound
+    here, 2 s, failed under load: speed is measured in benchmarks/, not asserted.)"""
     g = residual_chain(2000, 50)
-    start = time.perf_counter()
     got = solve_dp(g)
-    assert time.perf_counter() - start < 2.0
-    assert got.optimal and got.info["eliminations"].get("star", 0) == 0
+    done = got.info["eliminations"]
+    assert got.optimal and done.get("star", 0) == 0 and done.get("separable", 0) == 0
+    assert sum(done.values()) <= g.num_nodes(), done
 
 
 def test_dp_equals_ilp_on_a_residual_chain():
