@@ -240,3 +240,32 @@ def test_float32_dots_are_priced_at_the_rate_jax_runs_them():
         fp32 = ev.price(m, prof, mesh, jnp.float32).compute_s
     assert fp32 == pytest.approx(dots / (prof.flops_for(jnp.float32) * prof.compute_efficiency))
     assert fp32 > 5 * tf32
+
+
+def test_an_all_to_all_is_priced_at_link_time_its_copies_as_kernels():
+    """Moving a split from rows to columns compiles to an all-to-all and the copies that
+    put its chunks in place, kernels of the program (priced with its compute). The
+    evaluator prices the collective at link time only: the cost model's all-to-all,
+    which adds those copies for the search, would count them twice."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.sharding import mesh_info
+
+    mesh = _mesh8()
+    f = jax.jit(
+        lambda x: x * 2.0,
+        in_shardings=NamedSharding(mesh, P("data", None)),
+        out_shardings=NamedSharding(mesh, P(None, "data")),
+    )
+    compiled = f.lower(jax.ShapeDtypeStruct((1024, 1024), jnp.float32)).compile()
+    m = ev.measure(compiled, mesh)
+    (c,) = m.collectives
+    assert c.kind == "all-to-all"
+    prof = cost_models.load("h100-sxm")
+    cm = CostModel(prof, mesh_info(mesh, prof.devices_per_node))
+    link = cm.collective("all-to-all", c.axes, c.bytes, copies=False).seconds
+    assert cm.collective("all-to-all", c.axes, c.bytes).seconds > link
+    assert ev.price(m, prof, mesh, "float32").comm_s == pytest.approx(link)
