@@ -491,7 +491,7 @@ def _reads_of(fn, args, arg: int) -> int:
 def test_fused_chain_reads_a_value_once():
     """An Adam-style update reads the gradient in both moments' terms; XLA's fusion
     loads it once, where the compute model charged one read per op (on a Llama step's
-    embedding that overstated what sharding its moments saves ~2x). A scalar (a bias
+    embedding that overstated what sharding its moments saves). A scalar (a bias
     correction) does not join two chains: each loads what it reads."""
     big = jax.ShapeDtypeStruct((1024, 1024), F32)
     scalar = jax.ShapeDtypeStruct((), F32)
