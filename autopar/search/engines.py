@@ -381,6 +381,55 @@ def _max_sharded(problem: Problem, i: int) -> int:
     return max(range(len(problem.strategies[i])), key=key)
 
 
+def largest_dim_over(problem: Problem, i: int, axis: str) -> int | None:
+    """Input i's strategy splitting its largest dim over `axis` alone (None if no
+    strategy does, e.g. the dim does not divide)."""
+    t = problem.graph.values[problem.graph.inputs[i]]
+    if not t.rank:
+        return None
+    d = max(range(t.rank), key=lambda k: (t.shape[k], -k))
+    want = tuple((axis,) if k == d else () for k in range(t.rank))
+    return next(
+        (k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0].dims == want), None
+    )
+
+
+def tensor_pins(problem: Problem, axis: str) -> dict[int, int]:
+    """Megatron's layout with `axis` as the tensor axis, as a start for `dp`: each
+    argument that is not batch-like split on its largest dim over `axis` alone (a Dense
+    kernel on its wider side: column for an up projection, row for a down projection,
+    the vocabulary of an embedding), each batch-like one on its leading dim over the
+    other axes. Arguments with no such strategy are left free."""
+    mesh = problem.mesh
+    others = {a for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a != axis and n > 1}
+    batch = batch_like_inputs(problem)
+
+    def batch_over(i: int) -> int | None:
+        return next(
+            (
+                k
+                for k, s in enumerate(problem.strategies[i])
+                if set(s.out_specs[0].dims[0]) == others
+                and not any(s.out_specs[0].dims[1:])
+                and not s.out_specs[0].partial
+            ),
+            None,
+        )
+
+    def tied(i: int) -> bool:  # a square kernel: row or column is its neighbours' call
+        shape = sorted(problem.graph.values[problem.graph.inputs[i]].shape)
+        return len(shape) > 1 and shape[-1] == shape[-2]
+
+    pins = {}
+    for i in range(problem.num_inputs):
+        if not batch[i] and tied(i):
+            continue
+        k = batch_over(i) if batch[i] else largest_dim_over(problem, i, axis)
+        if k is not None:
+            pins[i] = k
+    return pins
+
+
 def data_pins(problem: Problem) -> dict[int, int]:
     """Batch-like arguments split over the batch, the rest replicated (or as little
     split as their strategies allow: a rolled layer group keeps its stage split)."""

@@ -25,7 +25,7 @@ from autopar.search.build import (
     batch_like_body_inputs,
     build_problem,
 )
-from autopar.search.engines import _batch_spec
+from autopar.search.engines import _batch_spec, largest_dim_over
 from autopar.search.evaluate import output_specs
 from autopar.search.result import SearchResult
 from autopar.sharding import MeshInfo, Spec
@@ -103,7 +103,7 @@ def _scan_strategy(
                 i: k
                 for i in range(n_fixed, body.num_inputs)
                 if i not in pins
-                for k in [_largest_dim_over(body, i, axis)]
+                for k in [largest_dim_over(body, i, axis)]
                 if k is not None
             }
             if size > 1 and split:
@@ -161,7 +161,7 @@ def _cond_strategy(
     ]
     tried.setdefault(spec_of(p0, whole))
     for axis, size in zip(mesh.axis_names, mesh.axis_sizes):
-        split = [_largest_dim_over(p0, i, axis) for i in range(n)]
+        split = [largest_dim_over(p0, i, axis) for i in range(n)]
         if size > 1 and any(k is not None for k in split):
             tried.setdefault(spec_of(p0, [w if k is None else k for k, w in zip(split, whole)]))
     index = [{st.out_specs[0]: k for k, st in enumerate(p0.strategies[i])} for i in range(n)]
@@ -195,19 +195,6 @@ def _cond_strategy(
     return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (
         probs,
         tuple(per_strategy),
-    )
-
-
-def _largest_dim_over(problem: Problem, i: int, axis: str) -> int | None:
-    """Input i's strategy splitting its largest dim over `axis` alone (None if no
-    strategy does, e.g. the dim does not divide)."""
-    t = problem.graph.values[problem.graph.inputs[i]]
-    if not t.rank:
-        return None
-    d = max(range(t.rank), key=lambda k: (t.shape[k], -k))
-    want = tuple((axis,) if k == d else () for k in range(t.rank))
-    return next(
-        (k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0].dims == want), None
     )
 
 
