@@ -185,8 +185,8 @@ def measure(
             f"step {e['step_s']:.3f}s, params sharded {100 * e['param_bytes_sharded']:.1f}%"
         )
         if zero3 and name == "dp":
-            # The reduced dp's own solve and its best start (autopar/search/layers.py,
-            # "Starts"), objective seconds.
+            # The reduced dp's solves (free; state bytes priced) and its best start
+            # (autopar/search/layers.py, "Starts"), objective seconds.
             g = problem.cost_graph()
             sol = layer_reduction.solve_dp_layered(problem, g, starts=dp_starts(problem, g, {}))
             e["starts"] = sol.info.get("layers", {}).get("starts")
@@ -279,8 +279,9 @@ def _starts_note(head: dict) -> list[str]:
     text = ", ".join(f"{k} {v:.4f} s" for k, v in starts.items())
     return [
         f"dp solved a quotient graph of {dp.get('reduced_nodes')} nodes ({merged}). "
-        f"Objective of its own solve (free) and of the best of its starts (recursive's plan, "
-        f"and recursive's from Megatron's layout on each axis, each polished by forest descent): "
+        f"Objective of its solves (free; state bytes priced, `layers.STATE_WEIGHT`) and of the "
+        f"best of its starts (recursive's plan, and recursive's from Megatron's layout on each "
+        f"axis, each polished by forest descent): "
         f"{text}; the cheaper one is the plan.",
         "",
     ]

@@ -58,16 +58,17 @@ polish gets more rounds here (``POLISH``) than on a full graph: the quotient
 is small, so rounds are cheap. Measured: ``benchmarks/results/scale.md``.
 
 **Starts.** A guessed kernel can settle in a poor local optimum; on GPT it
-kept parameters replicated (GPT-6.7B: its embedding and LM head), although
-plans that shard them are faster under the same cost model. So when the
-solve is not exact, the caller's ``starts`` (plans of the full graph, made
-by other engines: ``search._dp`` passes recursive's plan and recursive's
-plan from Megatron's layout on each mesh axis) are each polished by forest
-descent on the quotient, and the cheapest plan under the objective is kept.
-A staged start descends further only while it leads. (An earlier second
-start solved the quotient again with the state's bytes priced in; the
-Megatron-layout starts found as good or better plans on every model
-measured, in less time: ``benchmarks/discussion.md``.)
+kept parameters replicated (no memory term pushes it off), although plans
+that shard them are as fast or faster under the same cost model. So when
+the first solve is not exact, ``dp`` solves the quotient again with the
+state's bytes (the arguments the step returns updated: parameters and
+optimizer state) priced at ``lam`` seconds per byte, where ``lam`` makes the
+first plan's state cost ``STATE_WEIGHT`` of its time, and keeps whichever
+plan is cheaper under the *true* costs (and within the budget); the price
+only steers the search. Then the caller's ``starts`` (plans of the full
+graph made by other engines: ``search.dp_starts``) are each polished by
+forest descent on the quotient, and the cheapest plan under the objective is
+kept; a staged start descends further only while it leads.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ ENABLED = True
 # Forest-descent (max_rounds, patience) on the quotient when dp's kernel was guessed:
 # the quotient is small whatever the depth, so it gets a longer polish than dp's default.
 POLISH = (200, 20)
+# The second solve prices state bytes so that the first plan's state would cost this
+# fraction of its time (module docstring, "Starts").
+STATE_WEIGHT = 0.1
 
 _WRAPPER = re.compile(r"^(?:[A-Za-z_]\w*\()+|\)+$")
 _INDEXED = re.compile(r"^(?P<base>[A-Za-z][\w.]*?)[_.]?(?P<idx>\d+)$")
@@ -275,6 +279,14 @@ def quotient(g: CostGraph, phi: np.ndarray) -> tuple[CostGraph, np.ndarray]:
     return CostGraph(tuple(cost), tuple(mem), edges), idx
 
 
+def _priced(g: CostGraph, nodes: list[int], lam: float) -> CostGraph:
+    """``g`` with ``lam`` seconds per byte added to the strategies of ``nodes``."""
+    cost = list(g.node_cost)
+    for v in nodes:
+        cost[v] = cost[v] + lam * g.node_mem[v]
+    return CostGraph(tuple(cost), g.node_mem, g.edges)
+
+
 def solve_dp_layered(
     problem: Problem,
     g: CostGraph,
@@ -301,6 +313,16 @@ def solve_dp_layered(
     detect_s = time.perf_counter() - t0
     sol = solve_dp(q, memory_budget, polish=POLISH)
     tried = {"free": sol.cost}
+    state = sorted({int(idx[i]) for i in problem.aliases.values() if i not in pinned})
+    state_bytes = sum(float(q.node_mem[k][sol.choice[k]]) for k in state)
+    if not sol.optimal and state_bytes > 0:
+        # Second solve: the state's bytes priced in (module docstring, "Starts").
+        lam = STATE_WEIGHT * sol.cost / state_bytes
+        other = solve_dp(_priced(q, state, lam), memory_budget, polish=POLISH)
+        x = list(other.choice)
+        tried["state_priced"] = q.total(x)
+        if tried["state_priced"] < sol.cost and q.memory(x) <= memory_budget:
+            sol = other
     if not sol.optimal and starts:
         rep = np.empty(q.num_nodes(), dtype=np.int64)
         own = layers.phi == np.arange(len(idx))  # representatives and unmerged nodes
