@@ -561,6 +561,19 @@ def test_memory_floor_is_below_every_plans_peak(name):
         assert floor <= peak_memory(problem, choice)[0], engine
 
 
+def _problem(fn, args, mesh: dict[str, int]):
+    """The search problem of `fn` on `args` for `mesh` (names -> sizes), on h100-sxm."""
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.ir.capture import capture
+    from autopar.search.problem import build_problem
+    from autopar.sharding import MeshInfo
+
+    profile = cost_models.load("h100-sxm")
+    info = MeshInfo.build(tuple(mesh), tuple(mesh.values()), None, profile.devices_per_node)
+    return build_problem(capture(fn, args), info, CostModel(profile, info))
+
+
 def test_dp_starts_from_megatrons_layout_where_its_own_guess_stalls(monkeypatch):
     """GPT-6.7B's step as the suite runs it (2 of its 32 layers, batch 128, seq 1024,
     data 4 x model 4): dp's guessed kernel and the descent from recursive's plan keep
@@ -570,23 +583,45 @@ def test_dp_starts_from_megatrons_layout_where_its_own_guess_stalls(monkeypatch)
     import math
 
     import autopar.search as S
-    import cost_models
-    from autopar.cost.model import CostModel
-    from autopar.ir.capture import capture
-    from autopar.search.problem import build_problem
-    from autopar.sharding import MeshInfo
 
     cfg = gpt.GPTConfig(
         vocab=51200, seq=1024, hidden=4096, layers=2, heads=32, dtype=jnp.bfloat16, batch_size=128
     )
-    graph = capture(gpt.make_train_step(cfg).step, gpt.abstract_args(cfg))
-    profile = cost_models.load("h100-sxm")
-    mesh = MeshInfo.build(("data", "model"), (4, 4), None, profile.devices_per_node)
-    problem = build_problem(graph, mesh, CostModel(profile, mesh))
+    problem = _problem(
+        gpt.make_train_step(cfg).step, gpt.abstract_args(cfg), {"data": 4, "model": 4}
+    )
     found = S.search(problem, "dp", math.inf)
     starts = S.dp_starts
     monkeypatch.setattr(S, "dp_starts", lambda p, g, pins, recipe=False: starts(p, g, pins)[:1])
     without = S.search(problem, "dp", math.inf)
     assert found.cost.step_s <= 0.98 * without.cost.step_s, (found.cost, without.cost)
-    wte = graph.input_paths.index("state/params/wte/embedding")
+    wte = problem.graph.input_paths.index("state/params/wte/embedding")
     assert problem.strategies[wte][found.choice[wte]].out_specs[0].dims == (("model",), ())
+
+
+def test_tensor_pins_lay_out_megatron_on_the_given_axis():
+    """`engines.tensor_pins`: each kernel split on its wider side over the tensor axis
+    (column for an up projection, row for a down projection), a square kernel left free
+    (row or column is its neighbours' call), the batch on the other axes."""
+    from autopar.search import engines
+
+    def loss(params, x):
+        h = jnp.tanh(x @ params["square"]) @ params["up"]
+        return jnp.sum(jax.nn.relu(h) @ params["down"])
+
+    params = {
+        "square": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+        "up": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+        "down": jax.ShapeDtypeStruct((256, 64), jnp.float32),
+    }
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    problem = _problem(jax.grad(loss), (params, x), {"data": 2, "model": 4})
+    paths = problem.graph.input_paths
+    batch = next(p for p in paths if not any(w in p for w in params))
+    for axis, other in (("model", "data"), ("data", "model")):
+        pins = engines.tensor_pins(problem, axis)
+        spec = {paths[i]: problem.strategies[i][k].out_specs[0].dims for i, k in pins.items()}
+        assert spec[next(p for p in spec if "up" in p)] == ((), (axis,))
+        assert spec[next(p for p in spec if "down" in p)] == ((axis,), ())
+        assert not any("square" in p for p in spec)
+        assert spec[batch] == ((other,), ())
