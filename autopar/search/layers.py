@@ -68,7 +68,9 @@ plan is cheaper under the *true* costs (and within the budget); the price
 only steers the search. Then the caller's ``starts`` (plans of the full
 graph made by other engines: ``search.dp_starts``) are each polished by
 forest descent on the quotient, and the cheapest plan under the objective is
-kept; a staged start descends further only while it leads.
+kept; a staged start descends further only while it beats dp's own plan. The
+runner-up goes back too (``info["runner_up"]``): the driver polishes both for
+latency and keeps the cheaper under the final price (``search.search``).
 """
 
 from __future__ import annotations
@@ -331,6 +333,8 @@ def solve_dp_layered(
         tried["start"] = sol.info.get("start_cost")
     choice = tuple(int(sol.choice[k]) for k in idx)
     info = dict(sol.info)
+    if "runner_up" in info:
+        info["runner_up"] = tuple(int(info["runner_up"][k]) for k in idx)
     info["layers"] = {
         "groups": layers.groups,
         "nodes": g.num_nodes(),
@@ -373,25 +377,32 @@ def _with_starts(g: CostGraph, sol: Solution, starts: Sequence[Start]) -> Soluti
     """``sol``, or the forest descent of one of ``starts`` on ``g`` where that is
     cheaper; dp guessed part of the graph and polished the guess locally, which can
     stall in a poor optimum (a channel-split conv paying a 128 MB all-to-all), so other
-    starts are polished the same way. ``info["start_cost"]``: the cheapest of them."""
+    starts are polished the same way. ``info["start_cost"]``: the cheapest of them;
+    ``info["runner_up"]``: the cheapest plan other than the one returned, if any."""
     now = g.total(sol.choice)
     starts = [s for s in starts if now >= s[2]]
     if sol.optimal or not starts:
         return sol
     cost, edges = g.presolve()
-    best, value = None, None
+    value = None
+    found = [(now, tuple(sol.choice))]
     for start, rounds, _ in starts:
         other, v = start(), None
-        # a staged start descends further only while it leads: every plan so far
-        # (dp's and the other starts') is dearer
+        # a staged start descends further only while it beats dp's own plan
         for stage in rounds if isinstance(rounds[0], tuple) else (rounds,):
-            if v is not None and v >= min(now, value if value is not None else now):
+            if v is not None and v >= now:
                 break
             other, _ = forest_descent(cost, edges, other, *stage)
             v = g.total(other)
+        found.append((v, tuple(other)))
         if value is None or v < value:
-            best, value = other, v
+            value = v
+    # the cheapest plan, and the runner-up distinct from it: the latency polish that
+    # follows can reorder them (`search.run`)
+    ranked = sorted(found, key=lambda f: f[0])
     info = {**sol.info, "start_cost": value}
-    if value < now:
-        return replace(sol, choice=tuple(best), cost=value, memory=g.memory(best), info=info)
-    return replace(sol, info=info)
+    runner = next((c for _, c in ranked[1:] if c != ranked[0][1]), None)
+    if runner is not None:
+        info["runner_up"] = runner
+    best, v = ranked[0][1], ranked[0][0]
+    return replace(sol, choice=best, cost=v, memory=g.memory(best), info=info)
