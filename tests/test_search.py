@@ -136,7 +136,9 @@ def test_zero1_splits_the_moments_of_a_tensor_parallel_plan_further_not_across()
     moments used to be split over every device along one dim, across the model split,
     and the retry paid all-to-alls (and lost to ZeRO-3). Searched without the driver's
     compile check: compiled on XLA:CPU, this 20 MB step's ZeRO-1 plan holds f32 copies
-    that put it above any budget the data-parallel plan misses."""
+    that put it above any budget the data-parallel plan misses. It also fails when dp's
+    plans are chosen before the latency polish (`search.run`'s alternates): here the
+    objective's first plan polishes to 541 µs with an all-to-all, its second to 501."""
     import math
 
     from autopar.search import search
