@@ -355,9 +355,9 @@ def solve_dp_layered(
 
 
 # A start for `solve_dp_layered`: a plan of the cost graph (made when needed), the forest
-# descent's (max rounds, patience) for it, or stages of them (each run only while the
-# start leads), and the objective the plan found so far must reach for the start to be
-# worth trying (0: always).
+# descent's (max rounds, patience) for it, or stages of them (each later one run only
+# while the start beats dp's own plan), and the objective the plan found so far must
+# reach for the start to be worth trying (0: always).
 Rounds = tuple[int, int]
 Start = tuple[Callable[[], Sequence[int]], Rounds | tuple[Rounds, ...], float]
 
