@@ -51,7 +51,7 @@ from autopar.cost.model import CostModel  # noqa: E402
 from autopar.examples.models import gpt  # noqa: E402
 from autopar.ir.capture import capture  # noqa: E402
 from autopar.meshes import make_mesh  # noqa: E402
-from autopar.search import ENGINES, dp_starts, engines, search  # noqa: E402
+from autopar.search import ENGINES, dp_starts, layouts, search  # noqa: E402
 from autopar.search import layers as layer_reduction  # noqa: E402
 from autopar.search.evaluate import evaluate  # noqa: E402
 from autopar.search.problem import build_problem  # noqa: E402
@@ -194,7 +194,7 @@ def measure(
             e["reduced_nodes"] = sol.info.get("layers", {}).get("reduced_nodes")
         if zero3:
             pins = {
-                i: s for i, s in engines.fsdp_pins(problem).items() if i in problem.aliases.values()
+                i: s for i, s in layouts.fsdp_pins(problem).items() if i in problem.aliases.values()
             }
             t = time.perf_counter()
             choice = ENGINES[name](problem, pins, {})

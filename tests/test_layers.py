@@ -229,7 +229,7 @@ def test_a_rolled_loop_body_folds_every_layer_slot():
 
     import autopar
     from autopar import examples
-    from autopar.search.engines import data_pins
+    from autopar.search.layouts import data_pins
 
     w = examples.gpt(hidden=32, layers=8, heads=2, seq=16, vocab=64, batch=8)
     par = autopar.parallelize(

@@ -240,7 +240,7 @@ def test_loop_pins_hold_each_loop_to_its_fastest_strategy_under_a_cap():
     """`loop_pins` picks, per loop, the fastest strategy whose stacked weights (as its
     body reads them) fit the cap, else the leanest; the loops offer a body with the
     per-layer weights split over each mesh axis."""
-    from autopar.search.engines import loop_footprint, loop_pins
+    from autopar.search.layouts import loop_footprint, loop_pins
 
     cfg = gpt.GPTConfig(
         hidden=64, heads=4, seq=16, vocab=128, layers=4, batch_size=8, scan_layers=True
@@ -590,7 +590,7 @@ def test_dp_starts_from_megatrons_layout_where_its_own_guess_stalls(monkeypatch)
     """GPT-6.7B's step as the suite runs it (2 of its 32 layers, batch 128, seq 1024,
     data 4 x model 4): dp's guessed kernel and the descent from recursive's plan keep
     the 51200 x 4096 embedding replicated; the start from Megatron's layout
-    (`engines.tensor_pins`) finds the vocabulary-parallel embedding and LM head, 3.4%
+    (`layouts.tensor_pins`) finds the vocabulary-parallel embedding and LM head, 3.8%
     cheaper under the cost model. Fails without that start."""
     import math
 
@@ -612,10 +612,10 @@ def test_dp_starts_from_megatrons_layout_where_its_own_guess_stalls(monkeypatch)
 
 
 def test_tensor_pins_lay_out_megatron_on_the_given_axis():
-    """`engines.tensor_pins`: each kernel split on its wider side over the tensor axis
+    """`layouts.tensor_pins`: each kernel split on its wider side over the tensor axis
     (column for an up projection, row for a down projection), a square kernel left free
     (row or column is its neighbours' call), the batch on the other axes."""
-    from autopar.search import engines
+    from autopar.search import layouts
 
     def loss(params, x):
         h = jnp.tanh(x @ params["square"]) @ params["up"]
@@ -631,7 +631,7 @@ def test_tensor_pins_lay_out_megatron_on_the_given_axis():
     paths = problem.graph.input_paths
     batch = next(p for p in paths if not any(w in p for w in params))
     for axis, other in (("model", "data"), ("data", "model")):
-        pins = engines.tensor_pins(problem, axis)
+        pins = layouts.tensor_pins(problem, axis)
         spec = {paths[i]: problem.strategies[i][k].out_specs[0].dims for i, k in pins.items()}
         assert spec[next(p for p in spec if "up" in p)] == ((), (axis,))
         assert spec[next(p for p in spec if "down" in p)] == ((axis,), ())

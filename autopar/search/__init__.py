@@ -14,7 +14,7 @@ from typing import Any
 
 from autopar.cost.model import Cost
 from autopar.errors import MemoryBudgetError, format_bytes
-from autopar.search import engines, workers
+from autopar.search import engines, layouts, workers
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
 from autopar.search.polish import lean_arguments, polish
@@ -48,12 +48,12 @@ def dp_starts(problem: Problem, g, pinned: Mapping[int, int], recipe: bool = Fal
 
 def _tensor_start(axis: str, engine: str) -> Callable[[Problem, Mapping[int, int]], list[int]]:
     """A plan from Megatron's layout with `axis` as the tensor axis
-    (`engines.tensor_pins`), under the user's pins: recursive's plan from those pins, or
+    (`layouts.tensor_pins`), under the user's pins: recursive's plan from those pins, or
     (`engine` "propagate") the pins propagated and refined. The descent is free to move
     every pin but the user's."""
 
     def plan(p: Problem, pins: Mapping[int, int]) -> list[int]:
-        start = {**engines.tensor_pins(p, axis), **pins}
+        start = {**layouts.tensor_pins(p, axis), **pins}
         if engine == "recursive":
             return engines.recursive(p, start)
         return engines.refine(p, engines.propagate(p, start), pins, 8)
@@ -99,16 +99,16 @@ ENGINES: dict[str, Engine] = {
     # solved on a problem that penalizes gathering a split value: `data` is data
     # parallelism (batch split, parameters replicated), never a gathered batch
     "data": lambda p, pins, info: _dp(
-        engines.data_problem(p), {**engines.data_pins(p), **pins}, info, recipe=True
+        engines.data_problem(p), {**layouts.data_pins(p), **pins}, info, recipe=True
     ),
     # ZeRO-3: parameters sharded and gathered where used, the rest data parallel
     "fsdp": lambda p, pins, info: _dp(
-        engines.zero3_problem(p), {**engines.fsdp_pins(p), **pins}, info, recipe=True
+        engines.zero3_problem(p), {**layouts.fsdp_pins(p), **pins}, info, recipe=True
     ),
     "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }
 # The argument specs a recipe engine fixes (the equal-price memory polish keeps them).
-RECIPE_PINS = {"data": engines.data_pins, "fsdp": engines.fsdp_pins}
+RECIPE_PINS = {"data": layouts.data_pins, "fsdp": layouts.fsdp_pins}
 AUTO_ENGINES = ("recursive", "dp", "data")
 # `auto` also ranks ZeRO-3 (parameters and optimizer state sharded over every device,
 # gathered where used) as a speed candidate, not only as a memory retry: `recursive` with
@@ -154,7 +154,7 @@ def search(
     retry with the optimizer state sharded over every device (ZeRO-1; ZeRO-2 is the
     same in one fused step), with the parameters sharded too (ZeRO-3), and then, for
     functions with loops, with ZeRO-3 and each loop held to a strategy whose stacked
-    inputs take at most 1/2, 1/4, 1/8 of the budget (`engines.loop_pins`), until one
+    inputs take at most 1/2, 1/4, 1/8 of the budget (`layouts.loop_pins`), until one
     fits. Returns the fastest plan that fits; raises MemoryBudgetError if none does.
 
     `clock` (`autopar.compile.clock.Clock`) times each engine, the pricing and the
@@ -173,10 +173,10 @@ def search(
     info: dict[str, SolverInfo] = {}
     zero_pins = {
         i: s
-        for i, s in engines.fsdp_pins(problem).items()
+        for i, s in layouts.fsdp_pins(problem).items()
         if i not in pinned and i in problem.aliases.values()
     }
-    opt_state = engines.optimizer_state_inputs(problem)
+    opt_state = layouts.optimizer_state_inputs(problem)
     # ZeRO-1/2: only the optimizer state sharded (a fused step reduce-scatters the
     # gradients into it, so stage 2 is stage 1 here); ZeRO-3: the parameters too
     zero_stages = {
@@ -188,7 +188,7 @@ def search(
     # the whole stack of them must then sit on every device.
     if any(n.body is not None for n in problem.graph.nodes) and memory_budget < float("inf"):
         for f in (2, 4, 8):
-            lean = engines.loop_pins(problem, memory_budget / f)
+            lean = layouts.loop_pins(problem, memory_budget / f)
             lean = {k: s for k, s in lean.items() if k not in pinned}
             if lean:
                 zero_stages[f"zero3+loops/{f}"] = {**zero_pins, **lean}
@@ -203,7 +203,10 @@ def search(
             choice = ENGINES[name](problem, pins, info[key])
         alternates = info[key].pop("alternates", [])
         choice, cost, saved = polished(choice, pins, key)
-        for alt in alternates if not clock.out_of_time() else ():
+        if alternates and clock.out_of_time():
+            clock.skip(f"the runner-up of {key} on {problem.mesh.shape} (the time limit)")
+            alternates = []
+        for alt in alternates:
             # an engine's runner-up under its objective, which the latency polish can
             # put ahead (dp's starts: the polish took one plan 9% lower, another the
             # objective ranked cheaper 1%)
@@ -305,10 +308,10 @@ def search(
 
     def retries(name: str, choice: Sequence[int]) -> Iterator[tuple[str, dict[int, int]]]:
         """The ZeRO retries of engine `name`'s plan `choice` (over the budget): ZeRO-1
-        splits the optimizer state further than `choice` does (`engines.aligned_pins`)."""
+        splits the optimizer state further than `choice` does (`layouts.aligned_pins`)."""
         for stage, pins in zero_stages.items():
             if stage == "zero1" and pins:
-                aligned = engines.aligned_pins(problem, choice, opt_state - set(pinned))
+                aligned = layouts.aligned_pins(problem, choice, opt_state - set(pinned))
                 pins = aligned if any(choice[i] != k for i, k in aligned.items()) else {}
             if pins and not (stage == "zero1" and pins == zero_pins):
                 yield stage, pins

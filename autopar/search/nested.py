@@ -25,8 +25,8 @@ from autopar.search.build import (
     batch_like_body_inputs,
     build_problem,
 )
-from autopar.search.engines import _batch_spec, largest_dim_over
 from autopar.search.evaluate import output_specs
+from autopar.search.layouts import batch_spec, largest_dim_over
 from autopar.search.result import SearchResult
 from autopar.sharding import MeshInfo, Spec
 from autopar.strategies import Fixed, NodeStrategies, fixed_strategy
@@ -201,7 +201,7 @@ def _cond_strategy(
 def _batch_first(problem: Problem, i: int) -> int:
     """Input i's strategy with its leading (batch) dim split over as many axes as divide
     it, and the axes left over on its other dims (the most devices, fewest dims)."""
-    lead = problem.strategies[i][_batch_spec(problem, i)].out_specs[0].dims[0]
+    lead = problem.strategies[i][batch_spec(problem, i)].out_specs[0].dims[0]
     same = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0].dims[0] == lead]
     key = lambda k: (
         problem.strategies[i][k].parallel,
