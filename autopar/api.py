@@ -383,7 +383,10 @@ def parallelize(
     holding at most 2S - 1 micro-batches' activations), "1f1b-async" (Megatron's 1F1B:
     stages alternate forward and backward half-slots, stage s holds S - s micro-batches,
     each half-slot lasts the slower of the two passes; on XLA:CPU every stage computes
-    both passes each half-slot), "gpipe" (every forward pass, then every backward one:
+    both passes each half-slot), "zb-h1" (lock-step 1F1B with each backward pass split
+    into its input gradient and its weight gradients, the weight gradients deferred
+    off the ramp up: S - 1 weight-gradient passes shorter, at the memory of the values
+    a deferred pass reads, a ring of min(M, S) micro-batches), "gpipe" (every forward pass, then every backward one:
     M micro-batches' activations) or None: 1F1B where the step splits that way, else
     GPipe. `pipeline_stages="auto"`
     with `mesh` a device count tries every stage count S dividing it, on

@@ -1,5 +1,6 @@
-"""Pipeline schedules side by side: GPipe, lock-step 1F1B and the alternating 1F1B
-(`pipeline_schedule=`), each planned by `autopar.parallelize` in one process.
+"""Pipeline schedules side by side: GPipe, lock-step 1F1B, the alternating 1F1B and
+ZB-H1 (lock-step 1F1B with the weight gradients deferred; `pipeline_schedule=`), each
+planned by `autopar.parallelize` in one process.
 
 * **compiled**: a 4-layer GPT (`autopar.examples.gpt`, hidden 64, seq 64, batch 32,
   scanned layers) on `{"stage": 4, "data": 2}` with 16 micro-batches, on this
@@ -32,7 +33,7 @@ from autopar.plan.schedule import timeline  # noqa: E402
 from benchmarks.pipeline import gpt3_step  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "schedules"
-SCHEDULES = ("gpipe", "1f1b", "1f1b-async")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-async", "zb-h1")
 
 
 def _row(plan, seconds: float, **extra) -> dict:

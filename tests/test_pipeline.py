@@ -41,10 +41,11 @@ def _pipelined(microbatches: int | None = 4, schedule: str | None = None):
     return ts, step
 
 
-@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b-async"])
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b-async", "zb-h1"])
 def test_pipelined_training_matches_single_device(schedule):
     """Default (1F1B: the loops interleaved, the loss head per micro-batch on the last
-    stage), GPipe and the alternating 1F1B all train like jax.jit."""
+    stage), GPipe, the alternating 1F1B and ZB-H1 (weight gradients deferred) all
+    train like jax.jit."""
     ts, step = _pipelined(schedule=schedule)
     state = jax.jit(ts.init)(0)
     losses, states = run_steps(step, state, ts.batch, 3, keep_states=True)
@@ -84,7 +85,8 @@ def test_pipelined_training_matches_single_device(schedule):
     t = timeline(p)
     assert not t.estimated and 0 < t.seconds <= plan.cost.step_s
     held = [t.in_flight(s) for s in range(2)]
-    assert held == {"1f1b": [3, 1], "1f1b-async": [2, 1], "gpipe": [4, 4]}[name], held
+    expected = {"1f1b": [3, 1], "1f1b-async": [2, 1], "gpipe": [4, 4], "zb-h1": [3, 2]}
+    assert held == expected[name], held
     assert f"micro-batches held per stage: {held[0]}, {held[1]}" in str(plan)
     assert f"bubble {t.bubble:.0%}" in str(plan)
     from autopar.tools.inspect import inspect_summary, render_inspect
@@ -93,6 +95,54 @@ def test_pipelined_training_matches_single_device(schedule):
     text = render_inspect(plan)
     assert "== pipeline schedule (" in text and f"held per stage: {held[0]}, {held[1]})" in text
     assert ("B0 B1 B2 B3" if name == "gpipe" else "F0 H0 B0") in text  # the last stage's row
+
+
+def test_zero_bubble_defers_the_weight_gradients_and_prices_it():
+    """ZB-H1 splits the backward layer body into the input gradient and the weight
+    gradients (every op in exactly one part), runs the weight gradients after the
+    ramp up, and is priced `S - 1` weight-gradient slots below lock-step 1F1B for the
+    same layouts, holding the boundary values' ring on top of 1F1B's memory."""
+    from autopar.passes.zero_bubble import split_weight_grads
+
+    ts, one = _pipelined(schedule="1f1b")
+    _, zb = _pipelined(schedule="zb-h1")
+    state = jax.jit(ts.init)(0)
+    p1, pz = one.plan(state, ts.batch(0)), zb.plan(state, ts.batch(0))
+    (fused,) = pz.pipeline["fused"]
+    w = fused["weight_seconds"]
+    assert w > 0
+    if [o.strategy for o in p1.ops] == [o.strategy for o in pz.ops]:  # the same layouts
+        assert pz.cost.step_s == pytest.approx(p1.cost.step_s - (2 - 1) * w, rel=1e-9)
+        assert pz.cost.peak_memory_bytes > p1.cost.peak_memory_bytes
+    t = timeline(pz.pipeline)
+    assert [s.label for s in t.slots if s.kind == "weight" and s.stage == 0] == [
+        "W0",
+        "W1",
+        "W2",
+        "W3",
+    ]
+    # no weight-gradient slot before the first stage's first backward slot
+    first_b0 = min(s.start for s in t.slots if s.stage == 0 and s.kind == "backward")
+    assert min(s.start for s in t.slots if s.kind == "weight") > first_b0
+    assert "zero-bubble 1F1B (ZB-H1)" in str(pz)
+    assert timeline(p1.pipeline).seconds - t.seconds == pytest.approx(w, rel=1e-6)
+
+    # the split of the backward body: disjoint, covering, W reads what B hands it
+    from autopar.ir.capture import capture
+
+    graph = capture(ts.step, (state, ts.batch(0)))
+    (loop,) = [n for n in graph.nodes if n.body is not None and n.params["reverse"]]
+    body, p = loop.body, loop.params
+    split = split_weight_grads(body, p["num_consts"], p["num_carry"])
+    assert split is not None and split.w_nodes
+    assert not set(split.b_nodes) & set(split.w_nodes)
+    assert any(body.nodes[n].op == "dot_general" for n in split.w_nodes)  # dW = x^T dy
+    assert split.b.outputs[: p["num_carry"]] == body.outputs[: p["num_carry"]]
+    assert split.w.outputs == body.outputs[p["num_carry"] :]
+    made_in_w = {v for n in split.w.nodes for v in n.outputs}
+    assert set(v for n in split.w.nodes for v in n.inputs) <= (
+        made_in_w | set(split.w.inputs) | set(body.consts)
+    )
 
 
 @pytest.mark.slow  # 35 s; the form XLA:CPU does not run by default (`BRANCHES_ON_CPU`)

@@ -15,6 +15,7 @@ from autopar.ir.graph import Graph
 from autopar.passes.pipeline import PipelinedScans, layer_ranges
 from autopar.plan.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search.evaluate import output_specs
+from autopar.search.piped import weight_slot_seconds
 from autopar.search.problem import Problem
 from autopar.sharding import MeshInfo, Spec
 
@@ -130,6 +131,11 @@ def make_plan(
                     "backward": keys[f.backward],
                     "head": [keys[h] for h in f.head],
                     "head_seconds": sum(priced(h) for h in f.head),
+                    **(
+                        {"weight_seconds": weight_slot_seconds(problem, pipelined, f, result)}
+                        if pipelined.pipe.schedule == "zb-h1"
+                        else {}
+                    ),
                 }
                 for f in pipelined.fused
             ]

@@ -28,7 +28,8 @@ from autopar.ir.ops import CONTRACTIONS
 from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
 from autopar.passes.pipeline import Fused, PipelinedScans, sunk_fills
 from autopar.passes.precision import upcast_operands
-from autopar.plan.plan import BodyRecord, Plan
+from autopar.passes.zero_bubble import WeightSplit, split_weight_grads
+from autopar.plan.plan import BodyRecord, Plan, TensorRecord
 from autopar.sharding import Spec
 from autopar.strategies.linear import LOCAL_OPS
 from autopar.strategies.settle import settle_partials
@@ -140,6 +141,7 @@ def interpret(
                     env[v], produced[v] = read(v, want), want
 
         sinks = sunk_fills(graph, pipelined) if pipelined is not None else {}
+        zb_backward = {f.backward for f in pipelined.fused} if pipelined is not None else set()
 
         def loop_input(node: Node, i: int, spec: Spec):
             """Input `i` of a pipelined loop as it enters the pipeline: a sunk fill's
@@ -158,7 +160,21 @@ def interpret(
             )(*xs)
             specs = [r.spec for r in rec.body.outputs]
             fills = {i: b.params["broadcast_dimensions"] for i, b in sinks.get(node.id, {}).items()}
-            return PipelinedLoop(node, micro, labels, run_body, pipelined.pipe, mesh, specs, fills)
+            split, run_split = None, None
+            if pipelined.pipe.schedule == "zb-h1" and node.id in zb_backward:
+                p = node.params
+                split = split_weight_grads(micro, p["num_consts"], p["num_carry"])
+                if split is not None:
+                    b_rec, w_rec = split_records(micro, rec.body, split, p["num_carry"])
+                    run_split = tuple(
+                        lambda *xs, g=g, r=r: interpret(
+                            g, r, jax.sharding.get_abstract_mesh(), pin_inputs=True
+                        )(*xs)
+                        for g, r in ((split.b, b_rec), (split.w, w_rec))
+                    )
+            return PipelinedLoop(
+                node, micro, labels, run_body, pipelined.pipe, mesh, specs, fills, split, run_split
+            )
 
         def run_fused(fz: Fused) -> None:
             F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
@@ -278,6 +294,44 @@ def _with_partial(rec) -> Spec:
     """The operand's spec as a summand over the result's Partial axes: each device
     adds its updates to its summand, so the sum over devices adds the operand once."""
     return Spec(rec.in_specs[0].dims, rec.out_specs[0].partial)
+
+
+def split_records(
+    body: Graph, rec: BodyRecord, split: WeightSplit, num_carry: int
+) -> tuple[BodyRecord, BodyRecord]:
+    """The body plan `rec` as the plans of the split's `B` and `W` graphs: each op as
+    planned; a boundary value leaves `B` and enters `W` in the layout it is made in
+    (settled, and summed where it is a partial sum), so passing it on moves nothing."""
+    settled = settle_partials(
+        body,
+        [o.in_specs for o in rec.ops],
+        [o.out_specs for o in rec.ops],
+        [r.spec for r in rec.outputs],
+    )
+    made = {v: sp for n, o in zip(body.nodes, rec.ops) for v, sp in zip(n.outputs, o.out_specs)}
+    given = dict(zip(body.inputs, rec.inputs))
+    bnd = []
+    for v in split.boundary:
+        if v in given:
+            bnd.append(replace(given[v], path=f"boundary/{v}"))
+        else:
+            t = body.values[v]
+            # a partial sum is summed before it leaves `B` (the buffer holds whole
+            # values; `W` takes a summand back where an op of it reads one)
+            spec = settled.get(v, made[v]).without_partial()
+            bnd.append(TensorRecord(f"boundary/{v}", t.shape, str(t.dtype), spec))
+    b = replace(
+        rec,
+        outputs=(*rec.outputs[:num_carry], *bnd),
+        ops=tuple(rec.ops[n] for n in split.b_nodes),
+    )
+    w = replace(
+        rec,
+        inputs=(*(rec.inputs[i] for i in split.w_inputs), *bnd),
+        outputs=rec.outputs[num_carry:],
+        ops=tuple(rec.ops[n] for n in split.w_nodes),
+    )
+    return b, w
 
 
 def _order(graph: Graph, fused) -> list[Node]:

@@ -22,7 +22,7 @@ backward slot, then `S - 1` backward slots. The critical path is the same
 `(M + S - 1)` forward and backward slots as GPipe's (plus `M` heads), but stage `s`
 frees a micro-batch's activations `2 (S - 1 - s)` slots after saving them, so it holds
 at most `2S - 1` micro-batches' worth whatever `M` is. The alternating 1F1B
-(`_alternating`, Megatron's schedule) runs `2 (M + S - 1)` half-slots in which the
+(`autopar.lower.slots.alternating`, Megatron's schedule) runs `2 (M + S - 1)` half-slots in which the
 stages alternate forward and backward passes, so stage `s` holds `S - s`; a half-slot
 lasts the slower of the two passes.
 
@@ -43,8 +43,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir.graph import Graph, Node
+from autopar.lower import slots
 from autopar.passes.microbatch import cut, uncut
 from autopar.passes.pipeline import SAME, SUM, Fused, Label, ScanLabels
+from autopar.passes.zero_bubble import WeightSplit
 
 
 def _at(x, lab: Label, mc, xs: bool):
@@ -69,8 +71,16 @@ class PipelinedLoop:
         mesh,
         out_specs,
         fills: Mapping[int, Sequence[int]] = {},  # noqa: B006
+        split: WeightSplit | None = None,
+        run_split: tuple[Callable, Callable] | None = None,
     ):
         p = node.params
+        # zero-bubble (ZB-H1): the body as its input-gradient part and its weight
+        # gradients (`autopar.passes.zero_bubble`), each interpreted under the body's plan
+        self.split, self.run_split = split, run_split
+        self.boundary_types = (
+            [micro_body.values[v] for v in split.boundary] if split is not None else []
+        )
         # sunk fills (`autopar.passes.pipeline.sunk_fills`): input -> the broadcast's
         # dims; the input enters as the batch-free operand, broadcast per micro-batch
         self.fills = dict(fills)
@@ -123,6 +133,34 @@ class PipelinedLoop:
             return list(outs[: self.n_k]), list(outs[self.n_k :])
 
         return jax.lax.scan(layer, list(carry), list(xs), length=self.k, reverse=self.reverse)
+
+    def run_b(self, args, carry) -> tuple[list, list]:
+        """`run` of the input-gradient part only: the carry, and the boundary values
+        the weight gradients read (`WeightSplit`), per layer."""
+        consts, xs = args[: self.n_c], args[self.n_c + self.n_k :]
+        run_b = self.run_split[0]
+
+        def layer(c, x):
+            outs = run_b(*consts, *c, *x)
+            return list(outs[: self.n_k]), list(outs[self.n_k :])
+
+        return jax.lax.scan(layer, list(carry), list(xs), length=self.k, reverse=self.reverse)
+
+    def run_w(self, args, boundary) -> list:
+        """The weight gradients of this stage's layers (the `ys` `run` returns), from
+        the inputs picked at their micro-batch and `run_b`'s boundary values."""
+        consts = [args[i] for i in self.split.w_inputs if i < self.n_c]
+        xs = [args[i] for i in self.split.w_inputs if i >= self.n_c]
+        run_w = self.run_split[1]
+
+        def layer(_, x):
+            return None, list(run_w(*consts, *x))
+
+        _, ys = jax.lax.scan(layer, None, [*xs, *boundary], length=self.k)
+        return ys
+
+    def boundary0(self, slots: int) -> list:
+        return [jnp.zeros((slots, self.k, *t.shape), t.dtype) for t in self.boundary_types]
 
     def pin(self, carry, ys) -> tuple[list, list]:
         """A run's results in the layouts the body's plan makes them (its carry, and
@@ -247,7 +285,12 @@ def run_1f1b(
     pipe = fw.pipe
     S, M, axis = pipe.stages, pipe.microbatches, pipe.axis
     alternate = pipe.schedule == "1f1b-async"
+    # ZB-H1 with no weight gradients to defer (`split_weight_grads` found none) is 1F1B
+    zero_bubble = pipe.schedule == "zb-h1" and bw.split is not None
     R = min(M, S if alternate else 2 * S - 1)  # saved activations held per stage
+    # zero-bubble: stage s runs a micro-batch's weight gradients s slots after its
+    # input gradient, so it keeps that many micro-batches' boundary values and one more
+    Q = min(M, S)
     F, B = fw.node, bw.node
     f_outs = list(F.outputs)
     ys_f = f_outs[fw.n_k :]
@@ -322,6 +365,11 @@ def run_1f1b(
             head's values (the last stage's), None where none was run: (whether it is
             on, its index clipped, its inputs, its carry in)."""
             on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
+            picked, init = b_pick(st, mc, hv)
+            return on, mc, picked, [jnp.where(s == S - 1, x, c) for x, c in zip(init, st["bc"])]
+
+        def b_pick(st, mc, hv):
+            """The backward loop's inputs at micro-batch `mc`, and its carry's among them."""
             picked, init = [], []
             for i, (kind, x) in enumerate(src):
                 if kind == "ext":
@@ -333,7 +381,7 @@ def run_1f1b(
                     picked.append(zero if hv is None else hv[x])
                 if bw.n_c <= i < bw.n_c + bw.n_k:
                     init.append(picked[-1])
-            return on, mc, picked, [jnp.where(s == S - 1, x, c) for x, c in zip(init, st["bc"])]
+            return picked, init
 
         def b_keep(st, on, mc, bc, by):
             st["bys"] = bw.accumulate(st["bys"], by, mc, on)
@@ -344,6 +392,23 @@ def run_1f1b(
             on, mc, xs, bc = b_in(st, m, hv)
             bc, by = bw.run(xs, bc)
             b_keep(st, on, mc, bc, by)
+
+        def input_grads(st, m, hv):
+            """Zero-bubble: the backward pass of micro-batch `m` up to its input
+            gradient (the carry to pass on); what its weight gradients read is kept."""
+            on, mc, xs, bc = b_in(st, m, hv)
+            bc, bnd = bw.run_b(xs, bc)
+            st["bnd"] = [jnp.where(on, b.at[mc % Q].set(x), b) for b, x in zip(st["bnd"], bnd)]
+            st["bout"] = _collect(st["bout"], bc, mc, on & (s == 0))
+            st["bc"] = bc
+
+        def weight_grads(st, m):
+            """Zero-bubble: the weight gradients of micro-batch `m` (idle outside 0..M-1),
+            from its inputs and what its `input_grads` kept."""
+            on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
+            xs, _ = b_pick(st, mc, None)
+            by = bw.run_w(xs, [b[mc % Q] for b in st["bnd"]])
+            st["bys"] = bw.accumulate(st["bys"], by, mc, on)
 
         st = {
             "fc": fw.carry0(),
@@ -358,9 +423,12 @@ def run_1f1b(
         }
         if alternate:
             parts = (f_in, f_keep, b_in, b_keep, turn)
-            st = _alternating(st, s, S, M, fw, bw, parts, _branches(mesh))
+            st = slots.alternating(st, s, S, M, fw, bw, parts, _branches(mesh))
+        elif zero_bubble:
+            st["bnd"] = bw.boundary0(Q)
+            st = slots.zero_bubble(st, s, S, M, fw, bw, forward, turn, input_grads, weight_grads)
         else:
-            st = _lock_step(st, s, S, M, fw, bw, forward, turn, backward)
+            st = slots.lock_step(st, s, S, M, fw, bw, forward, turn, backward)
         total = lambda xs: [jax.lax.psum(x, axis) for x in xs]
         return (*total(st["fout"]), *total(st["hacc"].values()), *total(st["bout"]), *st["bys"])
 
@@ -398,7 +466,7 @@ def run_1f1b(
 
 
 # XLA:CPU runs the alternating schedule's passes as branches too (tests of the branch
-# code on layers whose plan moves no data by collective-permute, see `_alternating`)
+# code on layers whose plan moves no data by collective-permute, see `slots.alternating`)
 BRANCHES_ON_CPU = False
 
 
@@ -409,102 +477,6 @@ def _branches(mesh) -> bool:
     if devices is None or BRANCHES_ON_CPU:  # an abstract mesh: lowered for GPUs
         return True
     return devices.flat[0].platform != "cpu"
-
-
-def _lock_step(st: dict, s, S: int, M: int, fw, bw, forward, turn, backward) -> dict:
-    """Lock-step 1F1B: `S - 1` forward slots, `M` ticks of a forward slot, the head
-    and a backward slot, then `S - 1` backward slots; every carry hops each slot."""
-
-    def warm(st, slot):
-        forward(st, slot - s)
-        st["fc"] = fw.hop(st["fc"])
-        return st, None
-
-    def steady(st, k):
-        # forward slot S - 1 + k brings micro-batch k to the end of the last stage,
-        # whose head turns it around for backward slot k
-        fc, mc = forward(st, S - 1 + k - s)
-        st["fc"] = fw.hop(fc)
-        backward(st, k - (S - 1 - s), turn(st, fc, mc))
-        st["bc"] = bw.hop(st["bc"])
-        return st, None
-
-    def cool(st, slot):
-        backward(st, slot - (S - 1 - s), None)
-        st["bc"] = bw.hop(st["bc"])
-        return st, None
-
-    st, _ = jax.lax.scan(warm, st, jnp.arange(S - 1))
-    st, _ = jax.lax.scan(steady, st, jnp.arange(M))
-    st, _ = jax.lax.scan(cool, st, jnp.arange(M, M + S - 1))
-    return st
-
-
-def _alternating(st: dict, s, S: int, M: int, fw, bw, parts, branch: bool) -> dict:
-    """1F1B with stages alternating forward and backward half-slots (Megatron's
-    schedule, lock-step): in slot `t` stage `s` runs the forward pass of micro-batch
-    `(t - s) / 2` when `t - s` is even, else the backward pass of micro-batch
-    `(t - 2S + 1 + s) / 2`; `2 (M + S - 1)` slots. A stage's pass is a `lax.switch`
-    (every device of a stage takes the same branch; a slot with no micro-batch runs
-    nothing); the head runs after it, on every stage (kept on the last stage only),
-    right after the last stage's forward pass of a micro-batch: `M` times, every
-    device taking the same branch of a `lax.cond`. A carry hops from the stages that
-    made it in that slot only.
-
-    Without `branch` (XLA:CPU, `BRANCHES_ON_CPU`) every stage runs the forward pass
-    and then the backward pass in every slot, each result kept only where the slot
-    holds it: the same results and buffers, twice the compute. XLA:CPU runs a
-    collective-permute (a change of layout, in the head or a stage's layers) inside a
-    branch as a rendezvous of every device, which hangs when only some stages take the
-    branch."""
-    f_in, f_keep, b_in, b_keep, turn = parts
-    zero_h = jax.eval_shape(lambda st: turn(dict(st), st["fc"], 0, False), st)
-    st = {**st, "hv": jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), zero_h)}
-
-    def last_m(t):  # the last stage's micro-batch in forward slot t: the same on every device
-        return (t - (S - 1)) // 2
-
-    def head(st, t):
-        st = dict(st)
-        hv = turn(st, st["fc"], last_m(t))
-        st["hv"] = {v: jnp.where(s == S - 1, hv[v], st["hv"][v]) for v in hv}
-        return st
-
-    def half(st, t, parity: int):
-        is_f = s % 2 == parity  # stages of this parity run forward passes in slot t
-        m = jnp.where(is_f, t - s, t - (2 * S - 1 - s)) // 2
-        on = (m >= 0) & (m < M)
-
-        def idle(st):
-            return st
-
-        def fwd(st):
-            st = dict(st)
-            _, mc, xs, fc = f_in(st, m)
-            f_keep(st, on & is_f, mc, *fw.pin(*fw.run(xs, fc)))
-            return st
-
-        def back(st):
-            st = dict(st)
-            _, mc, xs, bc = b_in(st, m, st["hv"])
-            b_keep(st, on & ~is_f, mc, *bw.pin(*bw.run(xs, bc)))
-            return st
-
-        if branch:
-            st = jax.lax.switch(jnp.where(~on, 0, jnp.where(is_f, 1, 2)), [idle, fwd, back], st)
-        else:  # each stage's carry of the pass it does not run is garbage no one reads
-            st = back(fwd(st))
-        if parity == (S - 1) % 2:  # the last stage ran the forward pass of micro-batch m
-            st = jax.lax.cond((last_m(t) >= 0) & (last_m(t) < M), head, lambda st, t: st, st, t)
-        st["fc"] = fw.hop(st["fc"], [i for i in range(S) if i % 2 == parity])
-        st["bc"] = bw.hop(st["bc"], [i for i in range(S) if i % 2 != parity])
-        return st
-
-    def pair(st, j):
-        return half(half(st, 2 * j, 0), 2 * j + 1, 1), None
-
-    st, _ = jax.lax.scan(pair, st, jnp.arange(M + S - 1))
-    return st
 
 
 def _head_buffer(v: int, lab: Label, fused: Fused, M: int):

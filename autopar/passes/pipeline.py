@@ -43,11 +43,12 @@ from autopar.sharding import MeshInfo, Spec
 SUM = "sum"
 SAME = "same"
 Label = int | str
-SCHEDULES = ("gpipe", "1f1b", "1f1b-async")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-async", "zb-h1")
 # the schedules that run a forward loop, the head and the backward loop as one pipeline
-# (`Fused`): lock-step 1F1B, and 1F1B with stages alternating forward and backward
-# half-slots (`autopar.lower.pipeline`)
-FUSED_SCHEDULES = ("1f1b", "1f1b-async")
+# (`Fused`): lock-step 1F1B, 1F1B with stages alternating forward and backward
+# half-slots, and lock-step 1F1B with the weight gradients deferred (zero-bubble ZB-H1,
+# `autopar.passes.zero_bubble`; `autopar.lower.pipeline`)
+FUSED_SCHEDULES = ("1f1b", "1f1b-async", "zb-h1")
 
 
 @dataclass(frozen=True)

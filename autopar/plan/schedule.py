@@ -19,6 +19,12 @@ The slots are the lowering's, in order:
   half-slot lasts its slowest stage's pass, the others wait (idle); after a
   half-slot in which the last stage ran a forward pass, the head on the last stage
   (the other stages wait).
+* a zero-bubble pair (schedule "zb-h1"): the 1F1B pair's slots, each backward slot the
+  input gradient only, and from backward slot `S - 1` on a weight-gradient slot after
+  each backward slot `t`, in which every stage runs the weight gradients of
+  micro-batch `t - (S - 1)` (stage `s`'s own `s` slots after its backward pass);
+  a micro-batch's activations are held until its weight gradients
+  (`pipeline.fused[].weight_seconds`: one weight-gradient slot).
 
 Every slot is lock-step: all stages start it together. A slot lasts the priced time
 of its loop over its `M + S - 1` slots (the plan records each pipelined loop's price,
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 __all__ = ["Slot", "Timeline", "schedule_line", "timeline"]
 
 FORWARD, BACKWARD, HEAD, IDLE = "forward", "backward", "head", "idle"
+WEIGHT = "weight"  # ZB-H1: a micro-batch's weight gradients, deferred from its backward
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,8 @@ class Slot:
 
     @property
     def label(self) -> str:
-        """`F3` forward of micro-batch 3, `B3` its backward, `H3` the head, `.` idle."""
+        """`F3` forward of micro-batch 3, `B3` its backward, `H3` the head, `W3` its
+        deferred weight gradients (ZB-H1), `.` idle."""
         return "." if self.micro is None else f"{self.kind[0].upper()}{self.micro}"
 
 
@@ -70,11 +78,13 @@ class Timeline:
         """The most micro-batches whose forward slot ran on `stage` and whose backward
         slot has not yet: how many micro-batches' saved activations it holds at once."""
         live = peak = 0
+        # under ZB-H1 a micro-batch's activations stay until its weight gradients
+        frees = WEIGHT if any(s.kind == WEIGHT for s in self.slots) else BACKWARD
         for s in sorted(
             (s for s in self.slots if s.stage == stage and s.micro is not None),
             key=lambda s: s.start,
         ):
-            live += {FORWARD: 1, BACKWARD: -1}.get(s.kind, 0)
+            live += {FORWARD: 1, frees: -1}.get(s.kind, 0)
             peak = max(peak, live)
         return peak
 
@@ -134,6 +144,19 @@ def timeline(pipeline: dict) -> Timeline:
             back = scans[f["backward"]]
             tf, tb = slot_s(scan, False), slot_s(back, True)
             th = 0.0 if estimated else float(f.get("head_seconds", 0.0)) / M
+            # ZB-H1: a backward slot is the input gradient; the weight gradients of
+            # micro-batch `t - (S - 1)` follow backward slot `t` from slot S - 1 on
+            # (the loop's price is (M + S - 1) whole slots less S - 1 weight parts)
+            zb = pipeline.get("schedule") == "zb-h1"
+            tw = (0.5 * tb if estimated else float(f.get("weight_seconds", 0.0))) if zb else 0.0
+            if zb and not estimated:
+                tb += (S - 1) * tw / ticks
+            tb -= tw
+
+            def weights(t: int, zb=zb, tw=tw, loop=f["backward"]) -> None:
+                if zb and t >= S - 1:
+                    run(WEIGHT, tw, lambda s, t=t: t - (S - 1), loop)
+
             for i in range(S - 1):
                 run(FORWARD, tf, lambda s, i=i: i - s, op)
             for j in range(M):
@@ -141,8 +164,10 @@ def timeline(pipeline: dict) -> Timeline:
                 if th:
                     run(HEAD, th, lambda s, j=j: j if s == S - 1 else None, "head")
                 run(BACKWARD, tb, lambda s, j=j: j - (S - 1 - s), f["backward"])
+                weights(j)
             for k in range(S - 1):
                 run(BACKWARD, tb, lambda s, k=k: M + k - (S - 1 - s), f["backward"])
+                weights(M + k)
         else:
             reverse = bool(scan.get("reverse", False))
             kind, ts = (BACKWARD if reverse else FORWARD), slot_s(scan, reverse)
@@ -175,9 +200,12 @@ def _alternating_half(
 def schedule_line(t: Timeline) -> str:
     """One line for `Plan.summary`: the schedule, its pipelined time and bubble, and how
     many micro-batches' activations each stage holds at once."""
-    name = {"1f1b": "1F1B", "gpipe": "GPipe", "1f1b-async": "alternating 1F1B"}.get(
-        t.schedule, t.schedule
-    )
+    name = {
+        "1f1b": "1F1B",
+        "gpipe": "GPipe",
+        "1f1b-async": "alternating 1F1B",
+        "zb-h1": "zero-bubble 1F1B (ZB-H1)",
+    }.get(t.schedule, t.schedule)
     held = ", ".join(str(t.in_flight(s)) for s in range(t.stages))
     span = (
         "unit slot times (the plan records no prices)"

@@ -35,7 +35,7 @@ from autopar.search.edges import (
     reshard_matrix,
     reshard_seconds,
 )
-from autopar.search.piped import alternating_waits, loop_times, residency
+from autopar.search.piped import alternating_waits, deferred_buffers, loop_times, residency
 from autopar.search.result import SearchResult
 from autopar.search.solvers.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
@@ -124,6 +124,10 @@ class Problem:
     # the graph node ids of each 1F1B region (forward loop, head, backward loop), which
     # run as one loop: what any of them reads or makes is alive for all of it
     regions: tuple[frozenset[int], ...] = ()
+    # graph node id of a pipelined loop -> bytes by its strategy that its pipeline
+    # holds for the whole of its 1F1B region beyond the values above (ZB-H1: what the
+    # deferred weight gradients read, `piped.deferred_buffers`)
+    buffers: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def compute_time(self) -> tuple[np.ndarray, ...]:
         return self.node_time if self.node_compute is None else self.node_compute
@@ -279,6 +283,10 @@ def build_problem(
         else:
             node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
     waits = alternating_waits(graph, pipelined, bodies, cost) if pipelined is not None else ()
+    buffers = deferred_buffers(graph, pipelined, bodies) if pipelined is not None else {}
+    node_mem = tuple(  # the engines' memory estimate holds a pipeline's buffers too
+        m + buffers[c - n_in] if c - n_in in buffers else m for c, m in enumerate(node_mem)
+    )
     for i, (_, per_strategy) in conds.items():
         node_time[n_in + i] = np.array([b.seconds for b in per_strategy])
     node_time = tuple(node_time)
@@ -322,6 +330,7 @@ def build_problem(
         share,
         waits=tuple((n_in + u, n_in + v, w) for u, v, w in waits),
         regions=tuple(f.members() for f in pipelined.fused) if pipelined is not None else (),
+        buffers=buffers,
     )
 
 

@@ -168,7 +168,8 @@ def peak_memory(
     op that reads a value in another layout than it is stored in (an all-gathered
     weight, a loop's stacked weights gathered for the whole loop) holds that copy
     while it runs. A 1F1B region (`Problem.regions`) runs as one loop: everything its
-    ops make is alive, and every copy they read held, from its first op to its last.
+    ops make is alive, and every copy they read held, from its first op to its last,
+    as are the pipeline's own buffers (`Problem.buffers`).
     `settled`: `settle(problem, choice)`, when the caller has it."""
     g, n_in = problem.graph, problem.num_inputs
     strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
@@ -222,6 +223,10 @@ def peak_memory(
             b *= problem.resident.get(v, 1.0)
             made_at[at] += b
             free_at[max(last_use.get(v, node.id), end[node.id])] += b
+    for i, held in problem.buffers.items():  # a pipeline's own buffers, its whole region
+        b = float(held[choice[n_in + i]])
+        made_at[start[i]] += b
+        free_at[end[i]] += b
     live = np.cumsum(made_at) - np.concatenate(([0.0], np.cumsum(free_at)[:-1]))
     return int(args + max(0.0, float(live[: len(g.nodes)].max(initial=0.0)))), args
 

@@ -1,6 +1,7 @@
 """What pipelining adds to the price of a step (`search.build`): the time of each
-pipelined loop, the alternating 1F1B schedule's waits, and the fraction of the values
-a 1F1B pipeline holds at once. The schedules are `autopar.lower.pipeline`'s."""
+pipelined loop (less, under ZB-H1, the weight gradients taken off the ramp up), the
+alternating 1F1B schedule's waits, and the fraction of the values a 1F1B pipeline
+holds at once. The schedules are `autopar.lower.pipeline`'s."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node
 from autopar.passes.pipeline import Pipeline, PipelinedScans, stage_layers, sunk_fills
+from autopar.passes.zero_bubble import WeightSplit, split_weight_grads
 from autopar.search.result import SearchResult
 
 Problem = Any  # a loop body's `search.build.Problem` (which imports this module)
@@ -22,18 +24,88 @@ def loop_times(
     """Each pipelined loop's time by strategy (`bodies`: node id -> (its body's
     problem, one body result per strategy), `Problem.bodies`)."""
     inside = _inside_1f1b(graph, pipelined)
-    return {
-        i: np.array(
+    pipe = pipelined.pipe
+    out = {}
+    for i in pipelined.scans:
+        if i not in bodies:
+            continue
+        node, body = graph.nodes[i], bodies[i][0]
+        split = _deferred_split(graph, pipelined, i, body)
+        out[i] = np.array(
             [
-                _pipeline_seconds(
-                    graph.nodes[i], bodies[i][0], pipelined.pipe, cost, r, i not in inside
-                )
+                _pipeline_seconds(node, body, pipe, cost, r, i not in inside)
+                - (pipe.stages - 1) * weight_grad_seconds(node, body, pipe, r, split)
                 for r in bodies[i][1]
             ]
         )
-        for i in pipelined.scans
-        if i in bodies
-    }
+    return out
+
+
+def _deferred_split(graph: Graph, pipelined: PipelinedScans, i: int, body: Problem):
+    """The weight-gradient split of pipelined loop `i`'s body where ZB-H1 defers it."""
+    if pipelined.pipe.schedule != "zb-h1" or i not in {f.backward for f in pipelined.fused}:
+        return None
+    node = graph.nodes[i]
+    return split_weight_grads(body.graph, node.params["num_consts"], node.params["num_carry"])
+
+
+def deferred_buffers(graph: Graph, pipelined: PipelinedScans, bodies: dict) -> dict:
+    """`Problem.buffers`: under ZB-H1, each backward loop's ring of boundary values
+    (`WeightSplit.boundary`: what a micro-batch's weight gradients read from its input
+    gradient), `min(M, S)` micro-batches of one stage's layers, by loop strategy."""
+    out = {}
+    pipe = pipelined.pipe
+    for i in pipelined.scans:
+        split = _deferred_split(graph, pipelined, i, bodies[i][0]) if i in bodies else None
+        if split is None:
+            continue
+        body, node = bodies[i][0], graph.nodes[i]
+        slots = min(pipe.microbatches, pipe.stages) * stage_layers(node, pipe)
+        out[i] = np.array(
+            [slots * _boundary_bytes(body, split, r) for r in bodies[i][1]], dtype=np.float64
+        )
+    return out
+
+
+def _boundary_bytes(body: Problem, split: WeightSplit, result: SearchResult) -> float:
+    """Each device's bytes of one micro-batch's boundary values in one layer, in the
+    layouts `result` makes them (summed where partial, as the lowering keeps them)."""
+    g, n_in = body.graph, body.num_inputs
+    made = {v: (n_in + n, k) for n in split.b_nodes for k, v in enumerate(g.nodes[n].outputs)}
+    made.update((v, (j, 0)) for j, v in enumerate(g.inputs))
+    total = 0.0
+    for v in split.boundary:
+        c, k = made[v]
+        spec = body.strategies[c][result.choice[c]].out_specs[k].without_partial()
+        total += body.cost.local_bytes(g.values[v], spec)
+    return total
+
+
+def weight_slot_seconds(problem, pipelined: PipelinedScans, fused, result) -> float:
+    """One ZB-H1 weight-gradient slot of `fused`'s backward loop under the plan
+    `result` of the outer `problem` (`weight_grad_seconds`; 0 where nothing is
+    deferred)."""
+    i = fused.backward
+    if i not in problem.bodies:
+        return 0.0
+    body, results = problem.bodies[i]
+    node = problem.graph.nodes[i]
+    r = results[result.choice[problem.num_inputs + i]]
+    split = _deferred_split(problem.graph, pipelined, i, body)
+    return weight_grad_seconds(node, body, pipelined.pipe, r, split)
+
+
+def weight_grad_seconds(
+    node: Node, body: Problem, pipe: Pipeline, result: SearchResult, split: WeightSplit | None
+) -> float:
+    """The weight-gradient part (`WeightSplit.w`) of one backward slot: its ops' own
+    times under the body's plan, for one stage's layers; 0 without a split. The
+    reshards between them are left on the slot (the saving is not overstated)."""
+    if split is None:
+        return 0.0
+    n_in = body.num_inputs
+    own = sum(float(body.node_time[n_in + j][result.choice[n_in + j]]) for j in split.w_nodes)
+    return stage_layers(node, pipe) * own
 
 
 def alternating_waits(
