@@ -336,6 +336,17 @@ def test_render_draws_the_pipeline_schedule(small_plan, tmp_path):
     slots = [t for t in timeline(record).slots if t.micro is not None]
     labels = [t for t in texts if re.fullmatch(r"[FBH]\d", html.unescape(t))]
     assert len(labels) == len(slots)  # forward, head and backward slots, each labelled
+    # ZB-H1: the deferred weight-gradient slots are drawn and labelled too
+    zb = {**record, "schedule": "zb-h1"}
+    zb["fused"] = [{**record["fused"][0], "weight_seconds": 1e-3}]
+    out = tmp_path / "zb.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        render.render_plan(dataclasses.replace(plan, pipeline=zb), out, top=2)
+    texts = [
+        html.unescape(re.sub(r"<[^>]+>", "", t))
+        for t in re.findall(r"<text[^>]*>(.*?)</text>", out.read_text(), re.S)
+    ]
+    assert {"W0", "W1", "W2"} <= set(texts) and "weight" in texts
     assert schedule_line(timeline(record)).split(";")[0].removeprefix("schedule: ") in body.replace(
         "\n", " "
     )

@@ -127,15 +127,19 @@ def test_zero_bubble_defers_the_weight_gradients_and_prices_it():
     assert "zero-bubble 1F1B (ZB-H1)" in str(pz)
     assert timeline(p1.pipeline).seconds - t.seconds == pytest.approx(w, rel=1e-6)
 
-    # the split of the backward body: disjoint, covering, W reads what B hands it
+    # the split of the backward body: covering, each op once but what W makes again
+    # cheaply, W reads only what B hands it
     from autopar.ir.capture import capture
+    from autopar.passes.remat import rematerialize
+    from autopar.passes.zero_bubble import RECOMPUTED
 
     graph = capture(ts.step, (state, ts.batch(0)))
     (loop,) = [n for n in graph.nodes if n.body is not None and n.params["reverse"]]
     body, p = loop.body, loop.params
     split = split_weight_grads(body, p["num_consts"], p["num_carry"])
     assert split is not None and split.w_nodes
-    assert not set(split.b_nodes) & set(split.w_nodes)
+    assert set(split.b_nodes) & set(split.w_nodes) == set(split.recomputed)
+    assert set(split.b_nodes) | set(split.w_nodes) == set(range(len(body.nodes)))
     assert any(body.nodes[n].op == "dot_general" for n in split.w_nodes)  # dW = x^T dy
     assert split.b.outputs[: p["num_carry"]] == body.outputs[: p["num_carry"]]
     assert split.w.outputs == body.outputs[p["num_carry"] :]
@@ -143,6 +147,17 @@ def test_zero_bubble_defers_the_weight_gradients_and_prices_it():
     assert set(v for n in split.w.nodes for v in n.inputs) <= (
         made_in_w | set(split.w.inputs) | set(body.consts)
     )
+    # under remat the backward body recomputes the layer's forward ops; W makes the
+    # cheap ones (norms, activations) again from the saved dots rather than keep them,
+    # so it keeps no more than without remat
+    size = lambda g, s: sum(g.values[v].nbytes for v in s.boundary)  # noqa: E731
+    g2, _ = rematerialize(graph, "dots")
+    (loop2,) = [n for n in g2.nodes if n.body is not None and n.params["reverse"]]
+    split2 = split_weight_grads(loop2.body, loop2.params["num_consts"], loop2.params["num_carry"])
+    assert split2.recomputed and all(
+        loop2.body.nodes[n].op in RECOMPUTED for n in split2.recomputed
+    )
+    assert size(loop2.body, split2) <= size(body, split)
 
 
 @pytest.mark.slow  # 35 s; the form XLA:CPU does not run by default (`BRANCHES_ON_CPU`)

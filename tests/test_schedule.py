@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.plan.schedule import BACKWARD, FORWARD, HEAD, IDLE, schedule_line, timeline
+from autopar.plan.schedule import BACKWARD, FORWARD, HEAD, IDLE, WEIGHT, schedule_line, timeline
 
 
 def _record(S: int, M: int, fused: bool, seconds=True, schedule: str = "1f1b") -> dict:
@@ -86,6 +86,35 @@ def test_alternating_1f1b_slots(S, M):
     busy = S * M * 3.0 + M * 0.5
     assert t.bubble == pytest.approx(1 - busy / (S * t.seconds))
     assert "alternating 1F1B" in schedule_line(t)
+
+
+@pytest.mark.parametrize("S,M", [(2, 4), (4, 8), (4, 2), (3, 1)])
+def test_zero_bubble_slots(S, M):
+    """ZB-H1 as the lowering runs it (`autopar.lower.slots.zero_bubble`): a backward
+    slot is the input gradient (2 s less the 0.75 s weight part), every micro-batch's
+    weight gradients follow once on every stage, never before its backward pass and
+    never in the first S - 1 backward slots; the loop's price (the record's 2 s
+    slots) is S - 1 weight parts below lock-step 1F1B's, and stage s holds a
+    micro-batch's activations until its weight gradients."""
+    rec = _record(S, M, fused=True, schedule="zb-h1")
+    w = 0.75
+    rec["scans"][1]["seconds"] -= (S - 1) * w  # as `search.piped.loop_times` prices it
+    rec["fused"][0]["weight_seconds"] = w
+    t = timeline(rec)
+    _check_dependencies(t)
+    lock = timeline(_record(S, M, fused=True))
+    assert t.seconds == pytest.approx(lock.seconds - (S - 1) * w)
+    backward = [s for s in t.slots if s.kind == BACKWARD]
+    assert all(s.seconds == pytest.approx(2.0 - w) for s in backward)
+    first_b = min(s.start for s in t.slots if s.stage == 0 and s.kind == BACKWARD)
+    for st in range(S):
+        weights = [s for s in t.slots if s.stage == st and s.kind == WEIGHT]
+        assert sorted(s.micro for s in weights) == list(range(M))
+        for s in weights:
+            b = next(x for x in backward if x.stage == st and x.micro == s.micro)
+            assert s.start >= b.start + b.seconds and s.start >= first_b
+    assert [t.in_flight(s) for s in range(S)] == [min(M, 2 * S - 1 - s) for s in range(S)]
+    assert "ZB-H1" in schedule_line(t) and "W0" in t.rows()[0]
 
 
 @pytest.mark.parametrize("S,M", [(2, 4), (4, 8)])

@@ -9,17 +9,27 @@ and the rest (`W`: the weight gradients, which nothing in the pipeline waits for
 `B` holds every op the carry's outputs depend on; `W` the ops only the per-layer
 outputs (`ys`: weight gradients) need. `boundary` are the values `W` reads that `B`
 makes or that enter as the carry (the cotangents at each weight-gradient product): a
-stage keeps them from a micro-batch's `B` to its `W`. The two run the body's ops once
-between them, each op under the body's own plan. A `ys` output that `B` makes (or
-that is an input) passes through the boundary. docs/algorithms.md, "Zero-bubble
-pipeline (ZB-H1)", has the schedule.
+stage keeps them from a micro-batch's `B` to its `W`, so they cost memory for every
+micro-batch in between. A value `B` makes from the loop's inputs (consts, xs) by cheap
+ops alone (`RECOMPUTED`: elementwise, shape ops, row reductions; a layer norm's
+output recomputed from a saved activation under remat) is made again in `W` instead
+(`WeightSplit.recomputed`): memory-bound work on a pass off the critical path, for
+one fewer activation-sized value kept per micro-batch. Every other op runs once, in
+one part, under the body's own plan. A `ys` output that `B` makes (or that is an
+input) passes through the boundary. docs/algorithms.md, "Zero-bubble pipeline
+(ZB-H1)", has the schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.cost.model import FUSED_OPS
 from autopar.ir.graph import Graph
+
+# What `W` makes again rather than keep: ops XLA fuses (elementwise, shape ops) and the
+# row reductions of a norm, all memory-bound
+RECOMPUTED = FUSED_OPS | {"reduce_sum", "reduce_max", "reduce_min"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class WeightSplit:
     w_nodes: tuple[int, ...]
     boundary: tuple[int, ...]  # value ids
     w_inputs: tuple[int, ...]
+    recomputed: tuple[int, ...] = ()  # `B` nodes `W` runs again (in `w_nodes` too)
 
 
 def _ancestors(body: Graph, values) -> set[int]:
@@ -77,9 +88,26 @@ def split_weight_grads(body: Graph, num_consts: int, num_carry: int) -> WeightSp
     if not w_set:
         return None
     b_nodes = tuple(sorted(b_set))
-    w_nodes = tuple(sorted(w_set))
-    made_by_b = {v for n in b_nodes for v in body.nodes[n].outputs}
     carry_in = set(body.inputs[num_consts : num_consts + num_carry])
+    producer = body.producer
+    # `B` nodes made from the loop's inputs by cheap ops alone, which `W` can redo
+    free = (set(body.inputs) - carry_in) | set(body.consts)
+    cheap: set[int] = set()
+    for n in b_nodes:
+        node = body.nodes[n]
+        if node.op in RECOMPUTED and all(
+            v in free or producer.get(v) in cheap for v in node.inputs
+        ):
+            cheap.add(n)
+    redo: set[int] = set()
+    todo = [producer.get(v) for n in w_set for v in body.nodes[n].inputs]
+    while todo:
+        n = todo.pop()
+        if n in cheap and n not in redo:
+            redo.add(n)
+            todo += [producer.get(v) for v in body.nodes[n].inputs]
+    w_nodes = tuple(sorted(w_set | redo))
+    made_by_b = {v for n in b_nodes if n not in redo for v in body.nodes[n].outputs}
     reads = [v for n in w_nodes for v in body.nodes[n].inputs] + [
         v for v in ys if v not in {o for n in w_nodes for o in body.nodes[n].outputs}
     ]
@@ -99,4 +127,4 @@ def split_weight_grads(body: Graph, num_consts: int, num_carry: int) -> WeightSp
         ys,
         f"{body.name}/W",
     )
-    return WeightSplit(b, w, b_nodes, w_nodes, boundary, w_inputs)
+    return WeightSplit(b, w, b_nodes, w_nodes, boundary, w_inputs, tuple(sorted(redo)))

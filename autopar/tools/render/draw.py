@@ -437,12 +437,18 @@ def render_plan(plan: Plan, out: str | Path, top: int = DEFAULT_TOP, title: str 
     return out
 
 
-_SLOT_COLOURS = {"forward": "#4e79a7", "backward": "#f28e2b", "head": "#59a14f"}
+_SLOT_COLOURS = {
+    "forward": "#4e79a7",
+    "backward": "#f28e2b",
+    "weight": "#e15759",  # ZB-H1's deferred weight gradients
+    "head": "#59a14f",
+}
 
 
 def _draw_schedule(ax, t: Timeline) -> None:
     """The pipeline's slots per stage over time (`autopar.plan.schedule`): forward,
-    backward and head slots labelled with their micro-batch, idle slots hatched."""
+    backward, weight-gradient and head slots labelled with their micro-batch, idle
+    slots hatched."""
     from matplotlib.patches import Patch
 
     scale, unit = (1.0, "slot units") if t.estimated else (1e3, "ms")
@@ -473,7 +479,8 @@ def _draw_schedule(ax, t: Timeline) -> None:
     ax.set_xlabel(unit, fontsize=7)
     ax.tick_params(axis="x", labelsize=6.5)
     ax.set_title(textwrap.fill(schedule_line(t), 160), fontsize=7.5, loc="left")
-    handles = [Patch(facecolor=c, label=k) for k, c in _SLOT_COLOURS.items()]
+    kinds = {s.kind for s in t.slots}
+    handles = [Patch(facecolor=c, label=k) for k, c in _SLOT_COLOURS.items() if k in kinds]
     handles.append(Patch(facecolor="#eeeeee", edgecolor="#bbbbbb", hatch="///", label="idle"))
     ax.legend(
         handles=handles,
