@@ -146,12 +146,10 @@ def timeline(pipeline: dict) -> Timeline:
             th = 0.0 if estimated else float(f.get("head_seconds", 0.0)) / M
             # ZB-H1: a backward slot is the input gradient; the weight gradients of
             # micro-batch `t - (S - 1)` follow backward slot `t` from slot S - 1 on
-            # (the loop's price is (M + S - 1) whole slots less S - 1 weight parts)
+            # (the loop's price: M + S - 1 input-gradient slots and M weight-gradient ones)
             zb = pipeline.get("schedule") == "zb-h1"
             tw = (0.5 * tb if estimated else float(f.get("weight_seconds", 0.0))) if zb else 0.0
-            if zb and not estimated:
-                tb += (S - 1) * tw / ticks
-            tb -= tw
+            tb = tb - tw if estimated else (float(back["seconds"]) - M * tw) / ticks
 
             def weights(t: int, zb=zb, tw=tw, loop=f["backward"]) -> None:
                 if zb and t >= S - 1:

@@ -26,6 +26,7 @@ import numpy as np
 from autopar.cost.model import FUSED_OPS, CostModel, node_flops, rate_dtype
 from autopar.ir.graph import Graph, Node, TensorType, find_aliases
 from autopar.passes.pipeline import SUM, PipelinedScans, sub_mesh
+from autopar.passes.zero_bubble import split_weight_grads
 from autopar.search.edges import (
     add_edge,
     bucket_share,
@@ -357,15 +358,37 @@ def step_floor(
     communication below zero, so a search whose floor is above a price already found
     cannot beat it."""
     piped = pipelined.scans if pipelined is not None else {}
+    deferred = (
+        {f.backward for f in pipelined.fused}
+        if pipelined is not None and pipelined.pipe.schedule == "zb-h1"
+        else set()
+    )
     total = 0.0
     for node in graph.nodes:
         if node.id in piped:  # the body at the micro-batch size, in every slot
             pipe = pipelined.pipe
             micro = replace(node, body=piped[node.id][0])
             total += (pipe.microbatches + pipe.stages - 1) * _run_flops(micro, graph)
+            if node.id in deferred:  # ZB-H1: no weight gradients in the ramp up's slots
+                total += _deferral_flops(micro, pipe)
         else:
             total += _run_flops(node, graph)
     return total / (max(profile.peak_flops.values()) * profile.compute_efficiency * devices)
+
+
+def _deferral_flops(node, pipe) -> float:
+    """`step_floor`'s share of what ZB-H1 changes in a backward loop's slots (as
+    `piped._deferral_seconds` prices it): less `S - 1` weight-gradient passes, more
+    the `M` passes' recomputation, over all the loop's layers."""
+    p = node.params
+    split = split_weight_grads(node.body, p["num_consts"], p["num_carry"])
+    if split is None:
+        return 0.0
+    body, redo = node.body, set(split.recomputed)
+    f = {j: node_flops(body.nodes[j], body) for j in split.w_nodes}
+    again = sum(x for j, x in f.items() if j in redo)
+    w_only = sum(f.values()) - again
+    return p["length"] * (pipe.microbatches * again - (pipe.stages - 1) * w_only)
 
 
 def batch_like_body_inputs(node) -> list[int]:

@@ -34,11 +34,24 @@ def loop_times(
         out[i] = np.array(
             [
                 _pipeline_seconds(node, body, pipe, cost, r, i not in inside)
-                - (pipe.stages - 1) * weight_grad_seconds(node, body, pipe, r, split)
+                + _deferral_seconds(node, body, pipe, r, split)
                 for r in bodies[i][1]
             ]
         )
     return out
+
+
+def _deferral_seconds(
+    node: Node, body: Problem, pipe: Pipeline, result: SearchResult, split: WeightSplit | None
+) -> float:
+    """What ZB-H1 changes in its backward loop's `M + S - 1` lock-step slots: the `S - 1`
+    slots of the ramp up run no weight gradients (less `S - 1` times `W`'s own ops),
+    and the `M` weight-gradient passes also make again what they recompute
+    (`WeightSplit.recomputed`, run in `B` too)."""
+    if split is None:
+        return 0.0
+    w_only, redo = weight_grad_seconds(node, body, pipe, result, split)
+    return -(pipe.stages - 1) * w_only + pipe.microbatches * redo
 
 
 def _deferred_split(graph: Graph, pipelined: PipelinedScans, i: int, body: Problem):
@@ -83,8 +96,8 @@ def _boundary_bytes(body: Problem, split: WeightSplit, result: SearchResult) -> 
 
 def weight_slot_seconds(problem, pipelined: PipelinedScans, fused, result) -> float:
     """One ZB-H1 weight-gradient slot of `fused`'s backward loop under the plan
-    `result` of the outer `problem` (`weight_grad_seconds`; 0 where nothing is
-    deferred)."""
+    `result` of the outer `problem` (`weight_grad_seconds`, both parts; 0 where
+    nothing is deferred)."""
     i = fused.backward
     if i not in problem.bodies:
         return 0.0
@@ -92,20 +105,23 @@ def weight_slot_seconds(problem, pipelined: PipelinedScans, fused, result) -> fl
     node = problem.graph.nodes[i]
     r = results[result.choice[problem.num_inputs + i]]
     split = _deferred_split(problem.graph, pipelined, i, body)
-    return weight_grad_seconds(node, body, pipelined.pipe, r, split)
+    return sum(weight_grad_seconds(node, body, pipelined.pipe, r, split))
 
 
 def weight_grad_seconds(
     node: Node, body: Problem, pipe: Pipeline, result: SearchResult, split: WeightSplit | None
-) -> float:
-    """The weight-gradient part (`WeightSplit.w`) of one backward slot: its ops' own
-    times under the body's plan, for one stage's layers; 0 without a split. The
-    reshards between them are left on the slot (the saving is not overstated)."""
+) -> tuple[float, float]:
+    """The weight-gradient pass (`WeightSplit.w`) of one stage's layers for one
+    micro-batch, as the ops' own times under the body's plan: (the ops only `W` runs,
+    those it makes again that `B` runs too); zeros without a split. The reshards
+    between them are left on the backward slot (the saving is not overstated)."""
     if split is None:
-        return 0.0
-    n_in = body.num_inputs
-    own = sum(float(body.node_time[n_in + j][result.choice[n_in + j]]) for j in split.w_nodes)
-    return stage_layers(node, pipe) * own
+        return 0.0, 0.0
+    n_in, redo = body.num_inputs, set(split.recomputed)
+    t = [float(body.node_time[n_in + j][result.choice[n_in + j]]) for j in split.w_nodes]
+    k = stage_layers(node, pipe)
+    again = sum(x for j, x in zip(split.w_nodes, t) if j in redo)
+    return k * (sum(t) - again), k * again
 
 
 def alternating_waits(
