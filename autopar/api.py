@@ -392,7 +392,9 @@ def parallelize(
     with `mesh` a device count tries every stage count S dividing it, on
     `{"stage": S, "data": ..., "model": ...}` with the model axis
     inside a node (`meshes.pipeline_meshes`; S = 1 is no pipeline), and keeps the
-    fastest plan that fits.
+    fastest plan that fits; with no `pipeline_schedule` it also prices each 1F1B
+    try's plans under "zb-h1" (the same layouts) and keeps one of those where it is
+    faster and fits.
 
     `precision="bf16"` computes every float32 matmul and convolution on bfloat16
     operands with float32 accumulation, keeping float32 master weights, optimizer

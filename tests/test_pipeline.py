@@ -438,6 +438,47 @@ def test_auto_stage_count_keeps_the_fastest_plan():
         autopar.parallelize(ts.step, mesh=MESH, pipeline_stages="auto")
 
 
+def test_auto_prices_each_lock_step_try_under_zb_h1_as_a_zb_h1_build(monkeypatch):
+    """`pipeline_stages="auto"` with no schedule asked for also ranks each lock-step
+    1F1B try's plans under ZB-H1 (`_Driver._other_schedule`). The re-priced problem
+    (`search.build.rescheduled`) is the one a ZB-H1 build makes: the same loop times,
+    memory and buffers. An 8-layer model on 8 devices also tries 8 one-device stages
+    (whose layer search once failed on a mesh with no axis to split)."""
+    import numpy as np
+
+    import autopar.compile.driver as driver
+
+    monkeypatch.setenv("AUTOPAR_WORKERS", "1")
+    checked = []
+    real = driver._Driver._other_schedule
+
+    def other(self, problem, pipelined, result):
+        got = real(self, problem, pipelined, result)
+        zb = self._rescheduling(pipelined)
+        if zb is not None and not checked:
+            direct = self._built(problem.graph, problem.mesh, zb)
+            again = driver.rescheduled(problem, zb)
+            for a, b in [(again.node_time, direct.node_time), (again.node_mem, direct.node_mem)]:
+                assert all(np.allclose(x, y, rtol=1e-12) for x, y in zip(a, b))
+            assert again.buffers.keys() == direct.buffers.keys() and again.buffers
+            faster = [
+                i
+                for i, (x, y) in enumerate(zip(again.node_time, problem.node_time))
+                if not np.array_equal(x, y)
+            ]
+            assert faster and all((again.node_time[i] < problem.node_time[i]).all() for i in faster)
+            checked.append(pipelined.pipe)
+        return got
+
+    monkeypatch.setattr(driver._Driver, "_other_schedule", other)
+    ts = gpt.make_train_step(dataclasses.replace(_cfg(layers=8), batch_size=16))
+    args = (jax.eval_shape(ts.init, 0), jax.eval_shape(ts.batch, 0))
+    plan = autopar.parallelize(ts.step, mesh=8, cluster=CLUSTER, pipeline_stages="auto").plan(*args)
+    assert checked
+    (tried,) = [w for w in plan.warnings if w.startswith("pipeline_stages='auto' tried")]
+    assert "under zb-h1" in tried and "{'stage': 8} M=" in tried
+
+
 @pytest.mark.parametrize("schedule", [None, "zb-h1"])
 def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch, schedule):
     """`search.problem.step_floor` (all FLOPs at the peak rate, a pipeline's fill and
@@ -453,7 +494,7 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch, sc
 
     def record(graph, devices, profile, pipelined=None):
         f = real(graph, devices, profile, pipelined)
-        if pipelined is not None and schedule == "zb-h1":  # the ramp up's W taken off
+        if pipelined is not None and pipelined.pipe.schedule == "zb-h1":  # W taken off
             as_1f1b = dataclasses.replace(
                 pipelined, pipe=dataclasses.replace(pipelined.pipe, schedule="1f1b")
             )
@@ -465,9 +506,12 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch, sc
     opts = {"pipeline_stages": "auto", "pipeline_schedule": schedule}
     plan = autopar.parallelize(ts.step, mesh=16, cluster=CLUSTER, **opts).plan(*args)
     (tried,) = [w for w in plan.warnings if w.startswith("pipeline_stages='auto' tried")]
-    prices = re.findall(r"(\{[^}]*\})(?: M=(\d+))? ([\d.]+) ms", tried)
-    assert len(prices) >= 4, tried
-    for mesh, m, ms in prices:
+    # each try, and (no schedule asked for) its plans re-priced under ZB-H1
+    prices = re.findall(r"(\{[^}]*\})(?: M=(\d+))? ([\d.]+) ms( under zb-h1)?", tried)
+    searched = [p for p in prices if not p[3]]
+    assert len(searched) >= 4, tried
+    assert (schedule is None) == any(p[3] for p in prices), tried
+    for mesh, m, ms, _ in prices:
         key = (ast.literal_eval(mesh)["stage"], int(m)) if m else None
         assert 0 < floors[key] * 1e3 <= float(ms), (key, floors, tried)
 
@@ -476,7 +520,7 @@ def test_step_floor_is_under_every_try_and_skips_what_cannot_win(monkeypatch, sc
     monkeypatch.setattr(driver, "step_floor", lambda *a, **k: 0.0 if next(count) == 0 else 1e9)
     one = autopar.parallelize(ts.step, mesh=16, cluster=CLUSTER, **opts).plan(*args)
     (skipped,) = [w for w in one.warnings if "tries not searched" in w]
-    assert skipped.startswith(f"{len(prices) - 1} of {len(prices)} ")
+    assert skipped.startswith(f"{len(searched) - 1} of {len(searched)} ")
     assert one.cost.step_s >= plan.cost.step_s
 
 

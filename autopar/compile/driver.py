@@ -71,7 +71,8 @@ from autopar.passes.roll import Roll
 from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan
 from autopar.search import search
-from autopar.search.evaluate import memory_floor
+from autopar.search.build import rescheduled
+from autopar.search.evaluate import evaluate, memory_floor
 from autopar.search.problem import Problem, build_problem, residency, step_floor
 from autopar.sharding import Spec, mesh_info
 
@@ -279,7 +280,7 @@ class _Driver(PipelineTries):
         if isinstance(found, Infeasible):
             return found
         if o.pipeline_stages == "auto":
-            notes += (pipeline_tries(found.ranked, found.failures),)
+            notes += (pipeline_tries(found.ranked, found.failures, o.pipeline_schedule is None),)
             stage = [m for m in o.meshes if "stage" in m.axis_names]
             piped = any(r[6] is not None for r in found.ranked)
             if stage and not piped:  # no pipeline could be made: say why
@@ -327,7 +328,10 @@ class _Driver(PipelineTries):
         walk then takes their results in its own order, to the same decisions."""
         o = self.o
         tries, failures = self._tries(graph)
-        floors = [step_floor(graph_of(graph, p), mesh.size, o.profile, p) for _, mesh, p in tries]
+        floors = [  # under the faster schedule a try may also be priced in (`_rescheduling`)
+            step_floor(graph_of(graph, p), mesh.size, o.profile, self._rescheduling(p) or p)
+            for _, mesh, p in tries
+        ]
         screen, built, same = self._screen(graph, tries, reused)
         ranked, best, skipped, memory_bound, dropped = [], math.inf, 0, False, []
         order = sorted(range(len(tries)), key=lambda i: (floors[i], screen.get(i, 0.0), i))
@@ -367,7 +371,7 @@ class _Driver(PipelineTries):
                     return Infeasible(MemoryBudgetError(got))
                 memory_bound = True
                 continue
-            problem, result = got
+            problem, result, other = got
             problem = problem or built.pop(i, None)  # None: searched in a worker
             if isinstance(result, Infeasible):
                 if len(tries) == 1:
@@ -381,7 +385,14 @@ class _Driver(PipelineTries):
                 (cost.step_s, k, name, mesh, problem, result, pipelined)
                 for name, _, cost in result.ranked
             ]
-            best = min([best] + [cost.step_s for _, _, cost in result.ranked])
+            if other:  # the same plans under ZB-H1 (`_other_schedule`)
+                zb = self._rescheduling(pipelined)
+                zb_problem = rescheduled(problem, zb) if problem is not None else None
+                ranked += [
+                    (cost.step_s, k, name, mesh, zb_problem, replace(result, ranked=other), zb)
+                    for name, _, cost in other
+                ]
+            best = min([best] + [cost.step_s for _, _, cost in (*result.ranked, *other)])
         if left:
             self.clock.skip(left_out(tries, left, self.remat_policy))
         if not ranked:
@@ -417,9 +428,39 @@ class _Driver(PipelineTries):
         problem = built.pop(i, None) or self._built(g, info, pipelined)
         pins = self._pins(problem, g is not graph, reused)
         if isinstance(pins, MeshError):
-            return problem, Infeasible(pins)
+            return problem, Infeasible(pins), ()
         checked = isinstance(mesh, Mesh)
-        return problem, _searched(problem, o.engine, o.memory_budget, pins, self.clock, checked)
+        result = _searched(problem, o.engine, o.memory_budget, pins, self.clock, checked)
+        return problem, result, self._other_schedule(problem, pipelined, result)
+
+    def _rescheduling(self, pipelined):
+        """The ZB-H1 form of a lock-step 1F1B try whose plans `_other_schedule` prices
+        again (`pipeline_stages="auto"`, no schedule asked for); None otherwise."""
+        o = self.o
+        if (
+            o.pipeline_stages != "auto"
+            or o.pipeline_schedule is not None
+            or pipelined is None
+            or pipelined.pipe.schedule != "1f1b"
+            or not pipelined.fused
+        ):
+            return None
+        return replace(pipelined, pipe=replace(pipelined.pipe, schedule="zb-h1"))
+
+    def _other_schedule(self, problem: Problem, pipelined, result) -> tuple:
+        """With `pipeline_stages="auto"` and no schedule asked for, the plans a lock-step
+        1F1B try found priced again under ZB-H1 (`search.build.rescheduled`: the same
+        layouts with the weight gradients deferred; faster, holding more), those that
+        fit the budget, as `SearchResult.ranked` entries; () otherwise. A re-pricing,
+        not a search: the best ZB-H1 plan may lay things out otherwise."""
+        o = self.o
+        zb = self._rescheduling(pipelined)
+        if zb is None or isinstance(result, Infeasible):
+            return ()
+        with self.clock.phase("evaluate"):
+            other = rescheduled(problem, zb)
+            priced = [(name, choice, evaluate(other, choice)) for name, choice, _ in result.ranked]
+        return tuple(r for r in priced if r[2].peak_memory_bytes <= o.memory_budget)
 
     def _memory_floor(self, g: Graph, devices: int, pipelined) -> float:
         """`memory_floor` of a try's graph, once per (graph, device count, pipeline):

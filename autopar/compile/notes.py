@@ -11,15 +11,21 @@ from autopar.errors import format_bytes
 from autopar.plan.plan import Plan
 
 
-def pipeline_tries(options, failures) -> str:
+def pipeline_tries(options, failures, repriced: bool = False) -> str:
     """The plan note of `pipeline_stages="auto"`: the best plan of every (mesh,
-    micro-batch count) tried, and the meshes that had none."""
+    micro-batch count) tried, and the meshes that had none; with `repriced`, a ZB-H1
+    entry is a lock-step try's plans priced again (`_Driver._other_schedule`)."""
     best: dict[str, float] = {}
     for step_s, _, _, mesh, _, _, pipelined in options:
         shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
         key = f"{shape}" + (f" M={pipelined.pipe.microbatches}" if pipelined else "")
+        if repriced and pipelined is not None and pipelined.pipe.schedule == "zb-h1":
+            key += " |zb-h1"  # also the same try's plans re-priced (`_other_schedule`)
         best.setdefault(key, step_s)
-    tried = [f"{k} {v * 1e3:.4g} ms" for k, v in best.items()]
+    tried = [
+        f"{k.split(' |')[0]} {v * 1e3:.4g} ms" + (" under zb-h1" if " |" in k else "")
+        for k, v in best.items()
+    ]
     return "pipeline_stages='auto' tried (fastest first): " + "; ".join(
         tried + list(dict.fromkeys(f.splitlines()[0] for f in failures))
     )

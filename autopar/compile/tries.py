@@ -61,7 +61,7 @@ def ahead(
     def task(step: int, i: int) -> Callable[[], Any]:
         def run() -> Any:
             got = one(step, i)
-            return got if isinstance(got, str) else (None, got[1])
+            return got if isinstance(got, str) else (None, *got[1:])
 
         return run
 
@@ -80,10 +80,11 @@ def ahead(
 
 
 def _price(got: Any) -> float:
-    """The best price of a try's result (inf: none, or no plan)."""
+    """The best price of a try's result, its other schedule's included (inf: none, or
+    no plan)."""
     if isinstance(got, str) or not isinstance(got[1], SearchResult):
         return math.inf
-    return min((cost.step_s for _, _, cost in got[1].ranked), default=math.inf)
+    return min((cost.step_s for _, _, cost in (*got[1].ranked, *got[2])), default=math.inf)
 
 
 def size(graph: Graph) -> int:

@@ -284,6 +284,8 @@ def _latency_bound(problem: Problem) -> list[bool]:
     bucket share of the latency (`search.edges`)."""
     g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
     names = problem.mesh.axis_names
+    if not names:  # one device (a stage of a pipeline on its own): nothing to cut
+        return [False] * len(problem.strategies)
     latency = min(cost.link((a,))[0] for a in names) * problem.bucket_share
     bandwidth = max(cost.link((a,))[1] for a in names)
     out = []
