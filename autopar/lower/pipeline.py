@@ -22,9 +22,12 @@ backward slot, then `S - 1` backward slots. The critical path is the same
 `(M + S - 1)` forward and backward slots as GPipe's (plus `M` heads), but stage `s`
 frees a micro-batch's activations `2 (S - 1 - s)` slots after saving them, so it holds
 at most `2S - 1` micro-batches' worth whatever `M` is. The alternating 1F1B
-(`autopar.lower.slots.alternating`, Megatron's schedule) runs `2 (M + S - 1)` half-slots in which the
-stages alternate forward and backward passes, so stage `s` holds `S - s`; a half-slot
-lasts the slower of the two passes.
+(Megatron's schedule) runs `2 (M + S - 1)` half-slots in which the stages alternate
+forward and backward passes, so stage `s` holds `S - s`; a half-slot lasts the slower
+of the two passes. ZB-H1 runs lock-step 1F1B's slots with each backward pass cut in
+two (`autopar.passes.zero_bubble`): the input gradient in the backward slot, the
+weight gradients of an earlier micro-batch after it, none in the ramp up, from a ring
+of what they read. `autopar.lower.slots` has the three schedules' slot loops.
 
 Micro-batch `m` of a batched value is the strided slice `m::M` of its batch dim, so a
 batch dim sharded over `data` stays sharded the same way in every micro-batch. A
