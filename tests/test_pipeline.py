@@ -441,7 +441,7 @@ def test_auto_stage_count_keeps_the_fastest_plan():
 def test_auto_prices_each_lock_step_try_under_zb_h1_as_a_zb_h1_build(monkeypatch):
     """`pipeline_stages="auto"` with no schedule asked for also ranks each lock-step
     1F1B try's plans under ZB-H1 (`_Driver._other_schedule`). The re-priced problem
-    (`search.build.rescheduled`) is the one a ZB-H1 build makes: the same loop times,
+    (`search.piped.rescheduled`) is the one a ZB-H1 build makes: the same loop times,
     memory and buffers. An 8-layer model on 8 devices also tries 8 one-device stages
     (whose layer search once failed on a mesh with no axis to split)."""
     import numpy as np

@@ -71,8 +71,8 @@ from autopar.passes.roll import Roll
 from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan
 from autopar.search import search
-from autopar.search.build import rescheduled
-from autopar.search.evaluate import evaluate, memory_floor
+from autopar.search.evaluate import memory_floor
+from autopar.search.piped import rescheduled
 from autopar.search.problem import Problem, build_problem, residency, step_floor
 from autopar.sharding import Spec, mesh_info
 
@@ -432,35 +432,6 @@ class _Driver(PipelineTries):
         checked = isinstance(mesh, Mesh)
         result = _searched(problem, o.engine, o.memory_budget, pins, self.clock, checked)
         return problem, result, self._other_schedule(problem, pipelined, result)
-
-    def _rescheduling(self, pipelined):
-        """The ZB-H1 form of a lock-step 1F1B try whose plans `_other_schedule` prices
-        again (`pipeline_stages="auto"`, no schedule asked for); None otherwise."""
-        o = self.o
-        if (
-            o.pipeline_stages != "auto"
-            or o.pipeline_schedule is not None
-            or pipelined is None
-            or pipelined.pipe.schedule != "1f1b"
-            or not pipelined.fused
-        ):
-            return None
-        return replace(pipelined, pipe=replace(pipelined.pipe, schedule="zb-h1"))
-
-    def _other_schedule(self, problem: Problem, pipelined, result) -> tuple:
-        """With `pipeline_stages="auto"` and no schedule asked for, the plans a lock-step
-        1F1B try found priced again under ZB-H1 (`search.build.rescheduled`: the same
-        layouts with the weight gradients deferred; faster, holding more), those that
-        fit the budget, as `SearchResult.ranked` entries; () otherwise. A re-pricing,
-        not a search: the best ZB-H1 plan may lay things out otherwise."""
-        o = self.o
-        zb = self._rescheduling(pipelined)
-        if zb is None or isinstance(result, Infeasible):
-            return ()
-        with self.clock.phase("evaluate"):
-            other = rescheduled(problem, zb)
-            priced = [(name, choice, evaluate(other, choice)) for name, choice, _ in result.ranked]
-        return tuple(r for r in priced if r[2].peak_memory_bytes <= o.memory_budget)
 
     def _memory_floor(self, g: Graph, devices: int, pipelined) -> float:
         """`memory_floor` of a try's graph, once per (graph, device count, pipeline):

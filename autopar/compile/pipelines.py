@@ -1,8 +1,9 @@
 """The pipelines a call can try (`_Driver`'s share): for each mesh with a stage axis,
 the loop over layers to pipeline (a `scan`, or a stack unrolled in Python rolled into
 loops by `autopar.passes.roll`), each micro-batch count, the function traced again at
-the micro-batch size and paired with it; and `Infeasible`, the value an option that
-gives no plan turns into."""
+the micro-batch size and paired with it; under `pipeline_stages="auto"`, a 1F1B try's
+plans priced again under ZB-H1; and `Infeasible`, the value an option that gives no
+plan turns into."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from autopar.passes.pipeline import (
 from autopar.passes.remat import rematerialize
 from autopar.passes.roll import Roll, roll
 from autopar.passes.stacks import find_stacks
+from autopar.search.build import Problem
+from autopar.search.evaluate import evaluate
+from autopar.search.piped import rescheduled
 
 log = logging.getLogger("autopar")
 T = TypeVar("T")
@@ -115,6 +119,35 @@ class PipelineTries:
                 PipelineError("no micro-batch count works:\n  " + "\n  ".join(skipped))
             )
         return out
+
+    def _rescheduling(self, pipelined):
+        """The ZB-H1 form of a lock-step 1F1B try whose plans `_other_schedule` prices
+        again (`pipeline_stages="auto"`, no schedule asked for); None otherwise."""
+        o = self.o
+        if (
+            o.pipeline_stages != "auto"
+            or o.pipeline_schedule is not None
+            or pipelined is None
+            or pipelined.pipe.schedule != "1f1b"
+            or not pipelined.fused
+        ):
+            return None
+        return replace(pipelined, pipe=replace(pipelined.pipe, schedule="zb-h1"))
+
+    def _other_schedule(self, problem: Problem, pipelined, result) -> tuple:
+        """With `pipeline_stages="auto"` and no schedule asked for, the plans a lock-step
+        1F1B try found priced again under ZB-H1 (`search.piped.rescheduled`: the same
+        layouts with the weight gradients deferred; faster, holding more), those that
+        fit the budget, as `SearchResult.ranked` entries; () otherwise. A re-pricing,
+        not a search: the best ZB-H1 plan may lay things out otherwise."""
+        o = self.o
+        zb = self._rescheduling(pipelined)
+        if zb is None or isinstance(result, Infeasible):
+            return ()
+        with self.clock.phase("evaluate"):
+            other = rescheduled(problem, zb)
+            priced = [(name, choice, evaluate(other, choice)) for name, choice, _ in result.ranked]
+        return tuple(r for r in priced if r[2].peak_memory_bytes <= o.memory_budget)
 
     def _looped(self, graph: Graph, S: int, mesh) -> tuple[Graph, Roll | None] | Infeasible:
         """The graph whose loops `S` stages pipeline: `graph` when a scan over layers

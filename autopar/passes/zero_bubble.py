@@ -22,6 +22,7 @@ input) passes through the boundary. docs/algorithms.md, "Zero-bubble pipeline
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from autopar.cost.model import FUSED_OPS
@@ -78,9 +79,11 @@ def _subgraph(body: Graph, nodes, inputs, outputs, name: str) -> Graph:
     )
 
 
+@functools.lru_cache(maxsize=64)  # pricing, buffers, floor and lowering ask per body
 def split_weight_grads(body: Graph, num_consts: int, num_carry: int) -> WeightSplit | None:
     """`body` (a backward loop's: inputs consts, carry, xs; outputs carry, ys) cut into
-    `B` and `W`; None when `W` would hold no op (nothing to defer)."""
+    `B` and `W`; None when `W` would hold no op (nothing to defer). A graph is
+    immutable and hashed by identity, so the split is made once per body."""
     carry_out = body.outputs[:num_carry]
     ys = body.outputs[num_carry:]
     b_set = _ancestors(body, carry_out)

@@ -335,31 +335,6 @@ def build_problem(
     )
 
 
-def rescheduled(problem: Problem, pipelined: PipelinedScans) -> Problem:
-    """`problem` (built with a pipeline) priced under `pipelined`'s schedule instead:
-    the same strategies, nested plans and edges; each pipelined loop's time and the
-    pipeline's buffers as `pipelined` runs them. Between lock-step 1F1B and ZB-H1,
-    which run the same loop bodies and hold the same values, that is all that
-    changes."""
-    g, n_in = problem.graph, problem.num_inputs
-    times = loop_times(g, pipelined, problem.bodies, problem.cost)
-    buffers = deferred_buffers(g, pipelined, problem.bodies)
-    node_time = list(problem.node_time)
-    node_compute = list(problem.compute_time())
-    node_mem = list(problem.node_mem)
-    for i, t in times.items():  # a loop pays no communication of its own (`build_problem`)
-        node_time[n_in + i] = node_compute[n_in + i] = t
-    for i in problem.buffers.keys() | buffers.keys():
-        node_mem[n_in + i] = node_mem[n_in + i] - problem.buffers.get(i, 0.0) + buffers.get(i, 0.0)
-    return replace(
-        problem,
-        node_time=tuple(node_time),
-        node_compute=tuple(node_compute),
-        node_mem=tuple(node_mem),
-        buffers=buffers,
-    )
-
-
 def graph_flops(graph: Graph) -> float:
     """All FLOPs of one run of `graph`, loops at their length."""
     return sum(_run_flops(node, graph) for node in graph.nodes)
