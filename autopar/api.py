@@ -216,6 +216,7 @@ def _options(
     pipeline_stages=None,
     microbatches=None,
     pipeline_schedule=None,
+    virtual_stages=None,
     precision=None,
     grad_accumulation=None,
     remat=None,
@@ -242,6 +243,18 @@ def _options(
             f"pipeline_schedule={pipeline_schedule!r}{did_you_mean(pipeline_schedule, SCHEDULES)}: "
             f"choose None (1F1B where the step allows it, else GPipe) or one of {SCHEDULES}"
         )
+    if virtual_stages is not None and (
+        pipeline_schedule != "interleaved"
+        or isinstance(virtual_stages, bool)
+        or not isinstance(virtual_stages, int)
+        or virtual_stages < 2
+    ):
+        raise PipelineError(
+            f"virtual_stages={virtual_stages!r}: give an int >= 2 (layer chunks per stage) "
+            "together with pipeline_schedule='interleaved'"
+        )
+    if pipeline_schedule == "interleaved" and virtual_stages is None:
+        virtual_stages = 2
     given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
     if precision is None and given_plan is not None:
         precision = given_plan.precision
@@ -290,6 +303,7 @@ def _options(
         pipeline_stages=pipeline_stages,
         microbatches=microbatches,
         pipeline_schedule=pipeline_schedule,
+        virtual_stages=virtual_stages or 1,
         given_plan=given_plan,
         precision=precision,
         grad_accumulation=grad_accumulation,
@@ -342,6 +356,7 @@ def parallelize(
     pipeline_stages: int | str | None = None,
     microbatches: int | None = None,
     pipeline_schedule: str | None = None,
+    virtual_stages: int | None = None,
     precision: str | None = None,
     grad_accumulation: int | None = None,
     remat: str | None = None,
@@ -386,7 +401,12 @@ def parallelize(
     both passes each half-slot), "zb-h1" (lock-step 1F1B with each backward pass split
     into its input gradient and its weight gradients, the weight gradients deferred
     off the ramp up: S - 1 weight-gradient passes shorter, at the memory of the values
-    a deferred pass reads, a ring of min(M, S) micro-batches), "gpipe" (every forward pass, then every backward one:
+    a deferred pass reads, a ring of min(M, S) micro-batches), "interleaved"
+    (lock-step 1F1B over `virtual_stages` chunks of layers per stage, default 2:
+    Megatron's interleaving; stage s runs layer chunks s, S + s, ..., so the ramps
+    shrink v-fold while the carry hops v times as often; M must be a multiple of S; a
+    scanned loop's weights are permuted into that order and their gradients back in
+    every step, which the plan prices), "gpipe" (every forward pass, then every backward one:
     M micro-batches' activations) or None: 1F1B where the step splits that way, else
     GPipe. `pipeline_stages="auto"`
     with `mesh` a device count tries every stage count S dividing it, on
@@ -442,6 +462,7 @@ def parallelize(
         pipeline_stages=pipeline_stages,
         microbatches=microbatches,
         pipeline_schedule=pipeline_schedule,
+        virtual_stages=virtual_stages,
         precision=precision,
         grad_accumulation=grad_accumulation,
         remat=remat,

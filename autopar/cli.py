@@ -174,6 +174,12 @@ def _parser() -> argparse.ArgumentParser:
         help="pipeline schedule (default: 1f1b where the step allows it, else gpipe)",
     )
     s.add_argument(
+        "--virtual-stages",
+        type=int,
+        metavar="V",
+        help="layer chunks per stage for --pipeline-schedule interleaved (default 2)",
+    )
+    s.add_argument(
         "--grad-accumulation",
         type=int,
         metavar="M",
@@ -378,6 +384,7 @@ def cmd_search(args) -> int:
         pipeline_stages=stages,
         microbatches=args.microbatches,
         pipeline_schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages,
         grad_accumulation=args.grad_accumulation,
         remat=args.remat,
         precision=args.precision,

@@ -1,9 +1,11 @@
-"""Pipeline schedules side by side: GPipe, lock-step 1F1B, the alternating 1F1B and
-ZB-H1 (lock-step 1F1B with the weight gradients deferred; `pipeline_schedule=`), each
-planned by `autopar.parallelize` in one process.
+"""Pipeline schedules side by side: GPipe, lock-step 1F1B, the alternating 1F1B,
+ZB-H1 (lock-step 1F1B with the weight gradients deferred) and interleaved 1F1B (2
+virtual stages per stage; `pipeline_schedule=`), each planned by
+`autopar.parallelize` in one process.
 
 * **compiled**: a 4-layer GPT (`autopar.examples.gpt`, hidden 64, seq 64, batch 32,
-  scanned layers) on `{"stage": 4, "data": 2}` with 16 micro-batches, on this
+  scanned layers) on `{"stage": 4, "data": 2}` and on `{"stage": 2, "data": 4}` (where
+  the interleaved schedule's 2 chunks of a stage's layers fit) with 16 micro-batches, on this
   machine's simulated CPU devices: the micro-batches each stage holds, the predicted
   peak (and its part above the arguments) against XLA's compiled temporaries (its
   memory analysis; the alternating schedule runs both passes per half-slot on
@@ -33,7 +35,7 @@ from autopar.plan.schedule import timeline  # noqa: E402
 from benchmarks.pipeline import gpt3_step  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "schedules"
-SCHEDULES = ("gpipe", "1f1b", "1f1b-async", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-async", "zb-h1", "interleaved")
 
 
 def _row(plan, seconds: float, **extra) -> dict:
@@ -56,21 +58,24 @@ def compiled_rows() -> list[dict]:
     )
     ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
     rows = []
-    for schedule in SCHEDULES:
-        t0 = time.perf_counter()
-        step = autopar.parallelize(
-            ts.step,
-            mesh={"stage": 4, "data": 2},
-            cluster="cpu",
-            pipeline_stages=4,
-            microbatches=16,
-            pipeline_schedule=schedule,
-            progress=False,
-        )
-        plan = step.plan(*args)
-        seconds = time.perf_counter() - t0
-        temp = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
-        rows.append(_row(plan, seconds, compiled_temp_mb=temp / 1e6))
+    for stages in (4, 2):
+        for schedule in SCHEDULES:
+            if schedule == "interleaved" and cfg.layers % (2 * stages):
+                continue  # 2 chunks of a stage's layers
+            t0 = time.perf_counter()
+            step = autopar.parallelize(
+                ts.step,
+                mesh={"stage": stages, "data": 8 // stages},
+                cluster="cpu",
+                pipeline_stages=stages,
+                microbatches=16,
+                pipeline_schedule=schedule,
+                progress=False,
+            )
+            plan = step.plan(*args)
+            seconds = time.perf_counter() - t0
+            temp = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+            rows.append(_row(plan, seconds, stages=stages, compiled_temp_mb=temp / 1e6))
     return rows
 
 
@@ -107,15 +112,17 @@ def markdown(r: dict) -> str:
         "",
         f"`python -m benchmarks.schedules`, {r['when']}; method: the module's docstring.",
         "",
-        "## 4-layer GPT, 4 stages x data 2, 16 micro-batches, compiled on XLA:CPU",
+        "## 4-layer GPT, 4 stages x data 2 and 2 stages x data 4, 16 micro-batches, "
+        "compiled on XLA:CPU",
         "",
-        "| schedule | held per stage | predicted step ms | bubble | predicted peak MB | "
+        "| stages | schedule | held per stage | predicted step ms | bubble | predicted peak MB | "
         "of it above arguments MB | compiled temporaries MB | .plan() s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for x in r["compiled"]:
         out.append(
-            f"| {x['schedule']} | {', '.join(map(str, x['held']))} | {x['step_ms']:.2f} | "
+            f"| {x['stages']} | {x['schedule']} | {', '.join(map(str, x['held']))} | "
+            f"{x['step_ms']:.2f} | "
             f"{x['bubble']:.0%} | {x['peak_mb']:.2f} | {x['above_args_mb']:.2f} | "
             f"{x['compiled_temp_mb']:.2f} | {x['plan_s']:.1f} |"
         )

@@ -42,11 +42,12 @@ def _pipelined(microbatches: int | None = 4, schedule: str | None = None):
     return ts, step
 
 
-@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b-async", "zb-h1"])
+@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b-async", "zb-h1", "interleaved"])
 def test_pipelined_training_matches_single_device(schedule):
     """Default (1F1B: the loops interleaved, the loss head per micro-batch on the last
-    stage), GPipe, the alternating 1F1B and ZB-H1 (weight gradients deferred) all
-    train like jax.jit."""
+    stage), GPipe, the alternating 1F1B, ZB-H1 (weight gradients deferred) and
+    interleaved 1F1B (2 chunks of layers per stage, the weights moved into chunk
+    order and the gradients back) all train like jax.jit."""
     ts, step = _pipelined(schedule=schedule)
     state = jax.jit(ts.init)(0)
     losses, states = run_steps(step, state, ts.batch, 3, keep_states=True)
@@ -67,7 +68,8 @@ def test_pipelined_training_matches_single_device(schedule):
     name = schedule or "1f1b"
     assert p["stages"] == 2 and p["microbatches"] == 4 and p["schedule"] == name
     assert len(p["scans"]) == 2  # the forward and the backward layer loop
-    assert all(s["stages"] == [[0, 2], [2, 4]] for s in p["scans"])
+    ranges = [[0, 1], [1, 2], [2, 3], [3, 4]] if name == "interleaved" else [[0, 2], [2, 4]]
+    assert all(s["stages"] == ranges for s in p["scans"])
     # the stacked layer weights live on their stage
     stacked = [r for r in plan.inputs if "/h/block/" in r.path]
     assert stacked and all(r.spec.dims[0][:1] == ("stage",) for r in stacked), stacked
@@ -86,16 +88,30 @@ def test_pipelined_training_matches_single_device(schedule):
     t = timeline(p)
     assert not t.estimated and 0 < t.seconds <= plan.cost.step_s
     held = [t.in_flight(s) for s in range(2)]
-    expected = {"1f1b": [3, 1], "1f1b-async": [2, 1], "gpipe": [4, 4], "zb-h1": [3, 2]}
+    expected = {
+        "1f1b": [3, 1],
+        "1f1b-async": [2, 1],
+        "gpipe": [4, 4],
+        "zb-h1": [3, 2],
+        "interleaved": [5, 3],  # micro-batch chunks, each half a stage's activations
+    }
     assert held == expected[name], held
-    assert f"micro-batches held per stage: {held[0]}, {held[1]}" in str(plan)
+    held_what = "micro-batch chunks" if name == "interleaved" else "micro-batches"
+    assert f"{held_what} held per stage: {held[0]}, {held[1]}" in str(plan)
     assert f"bubble {t.bubble:.0%}" in str(plan)
     from autopar.tools.inspect import inspect_summary, render_inspect
 
     assert inspect_summary(plan)["schedule"]["held_per_stage"] == held
     text = render_inspect(plan)
     assert "== pipeline schedule (" in text and f"held per stage: {held[0]}, {held[1]})" in text
-    assert ("B0 B1 B2 B3" if name == "gpipe" else "F0 H0 B0") in text  # the last stage's row
+    last_row = {"gpipe": "B0 B1 B2 B3", "interleaved": "F0.1 H0 B0.1"}.get(name, "F0 H0 B0")
+    assert last_row in text  # the last stage's row
+    if name == "interleaved":  # the carry goes round: the last stage hands to the first
+        hlo = step.lower(state, ts.batch(0)).as_text()
+        assert "source_target_pairs = dense<[[0, 4], [4, 0]," in hlo
+        (f,) = p["fused"]
+        assert f["moved_seconds"] > 0 and f["moved_bytes"] > 0
+        assert "interleaving moves the loops' per-layer inputs into chunk order" in str(plan)
 
 
 def test_zero_bubble_defers_the_weight_gradients_and_prices_it():
@@ -352,6 +368,26 @@ def test_bad_pipeline_requests_say_what_to_do():
         autopar.parallelize(
             scan.step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=3
         ).plan(*gpt.abstract_args(_cfg()))
+    # the interleaved schedule: its own option, whole groups of S micro-batches, a scan
+    # over layers that splits into S x v chunks (layers unrolled in Python would be
+    # copied into chunk order every step)
+    with pytest.raises(PipelineError, match="virtual_stages=2: .*pipeline_schedule='interleaved'"):
+        autopar.parallelize(scan.step, mesh=MESH, pipeline_stages=2, virtual_stages=2)
+    interleaved = dict(mesh=MESH, cluster=CLUSTER, pipeline_stages=2)
+    interleaved["pipeline_schedule"] = "interleaved"
+    with pytest.raises(MicrobatchError, match="groups of the 2 stages; 1 micro-batches"):
+        autopar.parallelize(scan.step, microbatches=1, **interleaved).plan(
+            *gpt.abstract_args(_cfg())
+        )
+    with pytest.raises(PipelineError, match=r"length \(\[4\]\) splits into 2 stages x 4 chunks"):
+        autopar.parallelize(scan.step, virtual_stages=4, **interleaved).plan(
+            *gpt.abstract_args(_cfg())
+        )
+    unrolled4 = gpt.make_train_step(_cfg(layers=4, scan=False))
+    with pytest.raises(PipelineError, match="unrolled in Python; .* copied into one array"):
+        autopar.parallelize(unrolled4.step, **interleaved).plan(
+            *gpt.abstract_args(_cfg(layers=4, scan=False))
+        )
 
 
 def test_a_loop_that_mixes_the_batch_is_refused():

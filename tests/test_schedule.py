@@ -133,3 +133,67 @@ def test_unpriced_record_is_marked_estimated():
     _check_dependencies(t)
     rows = t.rows()
     assert rows[0].startswith("stage 0: F0 F1") and rows[1].startswith("stage 1: . F0 B0")
+
+
+@pytest.mark.parametrize("S,M,v", [(2, 4, 2), (4, 8, 2), (2, 2, 3), (4, 4, 4)])
+def test_interleaved_slots(S, M, v):
+    """Interleaved 1F1B as the lowering runs it (`autopar.lower.slots.interleaved`): every
+    stage runs each micro-batch through each of its `v` chunks once forward and once
+    backward; a chunk's forward pass follows the previous virtual stage's (the stage
+    before, or the last stage's previous chunk), a backward pass the next virtual
+    stage's, the last chunk's backward on the last stage the head. The ramps shrink
+    v-fold: the pipelined time is `(M + (S - 1) / v)` ticks of a stage's forward and
+    backward, plus the heads."""
+    rec = _record(S, M, fused=True, schedule="interleaved")
+    rec["virtual_stages"] = v
+    ticks = M * v + S - 1
+    rec["scans"][0]["seconds"], rec["scans"][1]["seconds"] = ticks / v, 2.0 * ticks / v
+    t = timeline(rec)
+    end = {}
+    for s in t.slots:
+        if s.micro is not None and s.kind != HEAD:
+            key = (s.kind, s.stage, s.micro, s.chunk)
+            assert key not in end, key
+            end[key] = (s.start, s.start + s.seconds)
+    heads = {s.micro: s for s in t.slots if s.kind == HEAD}
+    assert sorted(heads) == list(range(M)) and all(h.stage == S - 1 for h in heads.values())
+    for m in range(M):
+        for c in range(v):
+            for st in range(S):
+                f, b = end[(FORWARD, st, m, c)], end[(BACKWARD, st, m, c)]
+                assert f[1] <= b[0]
+                prev = (st - 1, c) if st else (S - 1, c - 1)
+                if prev[1] >= 0:
+                    assert end[(FORWARD, prev[0], m, prev[1])][1] <= f[0]
+                after = (st + 1, c) if st < S - 1 else (0, c + 1)
+                if after[1] < v:
+                    assert end[(BACKWARD, after[0], m, after[1])][1] <= b[0]
+                else:
+                    h = heads[m]
+                    assert f[1] <= h.start and h.start + h.seconds <= b[0]
+    assert t.seconds == pytest.approx((M + (S - 1) / v) * 3.0 + 0.5 * M)
+    lock = timeline(_record(S, M, fused=True))
+    assert t.bubble < lock.bubble
+    assert "interleaved 1F1B" in schedule_line(t) and f"x {v} virtual stages" in schedule_line(t)
+    assert "F0.0" in t.rows()[0]
+
+
+@pytest.mark.parametrize("S,v", [(2, 2), (4, 2), (3, 2), (2, 3), (4, 4), (8, 2)])
+def test_chunk_moves_take_layer_order_to_chunk_order(S, v):
+    """`chunk_moves`: each entry is one collective-permute (no stage sends or receives
+    twice in it), and together they put block `c S + r` (virtual stage) in stage `r`'s
+    slot `c`, from stage `u // v`'s block `u % v` where the loop's inputs hold it."""
+    from autopar.passes.pipeline import chunk_moves
+
+    moves = chunk_moves(S, v)
+    assert len(moves) <= v * v
+    got = {}
+    for (src, dst), pairs in moves.items():
+        assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+        for a, b in pairs:
+            assert (b, dst) not in got
+            got[(b, dst)] = a * v + src
+    assert got == {(r, c): c * S + r for r in range(S) for c in range(v)}
+    from autopar.passes.pipeline import chunk_permutes
+
+    assert chunk_permutes(S, v) == sum(any(a != b for a, b in p) for p in moves.values())

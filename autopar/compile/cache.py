@@ -149,6 +149,7 @@ def _described(options, call) -> dict:
             "pipeline_stages": o.pipeline_stages,
             "microbatches": o.microbatches,
             "pipeline_schedule": o.pipeline_schedule,
+            "virtual_stages": o.virtual_stages,
             "precision": o.precision,
             "grad_accumulation": o.grad_accumulation,
             "remat": o.remat,

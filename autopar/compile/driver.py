@@ -101,6 +101,7 @@ class Options:
     pipeline_stages: int | str | None
     microbatches: int | None
     pipeline_schedule: str | None
+    virtual_stages: int  # chunks of layers per stage (the interleaved schedule), else 1
     given_plan: Plan | None
     precision: str | None
     grad_accumulation: int | None

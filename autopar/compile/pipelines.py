@@ -97,6 +97,29 @@ class PipelineTries:
         if isinstance(looped, Infeasible):
             return looped
         graph, rolled = looped
+        v = o.virtual_stages
+        if v > 1:
+            lengths = [
+                graph.nodes[i].params["length"] for i in pipelined_scans(graph, Pipeline(S, 1))
+            ]
+            if rolled is not None:
+                why = (
+                    "its layers are unrolled in Python; they are rolled into a loop whose "
+                    "stages hold one chunk each, and a stage's chunks would have to be copied "
+                    "into one array every step. Use pipeline_schedule='1f1b' or 'zb-h1', or "
+                    "put the layers under a scan"
+                )
+            elif not pipelined_scans(graph, Pipeline(S, 1, "interleaved", virtual=v)):
+                why = f"no layer loop's length ({sorted(set(lengths))}) splits into {S} stages x {v} chunks"
+            else:
+                why = None
+            if why is not None:
+                return Infeasible(
+                    PipelineError(
+                        f"{self.name}: pipeline_schedule='interleaved' with {v} "
+                        f"virtual stages on {S} stages: {why}"
+                    )
+                )
         scans = pipelined_scans(graph, Pipeline(S, 1))
         batch = batch_size(graph, scans)
         counts = (
@@ -106,7 +129,7 @@ class PipelineTries:
         )
         out, skipped = [], []
         for m in counts:
-            pipe = Pipeline(S, m, o.pipeline_schedule or "1f1b")
+            pipe = Pipeline(S, m, o.pipeline_schedule or "1f1b", virtual=o.virtual_stages)
             got = self._pipelined(graph, pipe, mesh, rolled)
             if not isinstance(got, Infeasible):
                 out.append(got)

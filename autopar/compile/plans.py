@@ -15,7 +15,7 @@ from autopar.ir.graph import Graph
 from autopar.passes.pipeline import PipelinedScans, layer_ranges
 from autopar.plan.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search.evaluate import output_specs
-from autopar.search.piped import weight_slot_seconds
+from autopar.search.piped import moved_cost, weight_slot_seconds
 from autopar.search.problem import Problem
 from autopar.sharding import MeshInfo, Spec
 
@@ -92,9 +92,14 @@ def spec_pins(problem: Problem, specs: dict[int, Spec]) -> dict[int, int]:
 
 def _stage_layers(node, pipelined: PipelinedScans) -> list[tuple[int, int]]:
     """The layers each stage runs: the loop's steps, or, for a stack unrolled in Python
-    and rolled (one step per stage), the stack's layers."""
+    and rolled (one step per stage), the stack's layers; interleaved, each virtual
+    stage's (virtual stage `u` on stage `u mod S`)."""
+    pipe = pipelined.pipe
+    if pipe.virtual > 1:
+        kc = node.params["length"] // (pipe.stages * pipe.virtual)
+        return [(u * kc, (u + 1) * kc) for u in range(pipe.stages * pipe.virtual)]
     if pipelined.roll is None:
-        return layer_ranges(node, pipelined.pipe)
+        return layer_ranges(node, pipe)
     k = pipelined.roll.layers // pipelined.roll.stages
     return [(s * k, (s + 1) * k) for s in range(pipelined.roll.stages)]
 
@@ -134,6 +139,16 @@ def make_plan(
                     **(
                         {"weight_seconds": weight_slot_seconds(problem, pipelined, f, result)}
                         if pipelined.pipe.schedule == "zb-h1"
+                        else {}
+                    ),
+                    **(
+                        dict(
+                            zip(
+                                ("moved_seconds", "moved_bytes"),
+                                moved_cost(problem, pipelined, f, result),
+                            )
+                        )
+                        if pipelined.pipe.virtual > 1
                         else {}
                     ),
                 }

@@ -27,7 +27,11 @@ forward and backward passes, so stage `s` holds `S - s`; a half-slot lasts the s
 of the two passes. ZB-H1 runs lock-step 1F1B's slots with each backward pass cut in
 two (`autopar.passes.zero_bubble`): the input gradient in the backward slot, the
 weight gradients of an earlier micro-batch after it, none in the ramp up, from a ring
-of what they read. `autopar.lower.slots` has the three schedules' slot loops.
+of what they read. The interleaved 1F1B runs slots of one of `v` chunks of a stage's
+layers (stage `s` holds virtual stages `s, S + s, ...`), its carry hopping round a ring
+of the stages; the loops' per-layer inputs are moved from layer order into that chunk
+order on entry, and the per-layer outputs back (`autopar.lower.interleave`).
+`autopar.lower.slots` has the four schedules' slot loops.
 
 Micro-batch `m` of a batched value is the strided slice `m::M` of its batch dim, so a
 batch dim sharded over `data` stays sharded the same way in every micro-batch. A
@@ -47,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir.graph import Graph, Node
 from autopar.lower import slots
+from autopar.lower.interleave import from_chunks, to_chunks
 from autopar.passes.microbatch import cut, uncut
 from autopar.passes.pipeline import SAME, SUM, Fused, Label, ScanLabels
 from autopar.passes.zero_bubble import WeightSplit
@@ -91,6 +96,8 @@ class PipelinedLoop:
         self.node, self.labels, self.run_body, self.pipe = node, labels, run_body, pipe
         self.n_c, self.n_k, self.reverse = p["num_consts"], p["num_carry"], p["reverse"]
         self.k = p["length"] // pipe.stages
+        self.v = pipe.virtual
+        self.kc = self.k // self.v  # layers per slot: the stage's, or one chunk's
         self.is_x = [i >= self.n_c + self.n_k for i in range(len(node.inputs))]
         outs = micro_body.outputs
         # a Partial output is stacked: one summand per device of its partial axes
@@ -114,10 +121,13 @@ class PipelinedLoop:
     def spec(self, i: int) -> PartitionSpec:
         return PartitionSpec(self.pipe.axis) if self.is_x[i] else PartitionSpec()
 
-    def pick(self, i: int, x, mc):
+    def pick(self, i: int, x, mc, c=None):
+        """Input `i` at micro-batch `mc` (and, interleaved, chunk `c`'s layers)."""
         if i in self.fills:
             t = self.in_types[i]
             return jax.lax.broadcast_in_dim(x, t.shape, tuple(self.fills[i]))
+        if c is not None and self.is_x[i]:
+            x = jax.lax.dynamic_slice_in_dim(x, c * self.kc, self.kc, axis=0)
         return _at(x, self.labels.ins[i], mc, self.is_x[i])
 
     def pos(self, s):
@@ -126,16 +136,17 @@ class PipelinedLoop:
     def init(self, args, mc) -> list:
         return [jnp.asarray(a)[mc] for a in args[self.n_c : self.n_c + self.n_k]]
 
-    def run(self, args, carry) -> tuple[list, list]:
-        """One micro-batch through this stage's layers; `args` are its inputs picked at
-        that micro-batch (`xs` with the stage's `k` layers in front)."""
+    def run(self, args, carry, chunk: bool = False) -> tuple[list, list]:
+        """One micro-batch through this stage's layers (`chunk`: one chunk's); `args`
+        are its inputs picked at that micro-batch (`xs` with the layers in front)."""
         consts, xs = args[: self.n_c], args[self.n_c + self.n_k :]
 
         def layer(c, x):
             outs = self.run_body(*consts, *c, *x)
             return list(outs[: self.n_k]), list(outs[self.n_k :])
 
-        return jax.lax.scan(layer, list(carry), list(xs), length=self.k, reverse=self.reverse)
+        k = self.kc if chunk else self.k
+        return jax.lax.scan(layer, list(carry), list(xs), length=k, reverse=self.reverse)
 
     def run_b(self, args, carry) -> tuple[list, list]:
         """`run` of the input-gradient part only: the carry, and the boundary values
@@ -191,15 +202,27 @@ class PipelinedLoop:
             for t, lab, stack in zip(self.y_types, self.y_labels, self.stacks)
         ]
 
-    def accumulate(self, ys, y, mc, active) -> list:
-        return [_accumulate(b, v, lab, mc, active) for b, v, lab in zip(ys, y, self.y_labels)]
+    def accumulate(self, ys, y, mc, active, c=None) -> list:
+        """Micro-batch `mc`'s per-layer outputs folded into their buffers (interleaved:
+        chunk `c`'s rows)."""
+        if c is None:
+            return [_accumulate(b, v, lab, mc, active) for b, v, lab in zip(ys, y, self.y_labels)]
+        out = []
+        for b, v, lab in zip(ys, y, self.y_labels):
+            rows = jax.lax.dynamic_slice_in_dim(b, c * self.kc, self.kc, axis=0)
+            rows = _accumulate(rows, v, lab, mc, active)
+            out.append(jax.lax.dynamic_update_slice_in_dim(b, rows, c * self.kc, axis=0))
+        return out
 
     def hop(self, carry, senders: Sequence[int] | None = None) -> list:
         """The carry passed on to the next stage, from `senders` (every stage when
         None; the others' next stage gets zeros)."""
         S, step = self.pipe.stages, -1 if self.reverse else 1
         senders = range(S) if senders is None else senders
-        perm = [(i, i + step) for i in senders if 0 <= i + step < S]
+        if self.v > 1:  # interleaved: the last stage's chunk goes on to the first stage's next
+            perm = [(i, (i + step) % S) for i in senders]
+        else:
+            perm = [(i, i + step) for i in senders if 0 <= i + step < S]
         if not perm:
             return [jnp.zeros_like(c) for c in carry]
         return [jax.lax.ppermute(c, self.pipe.axis, perm) for c in carry]
@@ -290,7 +313,9 @@ def run_1f1b(
     alternate = pipe.schedule == "1f1b-async"
     # ZB-H1 with no weight gradients to defer (`split_weight_grads` found none) is 1F1B
     zero_bubble = pipe.schedule == "zb-h1" and bw.split is not None
-    R = min(M, S if alternate else 2 * S - 1)  # saved activations held per stage
+    V = pipe.virtual  # interleaved: chunks per stage; a saved activation is one chunk's
+    # saved activations held per stage (interleaved: chunks of micro-batches, `slots.interleaved`)
+    R = min(M, S) if alternate else min(M * V, (2 * S - 1) if V == 1 else 2 * V * S - 1)
     # zero-bubble: stage s runs a micro-batch's weight gradients s slots after its
     # input gradient, so it keeps that many micro-batches' boundary values and one more
     Q = min(M, S)
@@ -321,30 +346,52 @@ def run_1f1b(
     def staged(*args):
         fargs, bargs, hargs = args[:n_f], args[n_f : n_f + n_b], args[n_f + n_b :]
         s = jax.lax.axis_index(axis)
+        if V > 1:  # each per-layer input in chunk order, once per value (module doc)
+            moved = {}
+            for loop, ins, vals in ((fw, range(n_f), F.inputs), (bw, b_ext, B.inputs)):
+                for i in ins:
+                    if loop.is_x[i] and i not in loop.fills and vals[i] not in moved:
+                        x = fargs[i] if loop is fw else bargs[b_ext.index(i)]
+                        moved[vals[i]] = to_chunks(x, axis, S, V)
+            fargs = [moved.get(x, a) for x, a in zip(F.inputs, fargs)]
+            bargs = [moved.get(B.inputs[i], a) for i, a in zip(b_ext, bargs)]
         bargs = dict(zip(b_ext, bargs))
+        first = lambda c: True if c is None else c == 0  # noqa: E731
+        last = lambda c: True if c is None else c == V - 1  # noqa: E731
 
-        def f_in(st, m):
-            """The forward pass of micro-batch `m` (idle outside 0..M-1): (whether it is
-            on, its index clipped, its inputs, its carry in)."""
+        def ring(mc, c):
+            """The saved-activation slot of micro-batch `mc` (chunk `c`): by the order
+            forward passes run in, so a slot is free again when its pass is reused."""
+            if c is None:
+                return mc % R
+            return ((mc // S) * S * V + c * S + mc % S) % R
+
+        def f_in(st, m, c=None):
+            """The forward pass of micro-batch `m` (idle outside 0..M-1; interleaved:
+            through chunk `c`): (whether it is on, its index clipped, its inputs, its
+            carry in)."""
             on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
-            fc = [jnp.where(s == 0, x, c) for x, c in zip(fw.init(fargs, mc), st["fc"])]
-            return on, mc, [fw.pick(i, a, mc) for i, a in enumerate(fargs)], fc
+            init = fw.init(fargs, mc)
+            fc = [jnp.where((s == 0) & first(c), x, y) for x, y in zip(init, st["fc"])]
+            return on, mc, [fw.pick(i, a, mc, c) for i, a in enumerate(fargs)], fc
 
-        def f_keep(st, on, mc, fc, fy):
+        def f_keep(st, on, mc, fc, fy, c=None):
             """The forward pass's results kept: saved activations, the last stage's
             carry where the step reads it, the carry to pass on."""
             st["res"] = [
-                _pin(jnp.where(on, r.at[mc % R].set(fy[j]), r), fw.y_pspec(j, 2))
+                _pin(jnp.where(on, r.at[ring(mc, c)].set(fy[j]), r), fw.y_pspec(j, 2))
                 for r, j in zip(st["res"], res_ys)
             ]
-            st["fout"] = _collect(st["fout"], [fc[j] for j in kept_carry], mc, on & (s == S - 1))
+            on_last = on & (s == S - 1) & last(c)
+            st["fout"] = _collect(st["fout"], [fc[j] for j in kept_carry], mc, on_last)
             st["fc"] = fc
 
-        def forward(st, m):
-            """Micro-batch `m` (idle outside 0..M-1) through this stage's layers."""
-            on, mc, xs, fc = f_in(st, m)
-            fc, fy = fw.run(xs, fc)
-            f_keep(st, on, mc, fc, fy)
+        def forward(st, m, c=None):
+            """Micro-batch `m` (idle outside 0..M-1) through this stage's layers (chunk
+            `c`'s)."""
+            on, mc, xs, fc = f_in(st, m, c)
+            fc, fy = fw.run(xs, fc, chunk=c is not None)
+            f_keep(st, on, mc, fc, fy, c)
             return fc, mc
 
         def turn(st, fc, mc, on=True):
@@ -363,22 +410,23 @@ def run_1f1b(
             }
             return hv
 
-        def b_in(st, m, hv):
-            """The backward pass of micro-batch `m` (idle outside 0..M-1); `hv`: the
-            head's values (the last stage's), None where none was run: (whether it is
-            on, its index clipped, its inputs, its carry in)."""
+        def b_in(st, m, hv, c=None):
+            """The backward pass of micro-batch `m` (idle outside 0..M-1; interleaved:
+            through chunk `c`); `hv`: the head's values (the last stage's), None where
+            none was run: (whether it is on, its index clipped, its inputs, its carry in)."""
             on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
-            picked, init = b_pick(st, mc, hv)
-            return on, mc, picked, [jnp.where(s == S - 1, x, c) for x, c in zip(init, st["bc"])]
+            picked, init = b_pick(st, mc, hv, c)
+            here = (s == S - 1) & last(c)
+            return on, mc, picked, [jnp.where(here, x, y) for x, y in zip(init, st["bc"])]
 
-        def b_pick(st, mc, hv):
+        def b_pick(st, mc, hv, c=None):
             """The backward loop's inputs at micro-batch `mc`, and its carry's among them."""
             picked, init = [], []
             for i, (kind, x) in enumerate(src):
                 if kind == "ext":
-                    picked.append(bw.pick(i, bargs[x], mc))
+                    picked.append(bw.pick(i, bargs[x], mc, c))
                 elif kind == "res":
-                    picked.append(st["res"][res_ys.index(x)][mc % R])
+                    picked.append(st["res"][res_ys.index(x)][ring(mc, c)])
                 else:  # the head's value: none in the ramp down, where it is unused
                     zero = jnp.zeros_like(bw.carry0()[i - bw.n_c])
                     picked.append(zero if hv is None else hv[x])
@@ -386,15 +434,15 @@ def run_1f1b(
                     init.append(picked[-1])
             return picked, init
 
-        def b_keep(st, on, mc, bc, by):
-            st["bys"] = bw.accumulate(st["bys"], by, mc, on)
-            st["bout"] = _collect(st["bout"], bc, mc, on & (s == 0))
+        def b_keep(st, on, mc, bc, by, c=None):
+            st["bys"] = bw.accumulate(st["bys"], by, mc, on, c)
+            st["bout"] = _collect(st["bout"], bc, mc, on & (s == 0) & first(c))
             st["bc"] = bc
 
-        def backward(st, m, hv):
-            on, mc, xs, bc = b_in(st, m, hv)
-            bc, by = bw.run(xs, bc)
-            b_keep(st, on, mc, bc, by)
+        def backward(st, m, hv, c=None):
+            on, mc, xs, bc = b_in(st, m, hv, c)
+            bc, by = bw.run(xs, bc, chunk=c is not None)
+            b_keep(st, on, mc, bc, by, c)
 
         def input_grads(st, m, hv):
             """Zero-bubble: the backward pass of micro-batch `m` up to its input
@@ -417,7 +465,7 @@ def run_1f1b(
             "fc": fw.carry0(),
             "bc": bw.carry0(),
             "res": [
-                jnp.zeros((R, fw.k, *fw.y_types[j].shape), fw.y_types[j].dtype) for j in res_ys
+                jnp.zeros((R, fw.kc, *fw.y_types[j].shape), fw.y_types[j].dtype) for j in res_ys
             ],
             "fout": [o for j, o in enumerate(fw.out0()) if j in kept_carry],
             "hacc": {v: _head_buffer(v, lab, fused, M) for v, lab in fused.head_outs},
@@ -427,13 +475,16 @@ def run_1f1b(
         if alternate:
             parts = (f_in, f_keep, b_in, b_keep, turn)
             st = slots.alternating(st, s, S, M, fw, bw, parts, _branches(mesh))
+        elif V > 1:
+            st = slots.interleaved(st, s, S, M, V, fw, bw, forward, turn, backward)
         elif zero_bubble:
             st["bnd"] = bw.boundary0(Q)
             st = slots.zero_bubble(st, s, S, M, fw, bw, forward, turn, input_grads, weight_grads)
         else:
             st = slots.lock_step(st, s, S, M, fw, bw, forward, turn, backward)
         total = lambda xs: [jax.lax.psum(x, axis) for x in xs]
-        return (*total(st["fout"]), *total(st["hacc"].values()), *total(st["bout"]), *st["bys"])
+        bys = [from_chunks(y, axis, S, V) for y in st["bys"]]
+        return (*total(st["fout"]), *total(st["hacc"].values()), *total(st["bout"]), *bys)
 
     n_h = len(fused.head_outs)
     in_specs = (

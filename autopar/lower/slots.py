@@ -148,3 +148,68 @@ def alternating(st: dict, s, S: int, M: int, fw, bw, parts, branch: bool) -> dic
 
     st, _ = jax.lax.scan(pair, st, jnp.arange(M + S - 1))
     return st
+
+
+def interleaved(st: dict, s, S: int, M: int, v: int, fw, bw, forward, turn, backward) -> dict:
+    """Lock-step interleaved 1F1B over `v` chunks of layers per stage (stage `s` runs
+    virtual stages `s, S + s, ..., (v - 1) S + s`). Passes are numbered in the order a
+    stage runs them: forward pass `j` is micro-batch `g S + r` through chunk `c`, for
+    `j = g S v + c S + r` (micro-batches in groups of `S`, each group through every
+    chunk before the next); backward pass `j` likewise with the chunks reversed. In slot
+    `t` stage `s` runs forward pass `t - s` and backward pass `t - (v S - 1) - (S - 1 - s)`:
+    a carry hops one stage per slot, from the last stage round to the first one's next
+    chunk, and the last stage's last chunk turns a micro-batch round (the head) in the
+    slot its backward pass starts. `M v + S - 1` forward slots, as many backward ones,
+    `v S - 1` apart: the ramps last `S - 1` chunks' passes, 1/v of lock-step 1F1B's.
+    The head runs in a `lax.cond` that every device takes alike (it depends on the
+    slot only). Needs `M` a multiple of `S`."""
+    group, D = S * v, v * S - 1
+
+    def job(j, backward_pass: bool):
+        jc = jnp.clip(j, 0, M * v - 1)
+        g, c, r = jc // group, (jc % group) // S, jc % S
+        c = v - 1 - c if backward_pass else c
+        on = (j >= 0) & (j < M * v)
+        return jnp.where(on, g * S + r, -1), c
+
+    zero_h = jax.eval_shape(lambda st: turn(dict(st), st["fc"], 0, False), st)
+    zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), zero_h)
+
+    def fwd(st, t):
+        m, c = job(t - s, False)
+        fc, mc = forward(st, m, c)
+        st["fc"] = fw.hop(fc)
+        return fc, mc
+
+    def bwd(st, t, hv):
+        m, c = job(t - D - (S - 1 - s), True)
+        backward(st, m, hv, c)
+        st["bc"] = bw.hop(st["bc"])
+
+    def warm(st, t):
+        fwd(st, t)
+        return st, None
+
+    def steady(st, t):
+        fc, mc = fwd(st, t)
+        # the last stage's forward pass in slot t: its chunk is the last one on every device
+        j = t - (S - 1)
+        turns = (j >= 0) & (j < M * v) & ((j % group) // S == v - 1)
+
+        def head(st):
+            st = dict(st)
+            return st, turn(st, fc, mc)
+
+        st, hv = jax.lax.cond(turns, head, lambda st: (dict(st), zeros), st)
+        bwd(st, t, hv)
+        return st, None
+
+    def cool(st, t):
+        bwd(st, t, None)
+        return st, None
+
+    T = M * v + S - 1
+    st, _ = jax.lax.scan(warm, st, jnp.arange(D))
+    st, _ = jax.lax.scan(steady, st, jnp.arange(D, T))
+    st, _ = jax.lax.scan(cool, st, jnp.arange(T, T + D))
+    return st

@@ -43,34 +43,51 @@ from autopar.sharding import MeshInfo, Spec
 SUM = "sum"
 SAME = "same"
 Label = int | str
-SCHEDULES = ("gpipe", "1f1b", "1f1b-async", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "1f1b-async", "zb-h1", "interleaved")
 # the schedules that run a forward loop, the head and the backward loop as one pipeline
 # (`Fused`): lock-step 1F1B, 1F1B with stages alternating forward and backward
-# half-slots, and lock-step 1F1B with the weight gradients deferred (zero-bubble ZB-H1,
-# `autopar.passes.zero_bubble`; `autopar.lower.pipeline`)
-FUSED_SCHEDULES = ("1f1b", "1f1b-async", "zb-h1")
+# half-slots, lock-step 1F1B with the weight gradients deferred (zero-bubble ZB-H1,
+# `autopar.passes.zero_bubble`) and lock-step 1F1B over `virtual` chunks of layers per
+# stage (interleaved 1F1B; `autopar.lower.pipeline`)
+FUSED_SCHEDULES = ("1f1b", "1f1b-async", "zb-h1", "interleaved")
 
 
 @dataclass(frozen=True)
 class Pipeline:
-    """How pipelined scans run: `stages` along mesh axis `axis`, `microbatches` per step."""
+    """How pipelined scans run: `stages` along mesh axis `axis`, `microbatches` per step;
+    under the interleaved schedule each stage runs `virtual` chunks of its layers (stage
+    `s` holds virtual stages `s, S + s, ..., (virtual - 1) S + s`)."""
 
     stages: int
     microbatches: int
     schedule: str = "gpipe"
     axis: str = "stage"
+    virtual: int = 1
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "stages": self.stages,
             "microbatches": self.microbatches,
             "schedule": self.schedule,
             "axis": self.axis,
         }
+        if self.virtual > 1:
+            out["virtual_stages"] = self.virtual
+        return out
 
     @staticmethod
     def from_json(d: dict) -> Pipeline:
-        return Pipeline(int(d["stages"]), int(d["microbatches"]), d["schedule"], d["axis"])
+        return Pipeline(
+            int(d["stages"]),
+            int(d["microbatches"]),
+            d["schedule"],
+            d["axis"],
+            int(d.get("virtual_stages", 1)),
+        )
+
+    def ticks(self) -> int:
+        """Slots of one pipelined loop: `M + S - 1`, or `M v + S - 1` chunk slots."""
+        return self.microbatches * self.virtual + self.stages - 1
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,17 @@ def check_pipeline(pipe: Pipeline, mesh: MeshInfo) -> None:
         )
     if pipe.microbatches < 1:
         raise MicrobatchError(f"microbatches must be >= 1, got {pipe.microbatches}")
+    if (pipe.virtual > 1) != (pipe.schedule == "interleaved"):
+        raise PipelineError(
+            f"virtual_stages={pipe.virtual} goes with pipeline_schedule='interleaved' only "
+            f"(the schedule is {pipe.schedule!r})"
+        )
+    if pipe.virtual > 1 and pipe.microbatches % pipe.stages:
+        raise MicrobatchError(
+            f"the interleaved schedule runs micro-batches in groups of the {pipe.stages} "
+            f"stages; {pipe.microbatches} micro-batches do not make whole groups. Pick "
+            f"microbatches= a multiple of {pipe.stages}"
+        )
 
 
 def pipelined_scans(graph: Graph, pipe: Pipeline) -> tuple[int, ...]:
@@ -171,7 +199,7 @@ def pipelined_scans(graph: Graph, pipe: Pipeline) -> tuple[int, ...]:
         n.id
         for n in graph.nodes
         if n.body is not None
-        and n.params["length"] % pipe.stages == 0
+        and n.params["length"] % (pipe.stages * pipe.virtual) == 0
         and n.params["num_carry"] >= 1
         and graph.values[n.inputs[n.params["num_consts"]]].rank >= 1
     )
@@ -311,6 +339,33 @@ def with_full_consts(micro_body: Graph, full_body: Graph) -> Graph:
 
 def stage_layers(node: Node, pipe: Pipeline) -> int:
     return node.params["length"] // pipe.stages
+
+
+def chunk_layers(node: Node, pipe: Pipeline) -> int:
+    """The layers a stage runs per slot: all of its own, or one of its `virtual` chunks."""
+    return node.params["length"] // (pipe.stages * pipe.virtual)
+
+
+def chunk_moves(stages: int, virtual: int) -> dict[tuple[int, int], tuple[tuple[int, int], ...]]:
+    """How a loop's per-layer rows, split over the stage axis in layer order (stage `d`
+    holds blocks `d v .. d v + v - 1` of `S v` equal blocks), move to the interleaved
+    order (stage `r`'s slot `c` holding block `c S + r`, the virtual stage `c S + r`):
+    per (source slot, destination slot), the (source stage, destination stage) pairs
+    of one collective-permute. At most `v^2` of them; each stage sends and receives
+    `v` blocks in all. Swap each pair (and the key) for the way back."""
+    out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for c in range(virtual):
+        for r in range(stages):
+            u = c * stages + r
+            out.setdefault((u % virtual, c), []).append((u // virtual, r))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def chunk_permutes(stages: int, virtual: int) -> int:
+    """The collective-permutes of `chunk_moves`: the entries in which some stage's block
+    goes to another stage (in the others each stage keeps its own)."""
+    moves = chunk_moves(stages, virtual).values()
+    return sum(any(a != b for a, b in pairs) for pairs in moves)
 
 
 def layer_ranges(node: Node, pipe: Pipeline) -> list[tuple[int, int]]:

@@ -425,12 +425,26 @@ class Plan:
                     for f in p.get("fused", ())
                 )
                 + "; "
+                + (
+                    f"{p['virtual_stages']} virtual stages each (virtual stage u on stage "
+                    "u mod S); "
+                    if p.get("virtual_stages", 1) > 1
+                    else ""
+                )
                 + "; ".join(
                     f"{s['op']}: layers " + " | ".join(f"{a}-{b - 1}" for a, b in s["stages"])
                     for s in p["scans"]
                 )
             )
             lines.append("  " + schedule_line(timeline(p)))
+            for f in p.get("fused", ()):
+                if "moved_seconds" in f:  # interleaved: the weights in chunk order
+                    lines.append(
+                        f"  interleaving moves the loops' per-layer inputs into chunk order "
+                        f"and their gradients back: {f['moved_seconds'] * 1e3:.4g} ms of "
+                        f"collective-permutes a step, {f['moved_bytes'] / 2**20:.4g} MiB/device "
+                        "held"
+                    )
         for name, info in self.search_info.items():
             if name == "skipped":  # engines `auto` left out, with why
                 lines += [f"  {e}: not run ({why})" for e, why in info.items()]

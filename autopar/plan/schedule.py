@@ -25,6 +25,12 @@ The slots are the lowering's, in order:
   micro-batch `t - (S - 1)` (stage `s`'s own `s` slots after its backward pass);
   a micro-batch's activations are held until its weight gradients
   (`pipeline.fused[].weight_seconds`: one weight-gradient slot).
+* an interleaved pair (schedule "interleaved", `v` virtual stages): `M v + S - 1`
+  forward slots of one chunk of a stage's layers, the backward ones `v S - 1` slots
+  behind; in slot `t` stage `s` runs forward pass `t - s` and backward pass
+  `t - (v S - 1) - (S - 1 - s)`, pass `j` being micro-batch `g S + r` through chunk
+  `c` for `j = g S v + c S + r` (chunks reversed for backward passes); the head
+  after the forward slots in which the last stage finished a micro-batch's last chunk.
 
 Every slot is lock-step: all stages start it together. A slot lasts the priced time
 of its loop over its `M + S - 1` slots (the plan records each pipelined loop's price,
@@ -51,12 +57,17 @@ class Slot:
     kind: str  # FORWARD, BACKWARD, HEAD or IDLE
     micro: int | None  # the micro-batch, None when idle
     loop: str  # the op key of the loop (or head) the slot belongs to
+    chunk: int | None = None  # interleaved: the chunk of the stage's layers
 
     @property
     def label(self) -> str:
         """`F3` forward of micro-batch 3, `B3` its backward, `H3` the head, `W3` its
-        deferred weight gradients (ZB-H1), `.` idle."""
-        return "." if self.micro is None else f"{self.kind[0].upper()}{self.micro}"
+        deferred weight gradients (ZB-H1), `F3.1` its forward through chunk 1
+        (interleaved), `.` idle."""
+        if self.micro is None:
+            return "."
+        tail = "" if self.chunk is None else f".{self.chunk}"
+        return f"{self.kind[0].upper()}{self.micro}{tail}"
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class Timeline:
     slots: tuple[Slot, ...]
     seconds: float  # the pipelined part of the step, end to end
     estimated: bool  # unit slot times (the plan records no prices)
+    virtual: int = 1  # chunks of layers per stage (the interleaved schedule)
 
     @property
     def bubble(self) -> float:
@@ -76,7 +88,8 @@ class Timeline:
 
     def in_flight(self, stage: int) -> int:
         """The most micro-batches whose forward slot ran on `stage` and whose backward
-        slot has not yet: how many micro-batches' saved activations it holds at once."""
+        slot has not yet: how many micro-batches' saved activations it holds at once
+        (interleaved: micro-batch chunks, each 1/v of a stage's)."""
         live = peak = 0
         # under ZB-H1 a micro-batch's activations stay until its weight gradients
         frees = WEIGHT if any(s.kind == WEIGHT for s in self.slots) else BACKWARD
@@ -107,7 +120,8 @@ def timeline(pipeline: dict) -> Timeline:
     backward_of_fused = {f["backward"] for f in pipeline.get("fused", ())}
     scans = {s["op"]: s for s in pipeline["scans"]}
     estimated = any("seconds" not in s for s in pipeline["scans"])
-    ticks = M + S - 1
+    V = int(pipeline.get("virtual_stages", 1))
+    ticks = M * V + S - 1
 
     def slot_s(scan: dict, reverse: bool) -> float:
         if estimated:
@@ -120,9 +134,12 @@ def timeline(pipeline: dict) -> Timeline:
     def run(kind: str, seconds: float, micro_of, loop: str) -> None:
         nonlocal t
         for s in range(S):
-            m = micro_of(s)
+            m, c = micro_of(s), None
+            if isinstance(m, tuple):
+                m, c = m
             ok = m is not None and 0 <= m < M
-            slots.append(Slot(s, t, seconds, kind if ok else IDLE, m if ok else None, loop))
+            kind_s, m_s, c_s = (kind, m, c) if ok else (IDLE, None, None)
+            slots.append(Slot(s, t, seconds, kind_s, m_s, loop, c_s))
         t += seconds
 
     alternating = pipeline.get("schedule") == "1f1b-async"
@@ -139,6 +156,11 @@ def timeline(pipeline: dict) -> Timeline:
                 m = (half - (S - 1)) // 2
                 if th and (half - S + 1) % 2 == 0 and 0 <= m < M:
                     run(HEAD, th, lambda s, m=m: m if s == S - 1 else None, "head")
+        elif op in fused and V > 1:
+            f = fused[op]
+            tf, tb = slot_s(scan, False), slot_s(scans[f["backward"]], True)
+            th = 0.0 if estimated else float(f.get("head_seconds", 0.0)) / M
+            _interleaved(run, S, M, V, (tf, tb, th), (op, f["backward"]))
         elif op in fused:
             f = fused[op]
             back = scans[f["backward"]]
@@ -171,7 +193,28 @@ def timeline(pipeline: dict) -> Timeline:
             kind, ts = (BACKWARD if reverse else FORWARD), slot_s(scan, reverse)
             for i in range(ticks):
                 run(kind, ts, lambda s, i=i, r=reverse: i - (S - 1 - s) if r else i - s, op)
-    return Timeline(S, M, str(pipeline.get("schedule", "")), tuple(slots), t, estimated)
+    return Timeline(S, M, str(pipeline.get("schedule", "")), tuple(slots), t, estimated, V)
+
+
+def _interleaved(run, S: int, M: int, V: int, times, loops) -> None:
+    """The interleaved pair's slots (module doc), appended through `run`."""
+    tf, tb, th = times
+    D, T = V * S - 1, M * V + S - 1
+
+    def job(j: int, back: bool):
+        if not 0 <= j < M * V:
+            return None
+        g, c, r = j // (S * V), (j % (S * V)) // S, j % S
+        return g * S + r, (V - 1 - c if back else c)
+
+    for i in range(T + D):
+        if i < T:
+            run(FORWARD, tf, lambda s, i=i: job(i - s, False), loops[0])
+            last = job(i - (S - 1), False)
+            if th and last is not None and last[1] == V - 1:
+                run(HEAD, th, lambda s, m=last[0]: m if s == S - 1 else None, "head")
+        if i >= D:
+            run(BACKWARD, tb, lambda s, i=i: job(i - D - (S - 1 - s), True), loops[1])
 
 
 def _alternating_half(
@@ -203,6 +246,7 @@ def schedule_line(t: Timeline) -> str:
         "gpipe": "GPipe",
         "1f1b-async": "alternating 1F1B",
         "zb-h1": "zero-bubble 1F1B (ZB-H1)",
+        "interleaved": "interleaved 1F1B",
     }.get(t.schedule, t.schedule)
     held = ", ".join(str(t.in_flight(s)) for s in range(t.stages))
     span = (
@@ -210,8 +254,10 @@ def schedule_line(t: Timeline) -> str:
         if t.estimated
         else (f"{t.seconds * 1e3:.4g} ms pipelined")
     )
+    chunks = f" x {t.virtual} virtual stages" if t.virtual > 1 else ""
+    held_what = "micro-batch chunks" if t.virtual > 1 else "micro-batches"
     return (
-        f"schedule: lock-step {name}, {t.stages} stages x {t.microbatches} micro-batches, "
-        f"{span}, bubble {t.bubble:.0%} of the stages' time; micro-batches held per "
-        f"stage: {held}"
+        f"schedule: lock-step {name}, {t.stages} stages{chunks} x {t.microbatches} "
+        f"micro-batches, {span}, bubble {t.bubble:.0%} of the stages' time; {held_what} "
+        f"held per stage: {held}"
     )

@@ -36,7 +36,7 @@ from autopar.search.edges import (
     reshard_matrix,
     reshard_seconds,
 )
-from autopar.search.piped import alternating_waits, deferred_buffers, loop_times, residency
+from autopar.search.piped import alternating_waits, loop_times, pipeline_buffers, residency
 from autopar.search.result import SearchResult
 from autopar.search.solvers.costgraph import CostGraph
 from autopar.sharding import MeshInfo, Spec
@@ -127,7 +127,8 @@ class Problem:
     regions: tuple[frozenset[int], ...] = ()
     # graph node id of a pipelined loop -> bytes by its strategy that its pipeline
     # holds for the whole of its 1F1B region beyond the values above (ZB-H1: what the
-    # deferred weight gradients read, `piped.deferred_buffers`)
+    # deferred weight gradients read; interleaved: the weights in chunk order;
+    # `piped.pipeline_buffers`)
     buffers: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def compute_time(self) -> tuple[np.ndarray, ...]:
@@ -284,7 +285,7 @@ def build_problem(
         else:
             node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
     waits = alternating_waits(graph, pipelined, bodies, cost) if pipelined is not None else ()
-    buffers = deferred_buffers(graph, pipelined, bodies) if pipelined is not None else {}
+    buffers = pipeline_buffers(graph, pipelined, bodies) if pipelined is not None else {}
     node_mem = tuple(  # the engines' memory estimate holds a pipeline's buffers too
         m + buffers[c - n_in] if c - n_in in buffers else m for c, m in enumerate(node_mem)
     )
@@ -353,7 +354,7 @@ def step_floor(
 ) -> float:
     """A floor under every plan's predicted step for `graph` on `devices` devices: all
     of its FLOPs spread over every device at the profile's best FLOP rate, a pipelined
-    loop's at the micro-batch size for all `M + S - 1` slots (its fill and drain). No
+    loop's at the micro-batch size for all its slots (`Pipeline.ticks`: fill, drain). No
     op is priced below its FLOPs over its parallelism at its dtype's rate, and no
     communication below zero, so a search whose floor is above a price already found
     cannot beat it."""
@@ -368,7 +369,8 @@ def step_floor(
         if node.id in piped:  # the body at the micro-batch size, in every slot
             pipe = pipelined.pipe
             micro = replace(node, body=piped[node.id][0])
-            total += (pipe.microbatches + pipe.stages - 1) * _run_flops(micro, graph)
+            # `M + S - 1` slots of a stage's layers, or `M v + S - 1` of a chunk's
+            total += pipe.ticks() / pipe.virtual * _run_flops(micro, graph)
             if node.id in deferred:  # ZB-H1: no weight gradients in the ramp up's slots
                 total += _deferral_flops(micro, pipe)
         else:

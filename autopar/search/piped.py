@@ -12,7 +12,16 @@ import numpy as np
 
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node
-from autopar.passes.pipeline import Pipeline, PipelinedScans, stage_layers, sunk_fills
+from autopar.passes.pipeline import (
+    SAME,
+    SUM,
+    Pipeline,
+    PipelinedScans,
+    chunk_layers,
+    chunk_permutes,
+    stage_layers,
+    sunk_fills,
+)
 from autopar.passes.zero_bubble import WeightSplit, split_weight_grads
 from autopar.search.result import SearchResult
 
@@ -32,13 +41,78 @@ def loop_times(
             continue
         node, body = graph.nodes[i], bodies[i][0]
         split = _deferred_split(graph, pipelined, i, body)
+        moved = _moved(graph, pipelined, i)
         out[i] = np.array(
             [
                 _pipeline_seconds(node, body, pipe, cost, r, i not in inside)
                 + _deferral_seconds(node, body, pipe, r, split)
+                + _moved_seconds(node, body, pipe, cost, r, moved)
                 for r in bodies[i][1]
             ]
         )
+    return out
+
+
+def _moved(graph: Graph, pipelined: PipelinedScans, i: int) -> tuple[list, list]:
+    """Under the interleaved schedule, the per-layer inputs and outputs of fused loop
+    `i` that the lowering moves between layer order and chunk order
+    (`autopar.lower.interleave`): (body input positions, body output positions), each
+    with the micro-batches a row holds (1, or `M` for a batched value). Those from
+    outside the 1F1B region only (the saved activations stay in chunk order); a value
+    both loops read is moved once, for the forward loop."""
+    fused = [f for f in pipelined.fused if i in (f.forward, f.backward)]
+    if pipelined.pipe.virtual == 1 or not fused:
+        return [], []
+    node, labels = graph.nodes[i], pipelined.scans[i][1]
+    M = pipelined.pipe.microbatches
+    per = lambda lab: 1 if lab in (SUM, SAME) else M  # noqa: E731
+    first = node.params["num_consts"] + node.params["num_carry"]
+    F = graph.nodes[fused[0].forward]
+    read = set()
+    if i != F.id:  # what the forward loop moves already, or the region makes
+        read = set(F.inputs) | set(F.outputs)
+        read |= {v for h in fused[0].head for v in graph.nodes[h].outputs}
+    ins = [
+        (j, per(labels.ins[j]))
+        for j in range(first, len(node.inputs))
+        if node.inputs[j] not in read
+    ]
+    if i == fused[0].forward:
+        return ins, []
+    n_k = node.params["num_carry"]
+    return ins, [(j, per(labels.outs[j])) for j in range(n_k, len(node.outputs))]
+
+
+def _moved_seconds(
+    node: Node, body: Problem, pipe: Pipeline, cost: CostModel, result: SearchResult, moved
+) -> float:
+    """The collective-permutes that move `moved` (`_moved`) into chunk order and back:
+    per value, one permute of a chunk's rows per `chunk_permutes`."""
+    permutes = chunk_permutes(pipe.stages, pipe.virtual)
+    return permutes * sum(
+        cost.collective("collective-permute", (pipe.axis,), b / pipe.virtual).seconds
+        for b in _moved_bytes(node, body, pipe, result, moved)
+    )
+
+
+def _moved_bytes(node: Node, body: Problem, pipe: Pipeline, result: SearchResult, moved) -> list:
+    """Each device's bytes of every value `_moved` names: a stage's rows of it, in the
+    layouts `result` makes them."""
+    ins, outs = moved
+    if not ins and not outs:
+        return []
+    g, n_in = body.graph, body.num_inputs
+    k = stage_layers(node, pipe)
+    out = []
+    for j, per in ins:
+        spec = body.strategies[j][result.choice[j]].out_specs[0]
+        out.append(k * per * body.cost.local_bytes(g.values[g.inputs[j]], spec))
+    made = {v: (n_in + n, q) for n, nd in enumerate(g.nodes) for q, v in enumerate(nd.outputs)}
+    made.update((v, (j, 0)) for j, v in enumerate(g.inputs))
+    for j, per in outs:
+        c, q = made[g.outputs[j]]
+        spec = body.strategies[c][result.choice[c]].out_specs[q].without_partial()
+        out.append(k * per * body.cost.local_bytes(g.values[g.outputs[j]], spec))
     return out
 
 
@@ -50,7 +124,7 @@ def rescheduled(problem: Problem, pipelined: PipelinedScans) -> Problem:
     changes."""
     g, n_in = problem.graph, problem.num_inputs
     times = loop_times(g, pipelined, problem.bodies, problem.cost)
-    buffers = deferred_buffers(g, pipelined, problem.bodies)
+    buffers = pipeline_buffers(g, pipelined, problem.bodies)
     node_time = list(problem.node_time)
     node_compute = list(problem.compute_time())
     node_mem = list(problem.node_mem)
@@ -88,20 +162,30 @@ def _deferred_split(graph: Graph, pipelined: PipelinedScans, i: int, body: Probl
     return split_weight_grads(body.graph, node.params["num_consts"], node.params["num_carry"])
 
 
-def deferred_buffers(graph: Graph, pipelined: PipelinedScans, bodies: dict) -> dict:
-    """`Problem.buffers`: under ZB-H1, each backward loop's ring of boundary values
-    (`WeightSplit.boundary`: what a micro-batch's weight gradients read from its input
-    gradient), `min(M, S)` micro-batches of one stage's layers, by loop strategy."""
+def pipeline_buffers(graph: Graph, pipelined: PipelinedScans, bodies: dict) -> dict:
+    """`Problem.buffers`, by loop strategy: under ZB-H1, each backward loop's ring of
+    boundary values (`WeightSplit.boundary`: what a micro-batch's weight gradients read
+    from its input gradient), `min(M, S)` micro-batches of one stage's layers; under
+    the interleaved schedule, each fused loop's values in chunk order (`_moved`: a
+    second copy of its stage's weights, and of their gradients)."""
     out = {}
     pipe = pipelined.pipe
     for i in pipelined.scans:
-        split = _deferred_split(graph, pipelined, i, bodies[i][0]) if i in bodies else None
-        if split is None:
+        if i not in bodies:
             continue
         body, node = bodies[i][0], graph.nodes[i]
+        split = _deferred_split(graph, pipelined, i, body)
+        moved = _moved(graph, pipelined, i)
+        if split is None and not any(moved):
+            continue
         slots = min(pipe.microbatches, pipe.stages) * stage_layers(node, pipe)
         out[i] = np.array(
-            [slots * _boundary_bytes(body, split, r) for r in bodies[i][1]], dtype=np.float64
+            [
+                (slots * _boundary_bytes(body, split, r) if split is not None else 0.0)
+                + sum(_moved_bytes(node, body, pipe, r, moved))
+                for r in bodies[i][1]
+            ],
+            dtype=np.float64,
         )
     return out
 
@@ -132,6 +216,23 @@ def weight_slot_seconds(problem, pipelined: PipelinedScans, fused, result) -> fl
     r = results[result.choice[problem.num_inputs + i]]
     split = _deferred_split(problem.graph, pipelined, i, body)
     return sum(weight_grad_seconds(node, body, pipelined.pipe, r, split))
+
+
+def moved_cost(problem, pipelined: PipelinedScans, fused, result) -> tuple[float, float]:
+    """What the interleaved schedule's moves into chunk order and back cost `fused`'s
+    two loops under the plan `result` of the outer `problem` (`_moved`): (seconds,
+    bytes held per device); zeros for the other schedules."""
+    seconds = held = 0.0
+    for i in (fused.forward, fused.backward):
+        if i not in problem.bodies:
+            continue
+        body, results = problem.bodies[i]
+        node = problem.graph.nodes[i]
+        r = results[result.choice[problem.num_inputs + i]]
+        moved = _moved(problem.graph, pipelined, i)
+        seconds += _moved_seconds(node, body, pipelined.pipe, problem.cost, r, moved)
+        held += sum(_moved_bytes(node, body, pipelined.pipe, r, moved))
+    return seconds, held
 
 
 def weight_grad_seconds(
@@ -192,10 +293,11 @@ def _carry_bytes(node: Node, body: Problem, result: SearchResult) -> int:
 def _slot_seconds(
     node: Node, body: Problem, pipe: Pipeline, cost: CostModel, result: SearchResult
 ) -> float:
-    """One slot of a pipelined scan: one micro-batch through one stage's layers and
-    one collective-permute of its carry (`_carry_bytes`) to the next stage."""
+    """One slot of a pipelined scan: one micro-batch through one stage's layers (one
+    chunk's, interleaved) and one collective-permute of its carry (`_carry_bytes`) to
+    the next stage."""
     hop = cost.collective("collective-permute", (pipe.axis,), _carry_bytes(node, body, result))
-    return stage_layers(node, pipe) * result.cost.step_s + hop.seconds
+    return chunk_layers(node, pipe) * result.cost.step_s + hop.seconds
 
 
 def _pipeline_seconds(
@@ -206,16 +308,15 @@ def _pipeline_seconds(
     result: SearchResult,
     collect: bool = True,
 ) -> float:
-    """Time of a pipelined scan: `M + S - 1` slots (`_slot_seconds`); then (`collect`)
-    the final carry, which only the last stage holds, is all-reduced over the stage
-    axis. GPipe and lock-step 1F1B alike: 1F1B runs a forward and a backward slot per
-    tick, with ramps of forward-only and backward-only slots (the alternating 1F1B
-    adds `alternating_waits`)."""
+    """Time of a pipelined scan: `M + S - 1` slots (`_slot_seconds`; `M v + S - 1`
+    chunk slots, interleaved); then (`collect`) the final carry, which only the last
+    stage holds, is all-reduced over the stage axis. GPipe and lock-step 1F1B alike:
+    1F1B runs a forward and a backward slot per tick, with ramps of forward-only and
+    backward-only slots (the alternating 1F1B adds `alternating_waits`)."""
     # the last stage's outputs reach every stage: an all-reduce of all micro-batches' carry
     sent = _carry_bytes(node, body, result) * pipe.microbatches
     out = cost.collective("all-reduce", (pipe.axis,), sent)
-    ticks = pipe.microbatches + pipe.stages - 1
-    return ticks * _slot_seconds(node, body, pipe, cost, result) + out.seconds * collect
+    return pipe.ticks() * _slot_seconds(node, body, pipe, cost, result) + out.seconds * collect
 
 
 def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float]:
@@ -246,10 +347,13 @@ def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float
 def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:
     """In a 1F1B pipeline a stage holds the saved activations of at most 2S - 1
     micro-batches (lock-step) or S (alternating: stage s holds S - s, and every stage
-    has the first stage's buffer), and the head's values one micro-batch's worth, but
-    for the values the rest of the step reads from it."""
-    M, S = pipelined.pipe.microbatches, pipelined.pipe.stages
-    held = S if pipelined.pipe.schedule == "1f1b-async" else 2 * S - 1
+    has the first stage's buffer), or, interleaved, `2 v S - 1` chunks' of the `M v`
+    (`autopar.lower.slots.interleaved`); the head's values one micro-batch's worth,
+    but for the values the rest of the step reads from it."""
+    pipe = pipelined.pipe
+    S, V = pipe.stages, pipe.virtual
+    held = S if pipe.schedule == "1f1b-async" else 2 * V * S - 1
+    M = pipe.microbatches * V  # saved activations by chunk of a stage's layers
     out = {}
     for fz in pipelined.fused:
         F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
