@@ -5,7 +5,8 @@ virtual stages per stage; `pipeline_schedule=`), each planned by
 
 * **compiled**: a 4-layer GPT (`autopar.examples.gpt`, hidden 64, seq 64, batch 32,
   scanned layers) on `{"stage": 4, "data": 2}` and on `{"stage": 2, "data": 4}` (where
-  the interleaved schedule's 2 chunks of a stage's layers fit) with 16 micro-batches, on this
+  the interleaved schedule's 2 chunks of a stage's layers fit) with 16 and 8 micro-batches
+  (micro-batches of 2 and 4 examples, a data-axis' worth), on this
   machine's simulated CPU devices: the micro-batches each stage holds, the predicted
   peak (and its part above the arguments) against XLA's compiled temporaries (its
   memory analysis; the alternating schedule runs both passes per half-slot on
@@ -68,7 +69,7 @@ def compiled_rows() -> list[dict]:
                 mesh={"stage": stages, "data": 8 // stages},
                 cluster="cpu",
                 pipeline_stages=stages,
-                microbatches=16,
+                microbatches=4 * stages,  # micro-batches of 2 and 4 examples
                 pipeline_schedule=schedule,
                 progress=False,
             )
@@ -112,7 +113,7 @@ def markdown(r: dict) -> str:
         "",
         f"`python -m benchmarks.schedules`, {r['when']}; method: the module's docstring.",
         "",
-        "## 4-layer GPT, 4 stages x data 2 and 2 stages x data 4, 16 micro-batches, "
+        "## 4-layer GPT, 4 stages x data 2 (16 micro-batches) and 2 stages x data 4 (8), "
         "compiled on XLA:CPU",
         "",
         "| stages | schedule | held per stage | predicted step ms | bubble | predicted peak MB | "

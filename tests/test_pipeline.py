@@ -114,6 +114,36 @@ def test_pipelined_training_matches_single_device(schedule):
         assert "interleaving moves the loops' per-layer inputs into chunk order" in str(plan)
 
 
+def test_interleaved_prices_the_weight_moves_it_records(monkeypatch):
+    """The interleaved schedule's moves into chunk order (and the gradients back) are
+    in the price and the peak: priced at nothing (as Megatron, its weights stored in
+    chunk order, would have them), the same layouts cost exactly the recorded
+    `moved_seconds` less and hold the recorded `moved_bytes` less."""
+    import autopar.search.piped as piped
+
+    ts, il = _pipelined(schedule="interleaved")
+    state = jax.jit(ts.init)(0)
+    plan = il.plan(state, ts.batch(0))
+    (f,) = plan.pipeline["fused"]
+    monkeypatch.setattr(piped, "_moved", lambda *a: ([], []))
+    free = autopar.parallelize(
+        ts.step,
+        mesh=MESH,
+        cluster=CLUSTER,
+        pipeline_stages=2,
+        microbatches=4,
+        pipeline_schedule="interleaved",
+        cache_dir=False,
+    ).plan(state, ts.batch(0))
+    assert "moved_seconds" in f and f["moved_seconds"] > 0 and f["moved_bytes"] > 0
+    assert free.pipeline["fused"][0]["moved_seconds"] == 0
+    if [o.strategy for o in plan.ops] == [o.strategy for o in free.ops]:
+        assert free.cost.step_s == pytest.approx(plan.cost.step_s - f["moved_seconds"], rel=1e-9)
+        assert free.cost.peak_memory_bytes <= plan.cost.peak_memory_bytes - f["moved_bytes"] * 0.99
+    else:  # the moves bent the layouts: the search found the free pricing's plan dearer
+        assert free.cost.step_s < plan.cost.step_s
+
+
 def test_zero_bubble_defers_the_weight_gradients_and_prices_it():
     """ZB-H1 splits the backward layer body into the input gradient and the weight
     gradients (every op in exactly one part), runs the weight gradients after the
