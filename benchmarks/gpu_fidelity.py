@@ -16,7 +16,10 @@ Two parts, each run where it can be:
 The models: the example GPT (``autopar.examples.gpt``, AdamW, layers under ``nn.scan``)
 at GPT-2-medium width (hidden 1024, 16 heads, 24 layers, seq 1024, vocab 32768,
 batch 8) in float32 (JAX's default matmul precision: TF32 on Hopper) and in bfloat16,
-and a smaller one (hidden 512, 8 layers, seq 512, batch 16) in float32.
+and a smaller one (hidden 512, 8 layers, seq 512, batch 16) in float32. For the two
+medium ones also parts of the step on their own: the loss (forward), the loss and its
+gradient, and AdamW's update (a memory-bound pass over the parameters and moments), to
+place the gap.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import optax
 
 RESULTS = Path(__file__).parent / "results"
 PREDICTED = RESULTS / "gpu_fidelity_predicted.json"
@@ -52,22 +56,51 @@ def _config(kw: dict):
     return gpt, gpt.GPTConfig(**kw, scan_layers=True)
 
 
+PHASES = ("gpt-medium-f32", "gpt-medium-bf16")
+
+
+def phases(ts) -> dict:
+    """Parts of the step as functions of (state, batch): the loss, the loss and its
+    gradient, and AdamW's update from a gradient (the state's parameters stand in)."""
+    from autopar.examples.models.common import make_optimizer
+
+    tx = make_optimizer(1e-2)
+
+    def grad(state, batch):
+        return jax.value_and_grad(lambda p: ts.loss({"params": p}, batch))(state["params"])
+
+    def update(state, batch):
+        params = state["params"]
+        updates, opt_state = tx.update(params, state["opt_state"], params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def loss(state, batch):
+        return ts.loss({"params": state["params"]}, batch)
+
+    return {"loss": loss, "grad": grad, "update": update}
+
+
 def predict() -> dict:
     import autopar
 
-    out = {}
-    for name, kw in MODELS.items():
-        gpt, cfg = _config(kw)
-        ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    def priced(fn, args) -> dict:
         plan = autopar.parallelize(
-            ts.step, mesh={"data": 1}, cluster="h200-sxm", progress=False, cache_dir=False
+            fn, mesh={"data": 1}, cluster="h200-sxm", progress=False, cache_dir=False
         ).plan(*args)
-        out[name] = {
+        return {
             "step_s": plan.cost.step_s,
             "compute_s": plan.cost.compute_s,
             "peak_memory_bytes": plan.cost.peak_memory_bytes,
             "engine": plan.engine,
         }
+
+    out = {}
+    for name, kw in MODELS.items():
+        gpt, cfg = _config(kw)
+        ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+        out[name] = priced(ts.step, args)
+        if name in PHASES:
+            out[name]["phases"] = {k: priced(f, args) for k, f in phases(ts).items()}
         print(name, out[name], flush=True)
     return out
 
@@ -130,7 +163,16 @@ def measure(out_dir: Path) -> dict:
             jax.block_until_ready(state)
             seconds = (time.perf_counter() - t) / 10
             p = predicted[name]
+            halves = {}
+            for k, f in phases(ts).items() if name in PHASES else ():
+                measured = _time(jax.jit(f), state, batch)
+                halves[k] = {
+                    "measured_s": measured,
+                    "predicted_s": p["phases"][k]["step_s"],
+                    "predicted_over_measured": p["phases"][k]["step_s"] / measured,
+                }
             steps[name] = {
+                "phases": halves,
                 "measured_s": seconds,
                 "predicted_s": p["step_s"],
                 "predicted_over_measured": p["step_s"] / seconds,
