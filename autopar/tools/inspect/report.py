@@ -410,7 +410,13 @@ def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
         t = timeline(plan.pipeline)
         sched = Table(
             f"pipeline schedule ({schedule_line(t).removeprefix('schedule: ')})",
-            ["stage", "slots in order (F/B/H<micro-batch>: forward, backward, head; . idle)"],
+            [
+                "stage",
+                "slots in order (F/B/H<micro-batch>: forward, backward, head"
+                + ("; W: weight gradients" if t.schedule == "zb-h1" else "")
+                + ("; .c: through chunk c" if t.virtual > 1 else "")
+                + "; . idle)",
+            ],
         )
         sched.rows = [line.split(": ", 1) for line in t.rows()]
         tables.append(sched)
