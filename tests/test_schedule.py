@@ -197,3 +197,29 @@ def test_chunk_moves_take_layer_order_to_chunk_order(S, v):
     from autopar.passes.pipeline import chunk_permutes
 
     assert chunk_permutes(S, v) == sum(any(a != b for a, b in p) for p in moves.values())
+
+
+@pytest.mark.parametrize("S,M,v", [(2, 4, 2), (4, 16, 2), (8, 96, 2), (3, 6, 3), (4, 4, 4)])
+def test_interleaved_slots_never_overwrite_a_live_activation(S, M, v):
+    """`interleaved_slots`: per stage, two forward passes share a slot only when the
+    first is read back (its backward slot) before the second is written, and the slot
+    count is the most passes the schedule's timeline holds at once on any stage
+    (`(v + 1) S - 1`, or all `M v`; a ring by pass number would need `2 v S - 1`)."""
+    from autopar.passes.pipeline import interleaved_slots
+
+    R, table = interleaved_slots(S, M, v)
+    for d in range(S):
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for j in range(M * v):
+            g, c, r = j // (S * v), (j % (S * v)) // S, j % S
+            jb = g * S * v + (v - 1 - c) * S + r
+            spans.setdefault(table[d][j], []).append((j + d, jb + v * S - 1 + S - 1 - d))
+        for held in spans.values():
+            held.sort()
+            assert all(a[1] < b[0] for a, b in zip(held, held[1:])), (d, held)
+        assert max(table[d]) < R
+    rec = _record(S, M, fused=True, schedule="interleaved")
+    rec["virtual_stages"] = v
+    t = timeline(rec)
+    assert R == max(t.in_flight(s) for s in range(S))
+    assert R == min(M * v, (v + 1) * S - 1) <= min(M * v, 2 * v * S - 1)

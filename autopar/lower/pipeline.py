@@ -53,7 +53,7 @@ from autopar.ir.graph import Graph, Node
 from autopar.lower import slots
 from autopar.lower.interleave import from_chunks, to_chunks
 from autopar.passes.microbatch import cut, uncut
-from autopar.passes.pipeline import SAME, SUM, Fused, Label, ScanLabels
+from autopar.passes.pipeline import SAME, SUM, Fused, Label, ScanLabels, interleaved_slots
 from autopar.passes.zero_bubble import WeightSplit
 
 
@@ -314,8 +314,11 @@ def run_1f1b(
     # ZB-H1 with no weight gradients to defer (`split_weight_grads` found none) is 1F1B
     zero_bubble = pipe.schedule == "zb-h1" and bw.split is not None
     V = pipe.virtual  # interleaved: chunks per stage; a saved activation is one chunk's
-    # saved activations held per stage (interleaved: chunks of micro-batches, `slots.interleaved`)
-    R = min(M, S) if alternate else min(M * V, (2 * S - 1) if V == 1 else 2 * V * S - 1)
+    # saved activations held per stage; interleaved: chunk passes, in the slots
+    # `interleaved_slots` gives each (its static schedule's interval colouring)
+    R = min(M, S) if alternate else min(M, 2 * S - 1)
+    if V > 1:
+        R, slot_table = interleaved_slots(S, M, V)
     # zero-bubble: stage s runs a micro-batch's weight gradients s slots after its
     # input gradient, so it keeps that many micro-batches' boundary values and one more
     Q = min(M, S)
@@ -360,11 +363,12 @@ def run_1f1b(
         last = lambda c: True if c is None else c == V - 1  # noqa: E731
 
         def ring(mc, c):
-            """The saved-activation slot of micro-batch `mc` (chunk `c`): by the order
-            forward passes run in, so a slot is free again when its pass is reused."""
+            """The saved-activation slot of micro-batch `mc` (interleaved: through chunk
+            `c`, forward pass `j`; `interleaved_slots`)."""
             if c is None:
                 return mc % R
-            return ((mc // S) * S * V + c * S + mc % S) % R
+            j = (mc // S) * S * V + c * S + mc % S
+            return jnp.asarray(slot_table, dtype=jnp.int32)[s, j]
 
         def f_in(st, m, c=None):
             """The forward pass of micro-batch `m` (idle outside 0..M-1; interleaved:

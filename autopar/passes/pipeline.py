@@ -29,6 +29,8 @@ come from a *sum* over the batch, and a body with batch statistics inside is ref
 
 from __future__ import annotations
 
+import functools
+import heapq
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -359,6 +361,43 @@ def chunk_moves(stages: int, virtual: int) -> dict[tuple[int, int], tuple[tuple[
             u = c * stages + r
             out.setdefault((u % virtual, c), []).append((u // virtual, r))
     return {k: tuple(v) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def interleaved_slots(stages: int, microbatches: int, virtual: int) -> tuple[int, tuple]:
+    """Where the interleaved schedule keeps each forward pass's saved activations:
+    (slots per stage, per stage the slot of each forward pass `j`). The schedule is
+    static (`autopar.lower.slots.interleaved`: stage `d` runs forward pass `j` in slot
+    `j + d` and reads it back in backward slot `j_b + v S - 1 + S - 1 - d`, `j_b` the
+    same chunk pass's backward number), so the slots are an interval colouring made
+    once, greedily in order of writing (optimal for intervals): as many slots as
+    passes a stage holds at once, `(v + 1) S - 1` on the first stage, against the `2 v
+    S - 1` a ring by pass number would need. A slot written in slot `t` must have been
+    read before `t` (a slot's forward pass runs before its backward one)."""
+    S, M, v = stages, microbatches, virtual
+    table, most = [], 0
+    for d in range(S):
+        spans = []
+        for j in range(M * v):
+            g, c, r = j // (S * v), (j % (S * v)) // S, j % S
+            jb = g * S * v + (v - 1 - c) * S + r
+            spans.append((j + d, jb + v * S - 1 + S - 1 - d, j))
+        free: list[int] = []
+        busy: list[tuple[int, int]] = []  # (read slot, slot)
+        slot_of = [0] * (M * v)
+        used = 0
+        for write, read, j in sorted(spans):
+            while busy and busy[0][0] < write:
+                heapq.heappush(free, heapq.heappop(busy)[1])
+            if free:
+                k = heapq.heappop(free)
+            else:
+                k, used = used, used + 1
+            slot_of[j] = k
+            heapq.heappush(busy, (read, k))
+        table.append(tuple(slot_of))
+        most = max(most, used)
+    return most, tuple(table)
 
 
 def chunk_permutes(stages: int, virtual: int) -> int:

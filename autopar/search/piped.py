@@ -19,6 +19,7 @@ from autopar.passes.pipeline import (
     PipelinedScans,
     chunk_layers,
     chunk_permutes,
+    interleaved_slots,
     stage_layers,
     sunk_fills,
 )
@@ -347,12 +348,14 @@ def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float
 def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float]:
     """In a 1F1B pipeline a stage holds the saved activations of at most 2S - 1
     micro-batches (lock-step) or S (alternating: stage s holds S - s, and every stage
-    has the first stage's buffer), or, interleaved, `2 v S - 1` chunks' of the `M v`
-    (`autopar.lower.slots.interleaved`); the head's values one micro-batch's worth,
-    but for the values the rest of the step reads from it."""
+    has the first stage's buffer), or, interleaved, `(v + 1) S - 1` chunks' of the `M
+    v` (`interleaved_slots`); the head's values one micro-batch's worth, but for the
+    values the rest of the step reads from it."""
     pipe = pipelined.pipe
     S, V = pipe.stages, pipe.virtual
-    held = S if pipe.schedule == "1f1b-async" else 2 * V * S - 1
+    held = S if pipe.schedule == "1f1b-async" else 2 * S - 1
+    if V > 1:
+        held = interleaved_slots(S, pipe.microbatches, V)[0]
     M = pipe.microbatches * V  # saved activations by chunk of a stage's layers
     out = {}
     for fz in pipelined.fused:
