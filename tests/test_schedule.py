@@ -221,5 +221,5 @@ def test_interleaved_slots_never_overwrite_a_live_activation(S, M, v):
     rec = _record(S, M, fused=True, schedule="interleaved")
     rec["virtual_stages"] = v
     t = timeline(rec)
-    assert R == max(t.in_flight(s) for s in range(S))
+    assert max(t.in_flight(s) for s in range(S)) == R
     assert R == min(M * v, (v + 1) * S - 1) <= min(M * v, 2 * v * S - 1)

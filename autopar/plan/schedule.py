@@ -33,10 +33,10 @@ The slots are the lowering's, in order:
   after the forward slots in which the last stage finished a micro-batch's last chunk.
 
 Every slot is lock-step: all stages start it together. A slot lasts the priced time
-of its loop over its `M + S - 1` slots (the plan records each pipelined loop's price,
-`seconds`, and the head's, `head_seconds`, over all micro-batches); a plan file
-without them gets unit slots (forward 1, backward 2, head 0) and says so
-(`Timeline.estimated`).
+of its loop over its `M + S - 1` slots, `M v + S - 1` interleaved (the plan records
+each pipelined loop's price, `seconds`, and the head's, `head_seconds`, over all
+micro-batches); a plan file without them gets unit slots (forward 1, backward 2,
+head 0) and says so (`Timeline.estimated`).
 """
 
 from __future__ import annotations
