@@ -2,7 +2,8 @@
 ``python -m benchmarks.gpu_profile --trace DIR`` on the GPU, ``--summarize DIR`` anywhere.
 
 Traces the example GPT at GPT-2-medium width (``benchmarks.gpu_fidelity``'s
-``gpt-medium-bf16`` and ``-f32``) with ``jax.profiler`` (a Perfetto trace), three steps
+``gpt-medium-bf16`` and ``-f32``; with ``--unrolled`` the bf16 one under ``nn.scan``
+and with its layers unrolled in Python) with ``jax.profiler`` (a Perfetto trace), three steps
 after three warm-ups, and sums the GPU kernels' time by kind: matrix products (cuBLAS /
 cuBLASLt / CUTLASS ``gemm`` kernels), XLA's fused elementwise and reduction kernels,
 copies and the rest. Used to place the gap between autopar's predicted step and the
@@ -15,6 +16,7 @@ import argparse
 import gzip
 import json
 import shutil
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,19 +27,33 @@ KINDS = (  # (kind, substrings of a kernel's name), first match wins
 )
 
 
-def trace(out: Path) -> None:
+def trace(out: Path, unrolled: bool = False) -> None:
+    """Trace both models (`unrolled`: the bf16 one with its layers unrolled in Python
+    too, to see which kernels the scan's loop adds)."""
+    import dataclasses
+
     import jax
 
     from benchmarks.gpu_fidelity import MODELS, _config
 
-    for name in ("gpt-medium-bf16", "gpt-medium-f32"):
+    runs = [("gpt-medium-bf16", True), ("gpt-medium-f32", True)]
+    if unrolled:
+        runs = [("gpt-medium-bf16", True), ("gpt-medium-bf16", False)]
+    for name, scanned in runs:
         gpt, cfg = _config(MODELS[name])
+        cfg = dataclasses.replace(cfg, scan_layers=scanned)
+        name = name if scanned else name + "-unrolled"
         ts = gpt.make_train_step(cfg)
         state, batch = jax.jit(ts.init)(0), ts.batch(0)
         step = jax.jit(ts.step, donate_argnums=0)
         for _ in range(3):
             state = step(state, batch)[0]
         jax.block_until_ready(state)
+        t = time.perf_counter()
+        for _ in range(5):
+            state = step(state, batch)[0]
+        jax.block_until_ready(state)
+        print(name, "ms per step", (time.perf_counter() - t) / 5 * 1e3, flush=True)
         where = Path("/tmp/prof") / name
         with jax.profiler.trace(str(where), create_perfetto_trace=True):
             for _ in range(3):
@@ -82,10 +98,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, help="trace on this machine's GPU into DIR")
     ap.add_argument("--summarize", type=Path, help="sum the traces in DIR by kernel kind")
+    ap.add_argument("--unrolled", action="store_true", help="bf16, scanned and unrolled")
     a = ap.parse_args(argv)
     if a.trace:
         a.trace.mkdir(parents=True, exist_ok=True)
-        trace(a.trace)
+        trace(a.trace, a.unrolled)
     if a.summarize:
         print(json.dumps(summarize(a.summarize), indent=1))
 
