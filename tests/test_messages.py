@@ -165,7 +165,8 @@ def test_did_you_mean_helper():
         (
             {"pipeline_schedule": "1F1B"},
             "pipeline_schedule='1F1B' (did you mean '1f1b'?): choose None (1F1B where the step "
-            "allows it, else GPipe) or one of ('gpipe', '1f1b', '1f1b-async', 'zb-h1')",
+            "allows it, else GPipe) or one of ('gpipe', '1f1b', '1f1b-async', 'zb-h1', "
+            "'interleaved')",
         ),
         (
             {"precision": "bfloat_16"},

@@ -53,7 +53,15 @@ from autopar.ir.graph import Graph, Node
 from autopar.lower import slots
 from autopar.lower.interleave import from_chunks, to_chunks
 from autopar.passes.microbatch import cut, uncut
-from autopar.passes.pipeline import SAME, SUM, Fused, Label, ScanLabels, interleaved_slots
+from autopar.passes.pipeline import (
+    SAME,
+    SUM,
+    Fused,
+    Label,
+    ScanLabels,
+    interleaved_number,
+    interleaved_slots,
+)
 from autopar.passes.zero_bubble import WeightSplit
 
 
@@ -367,7 +375,7 @@ def run_1f1b(
             `c`, forward pass `j`; `interleaved_slots`)."""
             if c is None:
                 return mc % R
-            j = (mc // S) * S * V + c * S + mc % S
+            j = interleaved_number(mc, c, S, V)
             return jnp.asarray(slot_table, dtype=jnp.int32)[s, j]
 
         def f_in(st, m, c=None):

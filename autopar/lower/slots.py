@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from autopar.passes.pipeline import interleaved_pass
+
 
 def lock_step(st: dict, s, S: int, M: int, fw, bw, forward, turn, backward) -> dict:
     """Lock-step 1F1B: `S - 1` forward slots, `M` ticks of a forward slot, the head
@@ -163,14 +165,12 @@ def interleaved(st: dict, s, S: int, M: int, v: int, fw, bw, forward, turn, back
     `v S - 1` apart: the ramps last `S - 1` chunks' passes, 1/v of lock-step 1F1B's.
     The head runs in a `lax.cond` that every device takes alike (it depends on the
     slot only). Needs `M` a multiple of `S`."""
-    group, D = S * v, v * S - 1
+    D = v * S - 1
 
     def job(j, backward_pass: bool):
-        jc = jnp.clip(j, 0, M * v - 1)
-        g, c, r = jc // group, (jc % group) // S, jc % S
-        c = v - 1 - c if backward_pass else c
+        m, c = interleaved_pass(jnp.clip(j, 0, M * v - 1), S, v, backward_pass)
         on = (j >= 0) & (j < M * v)
-        return jnp.where(on, g * S + r, -1), c
+        return jnp.where(on, m, -1), c
 
     zero_h = jax.eval_shape(lambda st: turn(dict(st), st["fc"], 0, False), st)
     zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), zero_h)
@@ -194,7 +194,7 @@ def interleaved(st: dict, s, S: int, M: int, v: int, fw, bw, forward, turn, back
         fc, mc = fwd(st, t)
         # the last stage's forward pass in slot t: its chunk is the last one on every device
         j = t - (S - 1)
-        turns = (j >= 0) & (j < M * v) & ((j % group) // S == v - 1)
+        turns = (j >= 0) & (j < M * v) & (interleaved_pass(j, S, v)[1] == v - 1)
 
         def head(st):
             st = dict(st)

@@ -363,6 +363,21 @@ def chunk_moves(stages: int, virtual: int) -> dict[tuple[int, int], tuple[tuple[
     return {k: tuple(v) for k, v in out.items()}
 
 
+def interleaved_pass(j, stages: int, virtual: int, backward: bool = False):
+    """A stage's forward (backward) pass `j` under the interleaved schedule, as
+    (micro-batch, chunk): `j = g S v + c S + r` is micro-batch `g S + r` through chunk
+    `c` (micro-batches in groups of `S`, each group through every chunk before the
+    next; backward passes take the chunks in reverse). Plain ints or traced arrays."""
+    g, c, r = j // (stages * virtual), (j % (stages * virtual)) // stages, j % stages
+    return g * stages + r, (virtual - 1 - c if backward else c)
+
+
+def interleaved_number(m, c, stages: int, virtual: int, backward: bool = False):
+    """`interleaved_pass` inverted: the pass number of micro-batch `m` through chunk `c`."""
+    c = virtual - 1 - c if backward else c
+    return (m // stages) * stages * virtual + c * stages + m % stages
+
+
 @functools.lru_cache(maxsize=64)
 def interleaved_slots(stages: int, microbatches: int, virtual: int) -> tuple[int, tuple]:
     """Where the interleaved schedule keeps each forward pass's saved activations:
@@ -379,8 +394,7 @@ def interleaved_slots(stages: int, microbatches: int, virtual: int) -> tuple[int
     for d in range(S):
         spans = []
         for j in range(M * v):
-            g, c, r = j // (S * v), (j % (S * v)) // S, j % S
-            jb = g * S * v + (v - 1 - c) * S + r
+            jb = interleaved_number(*interleaved_pass(j, S, v), S, v, backward=True)
             spans.append((j + d, jb + v * S - 1 + S - 1 - d, j))
         free: list[int] = []
         busy: list[tuple[int, int]] = []  # (read slot, slot)

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.passes.pipeline import interleaved_pass
+
 __all__ = ["Slot", "Timeline", "schedule_line", "timeline"]
 
 FORWARD, BACKWARD, HEAD, IDLE = "forward", "backward", "head", "idle"
@@ -202,10 +204,7 @@ def _interleaved(run, S: int, M: int, V: int, times, loops) -> None:
     D, T = V * S - 1, M * V + S - 1
 
     def job(j: int, back: bool):
-        if not 0 <= j < M * V:
-            return None
-        g, c, r = j // (S * V), (j % (S * V)) // S, j % S
-        return g * S + r, (V - 1 - c if back else c)
+        return interleaved_pass(j, S, V, back) if 0 <= j < M * V else None
 
     for i in range(T + D):
         if i < T:
