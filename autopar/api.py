@@ -404,11 +404,11 @@ def parallelize(
     a deferred pass reads, a ring of min(M, S) micro-batches), "interleaved"
     (lock-step 1F1B over `virtual_stages` chunks of layers per stage, default 2:
     Megatron's interleaving; stage s runs layer chunks s, S + s, ..., so the ramps
-    shrink v-fold while the carry hops v times as often; M must be a multiple of S; a
-    scanned loop's weights are permuted into that order and their gradients back in
-    every step, which the plan prices), "gpipe" (every forward pass, then every backward one:
-    M micro-batches' activations) or None: 1F1B where the step splits that way, else
-    GPipe. `pipeline_stages="auto"`
+    shrink v-fold while the carry hops v times as often; M must be a multiple of S;
+    the loop's weights are moved into that order and their gradients back in every
+    step, which the plan prices and records; `scan` loops only), "gpipe" (every forward
+    pass, then every backward one: M micro-batches' activations) or None: 1F1B where
+    the step splits that way, else GPipe. `pipeline_stages="auto"`
     with `mesh` a device count tries every stage count S dividing it, on
     `{"stage": S, "data": ..., "model": ...}` with the model axis
     inside a node (`meshes.pipeline_meshes`; S = 1 is no pipeline), and keeps the
