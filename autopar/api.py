@@ -9,6 +9,7 @@ import functools
 import inspect
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -255,6 +256,18 @@ def _options(
         )
     if pipeline_schedule == "interleaved" and virtual_stages is None:
         virtual_stages = 2
+    unused = {
+        k: v
+        for k, v in (("pipeline_schedule", pipeline_schedule), ("microbatches", microbatches))
+        if v is not None
+    }
+    if pipeline_stages is None and unused:
+        warnings.warn(
+            f"autopar: {', '.join(f'{k}={v!r}' for k, v in unused.items())} "
+            f"{'takes' if len(unused) == 1 else 'take'} effect with pipeline_stages=S or "
+            "'auto' only; without it no pipeline is planned",
+            stacklevel=4,
+        )
     given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
     if precision is None and given_plan is not None:
         precision = given_plan.precision

@@ -54,9 +54,9 @@ def _concrete(args):
 
 def measure(name: str, scan: bool, **options) -> dict:
     w = examples.gpt(**SHAPE, name=name, scan_layers=scan)
-    par = autopar.parallelize(
-        w.fn, mesh=MESH, cluster="h100-sxm", progress=False, microbatches=4, **options
-    )
+    if "pipeline_stages" in options:
+        options["microbatches"] = 4
+    par = autopar.parallelize(w.fn, mesh=MESH, cluster="h100-sxm", progress=False, **options)
     t = time.perf_counter()
     plan = par.plan(*w.args)
     plan_s = time.perf_counter() - t

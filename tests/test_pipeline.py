@@ -28,18 +28,23 @@ def _cfg(layers: int = 4, scan: bool = True) -> gpt.GPTConfig:
     )
 
 
-@functools.cache
-def _pipelined(microbatches: int | None = 4, schedule: str | None = None):
-    ts = gpt.make_train_step(_cfg())
-    step = autopar.parallelize(
+def _staged(ts, microbatches: int | None = 4, schedule: str | None = None, **options):
+    """`ts.step` pipelined over 2 stages of `MESH`."""
+    return autopar.parallelize(
         ts.step,
         mesh=MESH,
         cluster=CLUSTER,
         pipeline_stages=2,
         microbatches=microbatches,
         pipeline_schedule=schedule,
+        **options,
     )
-    return ts, step
+
+
+@functools.cache
+def _pipelined(microbatches: int | None = 4, schedule: str | None = None):
+    ts = gpt.make_train_step(_cfg())
+    return ts, _staged(ts, microbatches, schedule)
 
 
 @pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b-async", "zb-h1", "interleaved"])
@@ -126,15 +131,7 @@ def test_interleaved_prices_the_weight_moves_it_records(monkeypatch):
     plan = il.plan(state, ts.batch(0))
     (f,) = plan.pipeline["fused"]
     monkeypatch.setattr(piped, "_moved", lambda *a: ([], []))
-    free = autopar.parallelize(
-        ts.step,
-        mesh=MESH,
-        cluster=CLUSTER,
-        pipeline_stages=2,
-        microbatches=4,
-        pipeline_schedule="interleaved",
-        cache_dir=False,
-    ).plan(state, ts.batch(0))
+    free = _staged(ts, 4, "interleaved", cache_dir=False).plan(state, ts.batch(0))
     assert "moved_seconds" in f and f["moved_seconds"] > 0 and f["moved_bytes"] > 0
     assert free.pipeline["fused"][0]["moved_seconds"] == 0
     if [o.strategy for o in plan.ops] == [o.strategy for o in free.ops]:
@@ -274,14 +271,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
     temp, plans = {}, {}
     for schedule in ("gpipe", "1f1b"):
-        step = autopar.parallelize(
-            ts.step,
-            mesh=MESH,
-            cluster=CLUSTER,
-            pipeline_stages=2,
-            microbatches=16,
-            pipeline_schedule=schedule,
-        )
+        step = _staged(ts, 16, schedule)
         plans[schedule] = step.plan(*args)
         temp[schedule] = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert temp["1f1b"] < 0.6 * temp["gpipe"], temp
@@ -401,6 +391,9 @@ def test_bad_pipeline_requests_say_what_to_do():
     # the interleaved schedule: its own option, whole groups of S micro-batches, a scan
     # over layers that splits into S x v chunks (layers unrolled in Python would be
     # copied into chunk order every step)
+    # a schedule or micro-batch count with no pipeline asked for: said, not silently dropped
+    with pytest.warns(UserWarning, match="pipeline_schedule='1f1b' takes effect with pipeline_"):
+        autopar.parallelize(scan.step, mesh=MESH, pipeline_schedule="1f1b")
     with pytest.raises(PipelineError, match="virtual_stages=2: .*pipeline_schedule='interleaved'"):
         autopar.parallelize(scan.step, mesh=MESH, pipeline_stages=2, virtual_stages=2)
     interleaved = dict(mesh=MESH, cluster=CLUSTER, pipeline_stages=2)

@@ -366,6 +366,7 @@ def run_1f1b(
                         moved[vals[i]] = to_chunks(x, axis, S, V)
             fargs = [moved.get(x, a) for x, a in zip(F.inputs, fargs)]
             bargs = [moved.get(B.inputs[i], a) for i, a in zip(b_ext, bargs)]
+            my_slots = jnp.asarray(slot_table, dtype=jnp.int32)[s]  # this stage's row
         bargs = dict(zip(b_ext, bargs))
         first = lambda c: True if c is None else c == 0  # noqa: E731
         last = lambda c: True if c is None else c == V - 1  # noqa: E731
@@ -375,8 +376,7 @@ def run_1f1b(
             `c`, forward pass `j`; `interleaved_slots`)."""
             if c is None:
                 return mc % R
-            j = interleaved_number(mc, c, S, V)
-            return jnp.asarray(slot_table, dtype=jnp.int32)[s, j]
+            return my_slots[interleaved_number(mc, c, S, V)]
 
         def f_in(st, m, c=None):
             """The forward pass of micro-batch `m` (idle outside 0..M-1; interleaved:
