@@ -261,14 +261,33 @@ def test_compiled_pipeline_moves_activations_with_collective_permute(capfd):
     assert any(d[-1] == 64 and math.prod(d) <= 2 * 32 * 64 for d in dims), shapes
 
 
+def _four_layers():
+    """A 4-layer GPT step (hidden 64, seq 64, batch 32) and its abstract arguments."""
+    cfg = gpt.GPTConfig(
+        hidden=64, heads=4, seq=64, vocab=256, layers=4, batch_size=32, scan_layers=True
+    )
+    return gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+
+
+def _planned_and_compiled(ts, args, stages: int, microbatches: int, schedule: str):
+    """The plan of `ts.step` on `stages` stages x data, and its compiled temporaries."""
+    step = autopar.parallelize(
+        ts.step,
+        mesh={"stage": stages, "data": 8 // stages},
+        cluster=CLUSTER,
+        pipeline_stages=stages,
+        microbatches=microbatches,
+        pipeline_schedule=schedule,
+    )
+    plan = step.plan(*args)
+    return plan, step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
 def test_1f1b_holds_fewer_activations_than_gpipe():
     """With M = 16 micro-batches on 2 stages, GPipe keeps all 16 micro-batches' saved
     activations, 1F1B at most 2S - 1 = 3: the compiled program's temporaries shrink,
     and the plan's predicted peak with them, at about the same predicted time."""
-    cfg = gpt.GPTConfig(
-        hidden=64, heads=4, seq=64, vocab=256, layers=4, batch_size=32, scan_layers=True
-    )
-    ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    ts, args = _four_layers()
     temp, plans = {}, {}
     for schedule in ("gpipe", "1f1b"):
         step = _staged(ts, 16, schedule)
@@ -278,6 +297,27 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     gpipe, one = plans["gpipe"].cost, plans["1f1b"].cost
     assert one.peak_memory_bytes < 0.6 * gpipe.peak_memory_bytes
     assert one.step_s < 1.1 * gpipe.step_s
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_stage_of_several_layers_prices_its_loop_copies(schedule, monkeypatch):
+    """A stage of 2 layers runs them as a loop nested in the schedule's: XLA writes one
+    micro-batch's saved activations into a buffer of their own before the slot keeping
+    them (and ZB-H1's weight gradients read theirs back as a copy). The predicted peak
+    above the arguments is within 15% of the compiled temporaries (without the copies
+    priced it was 1.24x under them for lock-step 1F1B, 1.30x for ZB-H1); the saved
+    activations are priced alive at one micro-batch more than the schedule holds: all 8
+    and one under GPipe, 2S - 1 = 3 and one under 1F1B (`search.piped.residency`)."""
+    import autopar.compile.driver as driver
+
+    made = []
+    real = driver.make_plan
+    monkeypatch.setattr(driver, "make_plan", lambda p, r, *a: made.append(p) or real(p, r, *a))
+    plan, temp = _planned_and_compiled(*_four_layers(), 2, 8, schedule)
+    above = plan.cost.peak_memory_bytes - plan.cost.argument_bytes
+    assert abs(temp - above) <= 0.15 * above, (temp, above)
+    held = (8 + 1) / 8 if schedule == "gpipe" else (3 + 1) / 8
+    assert held in set(made[-1].resident.values()), made[-1].resident
 
 
 def test_alternating_1f1b_holds_fewer_activations_and_prices_its_waits(monkeypatch):
@@ -292,25 +332,13 @@ def test_alternating_1f1b_holds_fewer_activations_and_prices_its_waits(monkeypat
     from autopar.search.evaluate import step_seconds
     from autopar.search.polish import Pricing
 
-    cfg = gpt.GPTConfig(
-        hidden=64, heads=4, seq=64, vocab=256, layers=4, batch_size=32, scan_layers=True
-    )
-    ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    ts, args = _four_layers()
     made = []
     real = driver.make_plan
     monkeypatch.setattr(driver, "make_plan", lambda p, r, *a: made.append((p, r)) or real(p, r, *a))
     temp, plans = {}, {}
     for schedule in ("1f1b", "1f1b-async"):
-        step = autopar.parallelize(
-            ts.step,
-            mesh={"stage": 4, "data": 2},
-            cluster=CLUSTER,
-            pipeline_stages=4,
-            microbatches=16,
-            pipeline_schedule=schedule,
-        )
-        plans[schedule] = step.plan(*args)
-        temp[schedule] = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+        plans[schedule], temp[schedule] = _planned_and_compiled(ts, args, 4, 16, schedule)
     held = {k: [timeline(p.pipeline).in_flight(s) for s in range(4)] for k, p in plans.items()}
     assert held == {"1f1b": [7, 5, 3, 1], "1f1b-async": [4, 3, 2, 1]}, held
     assert temp["1f1b-async"] < 0.95 * temp["1f1b"], temp
