@@ -203,8 +203,11 @@ def test_collective_inside_scan_is_in_loop(mesh2d):
     assert ar.in_loop
     assert ar.bytes == 16 * 64 * F32
     assert ar.axes == ("model",)
+    assert ar.runs == 3  # the scan's length, XLA's known_trip_count
     ag = only(cs, "all-gather")  # the final reshard happens after the loop
-    assert not ag.in_loop
+    assert not ag.in_loop and ag.runs == 1
+    per_step = summarize(cs, per_step=True)
+    assert per_step[("all-reduce", ("model",))] == 3 * summarize(cs)[("all-reduce", ("model",))]
 
 
 def test_no_mesh_gives_no_axes(mesh2d):
@@ -409,7 +412,7 @@ ENTRY %main (p: f32[4]) -> f32[4] {
   %p = f32[4]{0} parameter(0)
   %z = s32[] constant(0)
   %init = (s32[], f32[4]{0}) tuple(%z, %p)
-  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   %res = f32[4]{0} get-tuple-element(%w), index=1
   ROOT %outside = f32[4]{0} all-reduce(%res), channel_id=1, replica_groups={}, use_global_device_ids=true, to_apply=%add
 }
@@ -422,3 +425,9 @@ ENTRY %main (p: f32[4]) -> f32[4] {
     assert cs["outside"].groups == ((0, 1, 2, 3),)
     assert cs["direct"].bytes == 16
     assert summarize(cs.values()) == {("all-reduce", None): 32, ("all-to-all", None): 16}
+    # a step runs the loop's (and what it calls) 3 times: the while's known_trip_count
+    assert [cs[k].runs for k in ("deep", "direct", "outside")] == [3, 3, 1]
+    assert summarize(cs.values(), per_step=True) == {
+        ("all-reduce", None): 16 + 3 * 16,
+        ("all-to-all", None): 3 * 16,
+    }

@@ -49,3 +49,35 @@ def test_scan_plan_file_round_trips_and_runs(tmp_path):
     replay = autopar.parallelize(ts.step, mesh=MESH, plan=loaded)
     assert_trees_close(replay(state, batch), step(state, batch), rtol=0, atol=0)
     assert_trees_close(step(state, batch)[1], jax.jit(ts.step)(state, batch)[1])
+
+
+def test_a_loops_collectives_count_as_communication(monkeypatch):
+    """A scanned loop's price is its body's step times its length; the collectives in
+    that body are communication (`Problem.loop_comm`), in the plan's `comm_s` and its
+    bytes by kind and axes, every step of the loop counted, not part of `compute_s`."""
+    import autopar.compile.driver as driver
+    from autopar.search.evaluate import edge_collectives
+
+    made = []
+    real = driver.make_plan
+    monkeypatch.setattr(driver, "make_plan", lambda p, r, *a: made.append((p, r)) or real(p, r, *a))
+    cfg = _gpt(3)
+    ts = gpt.make_train_step(cfg)
+    plan = autopar.parallelize(ts.step, mesh=MESH).plan(*gpt.abstract_args(cfg))
+    problem, result = made[-1]
+    n_in, choice = problem.num_inputs, result.choice
+    loops = {i: problem.loop_comm[i][choice[n_in + i]] for i in problem.loop_comm}
+    assert len(loops) == 2 and any(seconds > 0 for seconds, _ in loops.values())
+    for i, (seconds, sent) in loops.items():
+        body = problem.bodies[i][1][choice[n_in + i]].cost
+        assert seconds == 3 * body.comm_s
+        assert sent == {k: 3 * b for k, b in body.comm_bytes.items()}
+    outside = edge_collectives(problem, choice)
+    outer = {}
+    for _, _, c in outside:
+        key = f"{c.kind}@{','.join(sorted(c.axes, key=problem.mesh.axis_names.index))}"
+        outer[key] = outer.get(key, 0) + c.bytes
+    for key in {k for _, sent in loops.values() for k in sent} | set(outer):
+        want = outer.get(key, 0) + sum(int(sent.get(key, 0)) for _, sent in loops.values())
+        assert plan.cost.comm_bytes.get(key, 0) == want, key
+    assert plan.cost.comm_s >= sum(seconds for seconds, _ in loops.values())

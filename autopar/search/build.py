@@ -130,6 +130,12 @@ class Problem:
     # deferred weight gradients read; interleaved: the weights in chunk order;
     # `piped.pipeline_buffers`)
     buffers: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    # graph node id of a loop -> by its strategy, the communication inside its price
+    # (seconds, bytes per device by "kind@axes"): its body's collectives every step (and
+    # a pipeline's hops), which `evaluate` counts as communication, not compute
+    loop_comm: dict[int, tuple[tuple[float, dict[str, int]], ...]] = field(
+        default_factory=dict, repr=False
+    )
 
     def compute_time(self) -> tuple[np.ndarray, ...]:
         return self.node_time if self.node_compute is None else self.node_compute
@@ -277,13 +283,20 @@ def build_problem(
     node_time, node_comm = list(node_time), list(node_comm)
     for i in (*bodies, *conds):  # priced whole by their nested plans below
         node_comm[n_in + i] = np.zeros(len(strategies[n_in + i]))
-    piped_times = loop_times(graph, pipelined, bodies, cost) if pipelined is not None else {}
+    piped_times, loop_comm = (
+        loop_times(graph, pipelined, bodies, cost) if pipelined is not None else ({}, {})
+    )
     for i, (_, results) in bodies.items():
         node = graph.nodes[i]
         if i in piped_times:
             node_time[n_in + i] = piped_times[i]
         else:
-            node_time[n_in + i] = np.array([node.params["length"] * r.cost.step_s for r in results])
+            n = node.params["length"]
+            node_time[n_in + i] = np.array([n * r.cost.step_s for r in results])
+            loop_comm[i] = tuple(
+                (n * r.cost.comm_s, {k: n * b for k, b in r.cost.comm_bytes.items()})
+                for r in results
+            )
     waits = alternating_waits(graph, pipelined, bodies, cost) if pipelined is not None else ()
     buffers = pipeline_buffers(graph, pipelined, bodies) if pipelined is not None else {}
     node_mem = tuple(  # the engines' memory estimate holds a pipeline's buffers too
@@ -333,6 +346,7 @@ def build_problem(
         waits=tuple((n_in + u, n_in + v, w) for u, v, w in waits),
         regions=tuple(f.members() for f in pipelined.fused) if pipelined is not None else (),
         buffers=buffers,
+        loop_comm=loop_comm,
     )
 
 

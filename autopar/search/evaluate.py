@@ -120,6 +120,9 @@ def step_seconds(problem: Problem, choice: Sequence[int]) -> float:
 
 
 def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
+    """The plan's price: compute and communication seconds (a loop's own collectives,
+    `Problem.loop_comm`, counted as communication), bytes per collective kind and mesh
+    axes (a loop's every step's), peak memory."""
     settled = settle(problem, choice)
     compute, comm, colls = _times(problem, choice, settled)
     by: dict[str, int] = {}
@@ -127,6 +130,12 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
         axes = sorted(c.axes, key=problem.mesh.axis_names.index)
         key = f"{c.kind}@{','.join(axes)}"
         by[key] = by.get(key, 0) + c.bytes
+    n_in = problem.num_inputs
+    for i, per in problem.loop_comm.items():
+        seconds, sent = per[choice[n_in + i]]
+        compute, comm = compute - seconds, comm + seconds
+        for key, b in sent.items():
+            by[key] = by.get(key, 0) + int(b)
     peak, args = peak_memory(problem, choice, settled)
     return Cost(compute, comm, peak, args, by)
 

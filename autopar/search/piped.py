@@ -31,27 +31,61 @@ Problem = Any  # a loop body's `search.build.Problem` (which imports this module
 
 def loop_times(
     graph: Graph, pipelined: PipelinedScans, bodies: dict, cost: CostModel
-) -> dict[int, np.ndarray]:
+) -> tuple[dict[int, np.ndarray], dict[int, tuple[tuple[float, dict[str, int]], ...]]]:
     """Each pipelined loop's time by strategy (`bodies`: node id -> (its body's
-    problem, one body result per strategy), `Problem.bodies`)."""
+    problem, one body result per strategy), `Problem.bodies`), and the communication
+    in it (`Problem.loop_comm`; `_pipeline_comm`): `M + S - 1` slots (`M v + S - 1`
+    chunk slots, interleaved) of one micro-batch through one stage's layers (one
+    chunk's) and a hop of its carry to the next stage, then (outside a 1F1B region) the
+    final carry, which only the last stage holds, all-reduced over the stage axis; the
+    interleaved schedule's moves; ZB-H1's deferred weight gradients. GPipe and
+    lock-step 1F1B alike: 1F1B runs a forward and a backward slot per tick, with ramps
+    of forward-only and backward-only slots (the alternating 1F1B adds
+    `alternating_waits`)."""
     inside = _inside_1f1b(graph, pipelined)
     pipe = pipelined.pipe
-    out = {}
+    times, comms = {}, {}
     for i in pipelined.scans:
         if i not in bodies:
             continue
         node, body = graph.nodes[i], bodies[i][0]
         split = _deferred_split(graph, pipelined, i, body)
         moved = _moved(graph, pipelined, i)
-        out[i] = np.array(
+        comms[i] = tuple(
+            _pipeline_comm(node, body, pipe, cost, r, i not in inside, moved) for r in bodies[i][1]
+        )
+        on_stage = pipe.ticks() * chunk_layers(node, pipe)
+        times[i] = np.array(
             [
-                _pipeline_seconds(node, body, pipe, cost, r, i not in inside)
-                + _deferral_seconds(node, body, pipe, r, split)
-                + _moved_seconds(node, body, pipe, cost, r, moved)
-                for r in bodies[i][1]
+                on_stage * r.cost.compute_s + comm + _deferral_seconds(node, body, pipe, r, split)
+                for r, (comm, _) in zip(bodies[i][1], comms[i])
             ]
         )
-    return out
+    return times, comms
+
+
+def _pipeline_comm(
+    node: Node, body: Problem, pipe: Pipeline, cost: CostModel, result, collect: bool, moved
+) -> tuple[float, dict[str, int]]:
+    """The communication of a pipelined loop (`loop_times`) under one body plan:
+    seconds, and bytes per device by "kind@axes" (the layers' own every slot)."""
+    ticks, layers, carry = pipe.ticks(), chunk_layers(node, pipe), _carry_bytes(node, body, result)
+    by = {k: ticks * layers * b for k, b in result.cost.comm_bytes.items()}
+    hop = cost.collective("collective-permute", (pipe.axis,), carry)
+    hop_key = f"{hop.kind}@{pipe.axis}"
+    seconds = ticks * (layers * result.cost.comm_s + hop.seconds)
+    sent = [(hop, ticks)]
+    if collect:
+        out = cost.collective("all-reduce", (pipe.axis,), carry * pipe.microbatches)
+        seconds += out.seconds
+        sent.append((out, 1))
+    for c, times in sent:
+        by[f"{c.kind}@{pipe.axis}"] = by.get(f"{c.kind}@{pipe.axis}", 0) + times * c.bytes
+    seconds += _moved_seconds(node, body, pipe, cost, result, moved)
+    permutes = chunk_permutes(pipe.stages, pipe.virtual)
+    for b in _moved_bytes(node, body, pipe, result, moved):  # as `_moved_seconds` sends them
+        by[hop_key] = by.get(hop_key, 0) + permutes * int(b / pipe.virtual)
+    return seconds, by
 
 
 def _moved(graph: Graph, pipelined: PipelinedScans, i: int) -> tuple[list, list]:
@@ -124,7 +158,7 @@ def rescheduled(problem: Problem, pipelined: PipelinedScans) -> Problem:
     which run the same loop bodies and hold the same values, that is all that
     changes."""
     g, n_in = problem.graph, problem.num_inputs
-    times = loop_times(g, pipelined, problem.bodies, problem.cost)
+    times, comms = loop_times(g, pipelined, problem.bodies, problem.cost)
     buffers = pipeline_buffers(g, pipelined, problem.bodies)
     node_time = list(problem.node_time)
     node_compute = list(problem.compute_time())
@@ -139,6 +173,7 @@ def rescheduled(problem: Problem, pipelined: PipelinedScans) -> Problem:
         node_compute=tuple(node_compute),
         node_mem=tuple(node_mem),
         buffers=buffers,
+        loop_comm={**problem.loop_comm, **comms},
     )
 
 
@@ -278,7 +313,7 @@ def alternating_waits(
     """The alternating 1F1B schedule (`autopar.lower.pipeline`) runs `2 (M + S - 1)`
     half-slots, in each some stages a forward pass and the others a backward one, so
     a half-slot lasts the slower of the two: `2 (M + S - 1) max(f, b)` in all, where
-    the two loops' own prices (`_pipeline_seconds`, lock-step slots) add up to
+    the two loops' own prices (`loop_times`, lock-step slots) add up to
     `(M + S - 1) (f + b)`. The difference, `(M + S - 1) |f - b|`, depends on both
     loops' strategies: per fused pair (forward, backward, its matrix). The head runs
     `M` times between half-slots, priced per micro-batch as the lock-step head is."""
@@ -299,16 +334,23 @@ def alternating_waits(
 
 
 def _carry_bytes(node: Node, body: Problem, result: SearchResult) -> int:
-    """Each device's shard of one micro-batch's carry (`result`: one layer's plan at
-    the micro-batch size, on the `body` problem)."""
-    n_c, n_k = node.params["num_consts"], node.params["num_carry"]
-    return sum(
-        body.cost.local_bytes(
-            body.graph.values[body.graph.inputs[i]],
-            body.strategies[i][result.choice[i]].out_specs[0],
-        )
-        for i in range(n_c, n_c + n_k)
-    )
+    """Each device's shard of one micro-batch's carry as a layer returns it (`result`:
+    one layer's plan at the micro-batch size, on the `body` problem): the layout the
+    lowering pins a stage's carry to and passes on to the next stage. (The next layer
+    may read it in another; that reshard is in the body's price.)"""
+    g, total = body.graph, 0
+    for k in range(node.params["num_carry"]):
+        v = g.outputs[k]
+        if k in body.aliases:  # returned as it came in
+            c, q = body.aliases[k], 0
+        elif v in body.source:
+            c, q = body.source[v]
+        else:  # a constant
+            total += g.values[v].nbytes
+            continue
+        spec = body.strategies[c][result.choice[c]].out_specs[q].without_partial()
+        total += body.cost.local_bytes(g.values[v], spec)
+    return total
 
 
 def _slot_seconds(
@@ -319,25 +361,6 @@ def _slot_seconds(
     the next stage."""
     hop = cost.collective("collective-permute", (pipe.axis,), _carry_bytes(node, body, result))
     return chunk_layers(node, pipe) * result.cost.step_s + hop.seconds
-
-
-def _pipeline_seconds(
-    node: Node,
-    body: Problem,
-    pipe: Pipeline,
-    cost: CostModel,
-    result: SearchResult,
-    collect: bool = True,
-) -> float:
-    """Time of a pipelined scan: `M + S - 1` slots (`_slot_seconds`; `M v + S - 1`
-    chunk slots, interleaved); then (`collect`) the final carry, which only the last
-    stage holds, is all-reduced over the stage axis. GPipe and lock-step 1F1B alike:
-    1F1B runs a forward and a backward slot per tick, with ramps of forward-only and
-    backward-only slots (the alternating 1F1B adds `alternating_waits`)."""
-    # the last stage's outputs reach every stage: an all-reduce of all micro-batches' carry
-    sent = _carry_bytes(node, body, result) * pipe.microbatches
-    out = cost.collective("all-reduce", (pipe.axis,), sent)
-    return pipe.ticks() * _slot_seconds(node, body, pipe, cost, result) + out.seconds * collect
 
 
 def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float]:

@@ -58,7 +58,9 @@ instructions that define them (compiled HLO text prints operands by name only).
 
 Loops: ``in_loop`` is True for collectives in a while body or condition computation, or
 in any computation reachable from one (``calls=``, ``to_apply=``, branches, nested
-whiles).  ``summarize`` does not multiply by trip counts; callers that know them can.
+whiles).  ``runs`` multiplies the ``known_trip_count`` of every while loop around a
+collective (XLA records it on loops of a static length, as ``scan`` and ``fori_loop``
+make); ``summarize(..., per_step=True)`` counts each collective that many times.
 """
 
 from __future__ import annotations
@@ -120,6 +122,10 @@ class HloCollective:
     """HLO instruction name (without the ``%``)."""
     in_loop: bool
     """True when inside a while body/condition, directly or through called computations."""
+    runs: int = 1
+    """How many times a step runs it: the product of the known trip counts of the while
+    loops around it (a loop without ``known_trip_count`` counts once), summed over the
+    places its computation is called from."""
 
 
 # --------------------------------------------------------------------------- shapes
@@ -182,6 +188,8 @@ _CALLEE_RE = re.compile(
 )
 _CALLEE_LIST_RE = re.compile(r"\b(?:branch_computations|called_computations|calls)=\{([^}]*)\}")
 _WHILE_RE = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+_BODY_RE = re.compile(r"\bbody=%?([\w.\-]+)")
+_TRIP_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 @dataclass
@@ -242,6 +250,8 @@ def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> l
     the mesh's device positions along every non-empty subset of its axes.
     """
     replica_count, num_partitions, has_header = 1, 1, False
+    entry = ""  # the ENTRY computation
+    trips: dict[tuple[str, str], int] = {}  # (computation, while body it runs) -> trip count
     instrs: list[_Instr] = []
     shapes: dict[str, str] = {}
     callees: dict[str, set[str]] = {}
@@ -260,6 +270,8 @@ def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> l
         if hm and " = " not in line.split("(", 1)[0]:
             current = hm.group(2)
             callees.setdefault(current, set())
+            if hm.group(1):
+                entry = current
             continue
         if stripped == "}":
             current = ""
@@ -275,6 +287,10 @@ def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> l
             deps.update(x.strip().lstrip("%") for x in group.split(",") if x.strip())
         if ins.opcode == "while":
             loop_roots.update(_WHILE_RE.findall(ins.attrs))
+            trip = _TRIP_RE.search(ins.attrs)
+            body = _BODY_RE.search(ins.attrs)
+            if trip and body:
+                trips[(current, body.group(1))] = int(trip.group(1))
 
     in_loop: set[str] = set()
     stack = list(loop_roots)
@@ -284,6 +300,8 @@ def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> l
             continue
         in_loop.add(c)
         stack.extend(callees.get(c, ()))
+
+    runs = _runs(callees, trips, entry)
 
     # Fallback size of the device domain for replica_groups={} without a header.
     max_id = -1
@@ -368,17 +386,39 @@ def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> l
                 axes=axes,
                 name=ins.name,
                 in_loop=ins.computation in in_loop,
+                runs=runs.get(ins.computation, 1),
             )
         )
     return out
 
 
+def _runs(callees: dict[str, set[str]], trips: dict[tuple[str, str], int], entry: str):
+    """Per computation, how many times one run of `entry` runs it: the sum over its
+    callers of the caller's count times the trip count of the while loop that calls it
+    (1 for any other call). Without an ENTRY (a fragment), every computation runs once."""
+    callers: dict[str, list[tuple[str, int]]] = {}
+    for c, cs in callees.items():
+        for x in cs:
+            callers.setdefault(x, []).append((c, trips.get((c, x), 1)))
+    memo: dict[str, int] = {}
+
+    def count(c: str, seen: frozenset = frozenset()) -> int:
+        if c == entry or c not in callers or c in seen:
+            return 1
+        if c not in memo:
+            memo[c] = sum(count(p, seen | {c}) * n for p, n in callers[c]) or 1
+        return memo[c]
+
+    return {c: count(c) for c in callees} if entry else {}
+
+
 def summarize(
-    collectives: Iterable[HloCollective],
+    collectives: Iterable[HloCollective], per_step: bool = False
 ) -> dict[tuple[str, tuple[str, ...] | None], int]:
-    """Total bytes per ``(kind, axes)``.  Collectives in loops are counted once."""
+    """Total bytes per ``(kind, axes)``: collectives in loops counted once, or, with
+    ``per_step``, as many times as a step runs them (``HloCollective.runs``)."""
     totals: dict[tuple[str, tuple[str, ...] | None], int] = {}
     for c in collectives:
         key = (c.kind, c.axes)
-        totals[key] = totals.get(key, 0) + c.bytes
+        totals[key] = totals.get(key, 0) + c.bytes * (c.runs if per_step else 1)
     return totals

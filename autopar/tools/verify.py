@@ -98,7 +98,9 @@ def print_communication(plan: Plan, colls: list) -> None:
     predicted: dict[tuple[str, tuple[str, ...]], int] = {}
     for k, b in plan.cost.comm_bytes.items():
         predicted[comm_key(k)] = predicted.get(comm_key(k), 0) + int(b)
-    compiled_b: dict[tuple[str, tuple[str, ...] | None], int] = dict(summarize(colls))
+    compiled_b: dict[tuple[str, tuple[str, ...] | None], int] = dict(
+        summarize(colls, per_step=True)
+    )
     keys = sorted(set(predicted) | set(compiled_b), key=lambda k: (k[0], k[1] is None, k[1] or ()))
     rows = []
     for k in keys:
@@ -114,7 +116,10 @@ def print_communication(plan: Plan, colls: list) -> None:
                 ratio,
             )
         )
-    print("\ncommunication per step (bytes per device of each collective's full-size side):")
+    print(
+        "\ncommunication per step (bytes per device of each collective's full-size side; "
+        "a loop's collectives every time it runs them):"
+    )
     head = ("collective", "mesh axes", "predicted", "compiled", "compiled/predicted")
     widths = [
         max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)
@@ -127,7 +132,8 @@ def print_communication(plan: Plan, colls: list) -> None:
     total_p, total_c = sum(predicted.values()), sum(compiled_b.values())
     print(
         f"  total: predicted {format_bytes(total_p)}, compiled {format_bytes(total_c)} "
-        f"in {len(colls)} collectives ({sum(c.in_loop for c in colls)} inside loops, counted once)"
+        f"in {len(colls)} collectives ({sum(c.in_loop for c in colls)} of them inside loops, "
+        f"run {sum(c.runs for c in colls if c.in_loop)} times a step)"
     )
     by_axes: dict[str, list[int]] = {}
     for (_, axes), b in predicted.items():
