@@ -202,10 +202,12 @@ class _Forests:
         wave by wave, the sums added in the queue's order; then each node's strategy read
         back in reverse from its neighbour's."""
         waves = self.waves(nodes, in_t)
+        shared = []  # each wave's folds by stacked shape, read again to pick strategies
         for wave in waves:
             folds = [(x, d) for x, d in wave if d >= 0]
             gains: list = [None] * len(folds)
-            for part, xs, ds, stack in self._shared(folds):
+            shared.append(list(self._shared(folds)))
+            for part, xs, ds, stack in shared[-1]:
                 if stack is None:
                     for k, x, d in zip(part, xs, ds):
                         m = self.mats[d]
@@ -217,11 +219,11 @@ class _Forests:
             for (_, d), gain in zip(folds, gains):
                 held[self.dst_of[d], : len(gain)] += gain
         choice = [0] * self.n
-        for wave in reversed(waves):
+        for wave, groups in zip(reversed(waves), reversed(shared)):
             roots = [x for x, d in wave if d < 0]
             for x, s in zip(roots, held[roots].argmin(axis=1).tolist()):
                 choice[x] = s
-            for _, xs, ds, stack in self._shared([(x, d) for x, d in wave if d >= 0]):
+            for _, xs, ds, stack in groups:
                 if stack is None:
                     for x, d in zip(xs, ds):
                         col = self.mats[d][:, choice[self.dst_of[d]]]
