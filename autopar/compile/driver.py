@@ -30,6 +30,7 @@ from autopar.compile.notes import (
     over_floor,
     pipeline_tries,
     screen_note,
+    unbranched,
 )
 from autopar.compile.pipelines import (
     Infeasible,
@@ -499,9 +500,11 @@ class _Driver(PipelineTries):
                 )
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
-                if pipelined is not None and (why := random_per_microbatch(pipelined)):
-                    warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
-                    plan = replace(plan, warnings=(*plan.warnings, why))
+                said = () if pipelined is None else (random_per_microbatch(pipelined),)
+                for why in (*said, unbranched(pipelined, mesh)):
+                    if why:
+                        warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
+                        plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers
                     kept = [w for w in plan.warnings if not w.startswith("remat (")]
                     done = self._rolled_notes.get(rolled.stages, ())

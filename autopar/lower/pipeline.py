@@ -486,7 +486,7 @@ def run_1f1b(
         }
         if alternate:
             parts = (f_in, f_keep, b_in, b_keep, turn)
-            st = slots.alternating(st, s, S, M, fw, bw, parts, _branches(mesh))
+            st = slots.alternating(st, s, S, M, fw, bw, parts, branches(mesh))
         elif V > 1:
             st = slots.interleaved(st, s, S, M, V, fw, bw, forward, turn, backward)
         elif zero_bubble:
@@ -536,7 +536,7 @@ def run_1f1b(
 BRANCHES_ON_CPU = False
 
 
-def _branches(mesh) -> bool:
+def branches(mesh) -> bool:
     """Whether the alternating schedule runs each stage's pass as a branch: not on
     XLA:CPU devices (unless `BRANCHES_ON_CPU`)."""
     devices = getattr(mesh, "devices", None)
