@@ -163,7 +163,7 @@ def rescheduled(problem: Problem, pipelined: PipelinedScans) -> Problem:
     node_time = list(problem.node_time)
     node_compute = list(problem.compute_time())
     node_mem = list(problem.node_mem)
-    for i, t in times.items():  # a loop pays no communication of its own (`build_problem`)
+    for i, t in times.items():  # a loop's whole price; `loop_comm` says what is communication
         node_time[n_in + i] = node_compute[n_in + i] = t
     for i in problem.buffers.keys() | buffers.keys():
         node_mem[n_in + i] = node_mem[n_in + i] - problem.buffers.get(i, 0.0) + buffers.get(i, 0.0)
