@@ -500,11 +500,11 @@ class _Driver(PipelineTries):
                 )
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
-                said = () if pipelined is None else (random_per_microbatch(pipelined),)
-                for why in (*said, unbranched(pipelined, mesh)):
-                    if why:
-                        warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
-                        plan = replace(plan, warnings=(*plan.warnings, why))
+                if pipelined is not None:
+                    for why in (random_per_microbatch(pipelined), unbranched(pipelined, mesh)):
+                        if why:
+                            warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
+                            plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers
                     kept = [w for w in plan.warnings if not w.startswith("remat (")]
                     done = self._rolled_notes.get(rolled.stages, ())

@@ -9,13 +9,14 @@ import jax
 
 from autopar.errors import format_bytes
 from autopar.lower.pipeline import branches
+from autopar.passes.pipeline import PipelinedScans
 from autopar.plan.plan import Plan
 
 
-def unbranched(pipelined, mesh) -> str | None:
+def unbranched(pipelined: PipelinedScans, mesh) -> str | None:
     """The warning on an alternating 1F1B plan lowered without branches (XLA:CPU
     devices, `autopar.lower.pipeline.branches`): the program runs more than it prices."""
-    if pipelined is None or pipelined.pipe.schedule != "1f1b-async" or branches(mesh):
+    if pipelined.pipe.schedule != "1f1b-async" or branches(mesh):
         return None
     return (
         "on XLA:CPU devices the alternating 1F1B runs every stage's forward and backward "

@@ -70,21 +70,15 @@ def _pipeline_comm(
     """The communication of a pipelined loop (`loop_times`) under one body plan:
     seconds, and bytes per device by "kind@axes" (the layers' own every slot)."""
     ticks, layers, carry = pipe.ticks(), chunk_layers(node, pipe), _carry_bytes(node, body, result)
+    sent = [(cost.collective("collective-permute", (pipe.axis,), carry), ticks)]
+    if collect:  # the last stage's outputs reach every stage
+        sent.append((cost.collective("all-reduce", (pipe.axis,), carry * pipe.microbatches), 1))
+    sent += _moves(pipe, cost, _moved_bytes(node, body, pipe, result, moved))
     by = {k: ticks * layers * b for k, b in result.cost.comm_bytes.items()}
-    hop = cost.collective("collective-permute", (pipe.axis,), carry)
-    hop_key = f"{hop.kind}@{pipe.axis}"
-    seconds = ticks * (layers * result.cost.comm_s + hop.seconds)
-    sent = [(hop, ticks)]
-    if collect:
-        out = cost.collective("all-reduce", (pipe.axis,), carry * pipe.microbatches)
-        seconds += out.seconds
-        sent.append((out, 1))
     for c, times in sent:
-        by[f"{c.kind}@{pipe.axis}"] = by.get(f"{c.kind}@{pipe.axis}", 0) + times * c.bytes
-    seconds += _moved_seconds(node, body, pipe, cost, result, moved)
-    permutes = chunk_permutes(pipe.stages, pipe.virtual)
-    for b in _moved_bytes(node, body, pipe, result, moved):  # as `_moved_seconds` sends them
-        by[hop_key] = by.get(hop_key, 0) + permutes * int(b / pipe.virtual)
+        key = f"{c.kind}@{pipe.axis}"
+        by[key] = by.get(key, 0) + times * c.bytes
+    seconds = ticks * layers * result.cost.comm_s + sum(times * c.seconds for c, times in sent)
     return seconds, by
 
 
@@ -118,37 +112,33 @@ def _moved(graph: Graph, pipelined: PipelinedScans, i: int) -> tuple[list, list]
     return ins, [(j, per(labels.outs[j])) for j in range(n_k, len(node.outputs))]
 
 
-def _moved_seconds(
-    node: Node, body: Problem, pipe: Pipeline, cost: CostModel, result: SearchResult, moved
-) -> float:
-    """The collective-permutes that move `moved` (`_moved`) into chunk order and back:
-    per value, one permute of a chunk's rows per `chunk_permutes`."""
+def _moves(pipe: Pipeline, cost: CostModel, moved_bytes: list) -> list:
+    """The collective-permutes that move the values of `moved_bytes` (`_moved_bytes`)
+    into chunk order and back, each with how many times a step sends it: per value,
+    one permute of a chunk's rows per `chunk_permutes`."""
     permutes = chunk_permutes(pipe.stages, pipe.virtual)
-    return permutes * sum(
-        cost.collective("collective-permute", (pipe.axis,), b / pipe.virtual).seconds
-        for b in _moved_bytes(node, body, pipe, result, moved)
-    )
+    return [
+        (cost.collective("collective-permute", (pipe.axis,), b / pipe.virtual), permutes)
+        for b in moved_bytes
+    ]
 
 
 def _moved_bytes(node: Node, body: Problem, pipe: Pipeline, result: SearchResult, moved) -> list:
     """Each device's bytes of every value `_moved` names: a stage's rows of it, in the
     layouts `result` makes them."""
     ins, outs = moved
-    if not ins and not outs:
-        return []
-    g, n_in = body.graph, body.num_inputs
-    k = stage_layers(node, pipe)
-    out = []
-    for j, per in ins:
-        spec = body.strategies[j][result.choice[j]].out_specs[0]
-        out.append(k * per * body.cost.local_bytes(g.values[g.inputs[j]], spec))
-    made = {v: (n_in + n, q) for n, nd in enumerate(g.nodes) for q, v in enumerate(nd.outputs)}
-    made.update((v, (j, 0)) for j, v in enumerate(g.inputs))
-    for j, per in outs:
-        c, q = made[g.outputs[j]]
-        spec = body.strategies[c][result.choice[c]].out_specs[q].without_partial()
-        out.append(k * per * body.cost.local_bytes(g.values[g.outputs[j]], spec))
-    return out
+    g, k = body.graph, stage_layers(node, pipe)
+    return [k * per * _value_bytes(body, result, g.inputs[j]) for j, per in ins] + [
+        k * per * _value_bytes(body, result, g.outputs[j]) for j, per in outs
+    ]
+
+
+def _value_bytes(body: Problem, result: SearchResult, v: int) -> int:
+    """Each device's bytes of body value `v` for one micro-batch in one layer, in the
+    layout `result` makes it (summed where partial, as the lowering keeps it)."""
+    c, q = body.source[v]
+    spec = body.strategies[c][result.choice[c]].out_specs[q].without_partial()
+    return body.cost.local_bytes(body.graph.values[v], spec)
 
 
 def rescheduled(problem: Problem, pipelined: PipelinedScans) -> Problem:
@@ -205,8 +195,8 @@ def pipeline_buffers(graph: Graph, pipelined: PipelinedScans, bodies: dict) -> d
     where a stage runs more than one layer a loop (`_stage_loop_copies`), one more
     micro-batch of them and a copy of the saved activations the weight-gradient loop
     reads (made from their slot while the input-gradient loop holds its own; measured
-    on XLA:CPU, 2 stages of 2 and 4 layers: compiled 1.30x the prediction without
-    these, 1.07x with); under the interleaved schedule, each fused loop's values in
+    on XLA:CPU, 2 stages of 2 and 4 layers: compiled 1.24x and 1.26x the prediction
+    without these, 1.03x with); under the interleaved schedule, each fused loop's values in
     chunk order (`_moved`: a second copy of its stage's weights, and of their
     gradients)."""
     out = {}
@@ -240,24 +230,9 @@ def _zb_bytes(
     loop inputs (`xs`) the weight gradients read."""
     xs = node.params["num_consts"] + node.params["num_carry"]
     read = [body.graph.inputs[p] for p in split.w_inputs if p >= xs] if k > 1 else []
-    return slots * _layer_bytes(body, split, split.boundary, result) + k * _layer_bytes(
-        body, split, read, result
+    return slots * sum(_value_bytes(body, result, v) for v in split.boundary) + k * sum(
+        _value_bytes(body, result, v) for v in read
     )
-
-
-def _layer_bytes(body: Problem, split: WeightSplit, values, result: SearchResult) -> float:
-    """Each device's bytes of `values` (inputs of the backward body or made by `B`) for
-    one micro-batch in one layer, in the layouts `result` makes them (summed where
-    partial, as the lowering keeps them)."""
-    g, n_in = body.graph, body.num_inputs
-    made = {v: (n_in + n, k) for n in split.b_nodes for k, v in enumerate(g.nodes[n].outputs)}
-    made.update((v, (j, 0)) for j, v in enumerate(g.inputs))
-    total = 0.0
-    for v in values:
-        c, k = made[v]
-        spec = body.strategies[c][result.choice[c]].out_specs[k].without_partial()
-        total += body.cost.local_bytes(g.values[v], spec)
-    return total
 
 
 def weight_slot_seconds(problem, pipelined: PipelinedScans, fused, result) -> float:
@@ -285,9 +260,9 @@ def moved_cost(problem, pipelined: PipelinedScans, fused, result) -> tuple[float
         body, results = problem.bodies[i]
         node = problem.graph.nodes[i]
         r = results[result.choice[problem.num_inputs + i]]
-        moved = _moved(problem.graph, pipelined, i)
-        seconds += _moved_seconds(node, body, pipelined.pipe, problem.cost, r, moved)
-        held += sum(_moved_bytes(node, body, pipelined.pipe, r, moved))
+        moved = _moved_bytes(node, body, pipelined.pipe, r, _moved(problem.graph, pipelined, i))
+        seconds += sum(n * c.seconds for c, n in _moves(pipelined.pipe, problem.cost, moved))
+        held += sum(moved)
     return seconds, held
 
 
@@ -340,16 +315,12 @@ def _carry_bytes(node: Node, body: Problem, result: SearchResult) -> int:
     may read it in another; that reshard is in the body's price.)"""
     g, total = body.graph, 0
     for k in range(node.params["num_carry"]):
-        v = g.outputs[k]
         if k in body.aliases:  # returned as it came in
-            c, q = body.aliases[k], 0
-        elif v in body.source:
-            c, q = body.source[v]
+            total += _value_bytes(body, result, g.inputs[body.aliases[k]])
+        elif g.outputs[k] in body.source:
+            total += _value_bytes(body, result, g.outputs[k])
         else:  # a constant
-            total += g.values[v].nbytes
-            continue
-        spec = body.strategies[c][result.choice[c]].out_specs[q].without_partial()
-        total += body.cost.local_bytes(g.values[v], spec)
+            total += g.values[g.outputs[k]].nbytes
     return total
 
 
@@ -397,10 +368,10 @@ def _stage_loop_copies(graph: Graph, pipelined: PipelinedScans) -> dict[int, flo
     the slot that keeps them (and reads a slot back the same way): one more micro-batch
     of the stage's saved activations alive at once, `1 / M` of each forward loop's `ys`
     the backward reads. A one-layer loop is inlined, with no copy. Measured on XLA:CPU
-    (`benchmarks.schedules`; 4-layer GPT, 2 stages, lock-step 1F1B): without this term
-    the compiled temporaries were 1.24x the prediction at 2 layers a stage and 1.32x at
-    4; one layer a stage matched (0.92-0.97x). (ZB-H1's weight-gradient loop reads a
-    slot the same way: `pipeline_buffers`.)"""
+    (GPT of hidden 64 on 2 stages, lock-step 1F1B): without this term the compiled
+    temporaries were 1.24x the prediction at 2 layers a stage (`benchmarks.schedules`)
+    and 1.32x at 4; one layer a stage matched (0.92-0.97x). (ZB-H1's weight-gradient
+    loop reads a slot the same way: `pipeline_buffers`.)"""
     pipe, out = pipelined.pipe, {}
     scans = set(pipelined.scans)
     for i in pipelined.scans:
