@@ -7,7 +7,8 @@ import pytest
 
 from autopar.errors import CaptureError
 from autopar.ir.capture import capture
-from autopar.ir.graph import check_graph
+from autopar.ir.eval import evaluate
+from autopar.ir.graph import check_graph, without_dead
 
 
 def test_paths_name_arguments_and_pytree_keys():
@@ -38,6 +39,26 @@ def test_calls_are_inlined_and_sources_point_at_user_code():
     assert not ops & {"pjit", "jit", "custom_jvp_call", "checkpoint", "remat"}
     assert "sin" in ops
     assert all(n.source.startswith("test_capture.py:") for n in g.nodes if n.op in ("sin", "cos"))
+
+
+def test_without_dead_drops_what_nothing_reads_and_keeps_effects():
+    """The gradient of sin(x) reads cos(x), not sin(x): the forward sin is dead and goes;
+    a debug print stays (its effect), and so does what it reads."""
+
+    def f(x):
+        jax.debug.print("x {}", x.sum())
+        return jnp.sin(x).sum()
+
+    g = capture(jax.grad(f), (jnp.ones((4,)),))
+    assert "sin" in [n.op for n in g.nodes]  # make_jaxpr keeps it
+    pruned = without_dead(g)
+    ops = [n.op for n in pruned.nodes]
+    assert "sin" not in ops and {"cos", "debug_print", "reduce_sum"} <= set(ops)
+    check_graph(pruned)
+    x = jnp.arange(4.0)
+    (got,) = evaluate(pruned, [x])
+    assert jnp.allclose(got, jnp.cos(x))
+    assert without_dead(pruned) is pruned  # nothing left to drop
 
 
 def test_control_flow_stays_one_node():

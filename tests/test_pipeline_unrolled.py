@@ -253,6 +253,24 @@ def test_llama_unrolled_pipelines_like_jax_jit():
     assert any(T in s and per_micro // 4 <= jnp.prod(jnp.array(s)) <= per_micro for s in shapes)
 
 
+def test_the_rolled_graph_holds_no_dead_ops():
+    """Rolling replays the stack's ops into loops, those the step never reads too (AdamW's
+    unused scalar converts, once per layer slot); the rolled graph drops them, as
+    `jax.jit` would, so they are neither searched nor priced."""
+    from autopar.ir.capture import capture
+    from autopar.meshes import make_mesh
+    from autopar.passes.roll import roll
+    from autopar.passes.stacks import find_stacks
+
+    step, params, opt_state = _linen(Llama())
+    graph = capture(step, (params, opt_state, _batch(0)))
+    (stack,) = find_stacks(graph)
+    rolled, _ = roll(graph, stack, 2, make_mesh(MESH))
+    read = set(rolled.outputs) | {v for n in rolled.nodes for v in n.inputs}
+    dead = [n.key for n in rolled.nodes if not any(v in read for v in n.outputs)]
+    assert not dead, dead[:5]
+
+
 @pytest.mark.slow  # 45 s; test_pipeline.py covers the alternating schedule on scans
 def test_llama_unrolled_pipelines_with_the_alternating_1f1b():
     _, plan, *_ = _check_linen(

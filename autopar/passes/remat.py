@@ -61,7 +61,7 @@ import jax
 
 from autopar.cost.model import node_flops
 from autopar.ir.eval import retrace
-from autopar.ir.graph import Graph, Node, TensorType, body_path, check_graph
+from autopar.ir.graph import Graph, Node, TensorType, body_path, check_graph, without_dead
 from autopar.ir.ops import CONTRACTIONS
 from autopar.passes.remat_report import PairRemat, RematReport
 from autopar.passes.remat_unrolled import (
@@ -259,7 +259,7 @@ def _rewrite_pair(graph: Graph, f_id: int, b_id: int, policy: str) -> Graph:
             values.append(TensorType((int(f.params["length"]), *t.shape), t.dtype))
             stored_at[v] = len(values) - 1
             new_ys.append(v)
-    new_fb = _prune(
+    new_fb = without_dead(
         replace(
             fb,
             outputs=(*fb.outputs[: lf.num_carry], *(fb_ys[k] for k in kept), *new_ys),
@@ -393,20 +393,6 @@ def _backward(
     if "linear" in params:
         params["linear"] = (False,) * len(new_b.inputs)
     return replace(new_b, params=params)
-
-
-def _prune(g: Graph) -> Graph:
-    """`g` without the nodes none of whose results are used (ids renumbered)."""
-    live = set(g.outputs)
-    keep: list[Node] = []
-    for n in reversed(g.nodes):
-        if any(v in live for v in n.outputs):
-            keep.append(n)
-            live.update(n.inputs)
-    nodes = tuple(replace(n, id=i) for i, n in enumerate(reversed(keep)))
-    out = replace(g, nodes=nodes)
-    check_graph(out)
-    return out
 
 
 def _weak_types(node: Node) -> tuple[bool, ...]:

@@ -40,7 +40,7 @@ import numpy as np
 from autopar.errors import PipelineError
 from autopar.ir.capture import capture, lines_from
 from autopar.ir.eval import bind_node, run_nodes
-from autopar.ir.graph import Graph, find_aliases
+from autopar.ir.graph import Graph, find_aliases, without_dead
 from autopar.passes.stacks import LayerStack, signature
 
 SCOPE = "rolled_layers"  # name scope of the loops `roll` writes
@@ -571,7 +571,9 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
         t = g.values[g.inputs[ms[0]]]
         shape = t.shape if len(ms) == 1 else (S,) if st else (S * t.shape[0], *t.shape[1:])
         args.append(jax.ShapeDtypeStruct(shape, t.dtype))
-    new = capture(r.function(info), args, (), mesh)
+    # the replayed ops include those the step never reads (its unused scalar converts,
+    # once per layer slot: a third of GPT-3 175B's rolled graph), dropped as `jax.jit` does
+    new = without_dead(capture(r.function(info), args, (), mesh))
     # the loops stand for the user's layers: named by the first layer's first line, and
     # their bodies' ops by the user's lines of the layers they came from
     where = graph.nodes[stack.forward[0].nodes[0]].source
