@@ -271,6 +271,38 @@ def test_the_rolled_graph_holds_no_dead_ops():
     assert not dead, dead[:5]
 
 
+def test_the_rolled_optimizer_slots_fold_into_one():
+    """Outside its loops a rolled graph runs the optimizer once per layer slot, over all
+    stages' rows: the slots are alike by construction, so the search folds every one of
+    them into one (no end slot kept apart, two slots are enough), as a scanned model's
+    optimizer runs once."""
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.ir.capture import capture
+    from autopar.meshes import make_mesh
+    from autopar.passes.roll import roll
+    from autopar.passes.stacks import find_stacks
+    from autopar.search.layers import find_layers
+    from autopar.search.problem import build_problem
+    from autopar.sharding import mesh_info
+
+    step, params, opt_state = _linen(Llama(n=8))
+    graph = capture(step, (params, opt_state, _batch(0)))
+    (stack,) = find_stacks(graph)
+    mesh = make_mesh(MESH)
+    rolled, _ = roll(graph, stack, 2, mesh)  # 8 layers on 2 stages: 4 slots
+    profile = cost_models.load("h100-sxm")
+    info = mesh_info(mesh, profile.devices_per_node)
+    problem = build_problem(rolled, info, CostModel(profile, info))
+    (group,) = find_layers(problem).groups.values()
+    # the last slot's updates stay per stage here (the last layer's include the final
+    # norm's gradient), so three slots run the optimizer vmapped over the stages
+    assert group == {
+        "layers": 3, "kept": [0], "representative": 0, "merged": 2,
+        "nodes_per_layer": group["nodes_per_layer"],
+    }  # fmt: skip
+
+
 @pytest.mark.slow  # 45 s; test_pipeline.py covers the alternating schedule on scans
 def test_llama_unrolled_pipelines_with_the_alternating_1f1b():
     _, plan, *_ = _check_linen(

@@ -31,7 +31,9 @@ restricted problem *exactly* on a graph whose size does not grow with depth.
    *merged* into the first of them, the representative ``R``, position by
    position (layers with another signature stay as they are). A layer whose
    strategy list at some position differs from ``R``'s, or whose pins (fixed
-   strategies) differ, is not merged.
+   strategies) differ, is not merged. The layer slots a rolled graph runs its
+   optimizer in (``rolled_layers_slot<j>``, `passes.roll`: each over every stage's
+   rows) are alike by construction: no end kept apart, two of them make a family.
 
 **Reduction** (:func:`quotient`, pure cost graph). Map every node ``v`` to
 ``phi(v)``: a merged layer's node at position ``k`` to ``R``'s node ``k``,
@@ -84,6 +86,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autopar.ir.graph import is_body_path
+from autopar.passes.roll import SCOPE as ROLL_SCOPE
 from autopar.search.build import Problem
 from autopar.search.solvers.costgraph import CostGraph, Solution
 from autopar.search.solvers.dp import solve_dp
@@ -105,6 +108,7 @@ STATE_WEIGHT = 0.1
 _WRAPPER = re.compile(r"^(?:[A-Za-z_]\w*\()+|\)+$")
 _INDEXED = re.compile(r"^(?P<base>[A-Za-z][\w.]*?)[_.]?(?P<idx>\d+)$")
 _NUMBER = re.compile(r"^\d+$")
+_SLOTS = f"{ROLL_SCOPE}_slot"  # the family of a rolled graph's layer slots
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,7 @@ def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
     for ss in segs:
         for base, i in ss:
             indices.setdefault(base, set()).add(i)
-    families = {b for b, ix in indices.items() if len(ix) >= 2 * keep + 2}
+    families = {b for b, ix in indices.items() if len(ix) >= (2 if b == _SLOTS else 2 * keep + 2)}
     label: list[tuple[str, int] | None] = [
         next(((b, i) for b, i in ss if b in families), None) for ss in segs
     ]
@@ -217,7 +221,10 @@ def find_layers(
     groups: dict[str, dict[str, object]] = {}
     for fam, layers in members.items():
         order = sorted(layers)
-        ends = set(order[:keep] + order[len(order) - keep :])
+        # the layer slots `passes.roll` wrote outside its loops (the optimizer, once per
+        # slot, over all stages' rows) are alike by construction: no end kept apart
+        k = 0 if fam == _SLOTS else keep
+        ends = set(order[:k] + order[len(order) - k :])
         sigs = {i: tuple(sig_of(v) for v in layers[i]) for i in order if i not in ends}
         if not sigs:
             continue
