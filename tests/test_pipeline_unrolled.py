@@ -295,8 +295,8 @@ def test_the_rolled_optimizer_slots_fold_into_one():
     info = mesh_info(mesh, profile.devices_per_node)
     problem = build_problem(rolled, info, CostModel(profile, info))
     (group,) = find_layers(problem).groups.values()
-    # the last slot's updates stay per stage here (the last layer's include the final
-    # norm's gradient), so three slots run the optimizer vmapped over the stages
+    # slot 3 (layers 3 and 7) is not run vmapped here (`passes.roll._per_layer_ops` finds
+    # no op sequence its two stages share), so three slots fold
     assert group == {
         "layers": 3, "kept": [0], "representative": 0, "merged": 2,
         "nodes_per_layer": group["nodes_per_layer"],
