@@ -155,6 +155,13 @@ def _names(problem: Problem) -> list[str]:
     return paths + [n.name_stack for n in g.nodes]
 
 
+def _ends_kept(family: str, keep: int) -> int:
+    """How many layers at each end of `family` stay distinct: `keep`, but none of the
+    layer slots `passes.roll` writes outside its loops (the optimizer, once per slot,
+    over all stages' rows), alike by construction; so two slots make a family."""
+    return 0 if family == _SLOTS else keep
+
+
 def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
     """Each cost-graph node's layer (family, index), or None for global nodes."""
     names = _names(problem)
@@ -163,7 +170,7 @@ def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
     for ss in segs:
         for base, i in ss:
             indices.setdefault(base, set()).add(i)
-    families = {b for b, ix in indices.items() if len(ix) >= (2 if b == _SLOTS else 2 * keep + 2)}
+    families = {b for b, ix in indices.items() if len(ix) >= 2 * _ends_kept(b, keep) + 2}
     label: list[tuple[str, int] | None] = [
         next(((b, i) for b, i in ss if b in families), None) for ss in segs
     ]
@@ -221,9 +228,7 @@ def find_layers(
     groups: dict[str, dict[str, object]] = {}
     for fam, layers in members.items():
         order = sorted(layers)
-        # the layer slots `passes.roll` wrote outside its loops (the optimizer, once per
-        # slot, over all stages' rows) are alike by construction: no end kept apart
-        k = 0 if fam == _SLOTS else keep
+        k = _ends_kept(fam, keep)
         ends = set(order[:k] + order[len(order) - k :])
         sigs = {i: tuple(sig_of(v) for v in layers[i]) for i in order if i not in ends}
         if not sigs:

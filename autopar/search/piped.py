@@ -69,10 +69,12 @@ def _pipeline_comm(
 ) -> tuple[float, dict[str, int]]:
     """The communication of a pipelined loop (`loop_times`) under one body plan:
     seconds, and bytes per device by "kind@axes" (the layers' own every slot)."""
-    ticks, layers, carry = pipe.ticks(), chunk_layers(node, pipe), _carry_bytes(node, body, result)
-    sent = [(cost.collective("collective-permute", (pipe.axis,), carry), ticks)]
-    if collect:  # the last stage's outputs reach every stage
-        sent.append((cost.collective("all-reduce", (pipe.axis,), carry * pipe.microbatches), 1))
+    ticks, layers = pipe.ticks(), chunk_layers(node, pipe)
+    hop = _hop(node, body, pipe, cost, result)
+    sent = [(hop, ticks)]
+    if collect:  # the last stage's outputs reach every stage: all micro-batches' carry
+        carry = hop.bytes * pipe.microbatches
+        sent.append((cost.collective("all-reduce", (pipe.axis,), carry), 1))
     sent += _moves(pipe, cost, _moved_bytes(node, body, pipe, result, moved))
     by = {k: ticks * layers * b for k, b in result.cost.comm_bytes.items()}
     for c, times in sent:
@@ -330,8 +332,14 @@ def _slot_seconds(
     """One slot of a pipelined scan: one micro-batch through one stage's layers (one
     chunk's, interleaved) and one collective-permute of its carry (`_carry_bytes`) to
     the next stage."""
-    hop = cost.collective("collective-permute", (pipe.axis,), _carry_bytes(node, body, result))
-    return chunk_layers(node, pipe) * result.cost.step_s + hop.seconds
+    return (
+        chunk_layers(node, pipe) * result.cost.step_s + _hop(node, body, pipe, cost, result).seconds
+    )
+
+
+def _hop(node: Node, body: Problem, pipe: Pipeline, cost: CostModel, result: SearchResult):
+    """The collective-permute of one micro-batch's carry (`_carry_bytes`) to the next stage."""
+    return cost.collective("collective-permute", (pipe.axis,), _carry_bytes(node, body, result))
 
 
 def residency(graph: Graph, pipelined: PipelinedScans | None) -> dict[int, float]:
