@@ -1,23 +1,26 @@
 """Forest descent: improve a plan of a cost graph by re-solving random induced forests
 exactly (docs/algorithms.md, section 3), the polish `dp` applies where graph
-elimination had to guess part of the graph."""
+elimination had to guess part of the graph.
+
+A round's work (grow the forest, fold the held neighbours' edges into its nodes,
+eliminate it leaf by leaf, read the strategies back) is one function compiled by
+`numba`: it walks nodes and edges one at a time, which Python does slowly and array
+operations batch poorly (a layer's chain of ops eliminates one node at a time). It is
+compiled on first use and cached on disk (numba's cache, next to this file or in the
+user's cache directory): a process loads it in ~0.3 s (`warm`), the first ever
+compiles it in ~1.5 s."""
 
 from __future__ import annotations
 
-import collections
 import math
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["RTOL", "forest_descent"]
+__all__ = ["RTOL", "forest_descent", "warm"]
 
 # Relative tolerance under which two plan values count as equal.
 RTOL = 1e-12
-# Within one wave of leaves, the matrices of one small shape are read side by side from
-# this many on; below it, or for a larger matrix (more than STACKED entries, whose
-# arithmetic outweighs an array operation's fixed cost), one by one.
-BATCH = 4
-STACKED = 4096
 
 
 def forest_descent(cost, edges, choice, max_rounds: int = 30, patience: int = 3):
@@ -36,216 +39,207 @@ def forest_descent(cost, edges, choice, max_rounds: int = 30, patience: int = 3)
         return choice, min(max_rounds, patience)
     graph = _Forests(cost, edges)
     rng = np.random.default_rng(0)
-    value = graph.price(choice)
+    current = np.array(choice, dtype=np.int64)
+    value = graph.price(current)
     stale = rounds = 0
-
     while rounds < max_rounds and stale < patience:
         rounds += 1
-        parent = list(range(n))  # union-find over the forest being grown
-        in_t = [False] * n
-        for v in rng.permutation(n).tolist():
-            roots = []
-            for y in graph.nbrs[v]:
-                if in_t[y]:
-                    while parent[y] != y:
-                        parent[y] = parent[parent[y]]
-                        y = parent[y]
-                    roots.append(y)
-            if len(set(roots)) == len(roots):
-                in_t[v] = True
-                for r in roots:
-                    parent[r] = v
-        nodes = [v for v in range(n) if in_t[v]]
-        mask = np.array(in_t)
-        held = graph.held(mask, np.array(choice, dtype=np.int64))
-        trial = list(choice)
-        for v, s in graph.solve(nodes, mask, held).items():
-            trial[v] = s
+        trial = graph.round(rng.permutation(n), current)
         new = graph.price(trial)
         if new < value - RTOL * abs(value):
-            choice, value, stale = trial, new, 0
+            current, value, stale = trial, new, 0
         else:
             stale += 1
-    return choice, rounds
+    return current.tolist(), rounds
 
 
 class _Forests:
-    """A cost graph as the descent prices plans of it and re-solves forests of it, the
-    sums of the one-node-at-a-time elimination done many nodes per array operation
-    where they can be, in the same order: minima are exact and `np.add.at` applies
-    repeated targets in sequence, so a forest gets the same plan to the last bit.
+    """A cost graph as the descent prices plans of it and re-solves forests of it.
 
     Each edge is kept both ways: directed edge ``d`` runs from ``src[d]`` to ``dst[d]``
-    (``d ^ 1`` is the same edge the other way) with matrix ``mats[d]`` of shape
-    ``[S_src, S_dst]`` (the edge's matrix or a view of its transpose). Every node's and
-    edge's entries are flattened once (``nodes``, ``flat``). Node costs are also rows of
-    an ``[n, width]`` array padded with inf, and the matrices of each small shape,
-    rounded up to a multiple of 8, are stacked transposed and padded with 0 (``stack``):
-    a padded strategy never wins a minimum."""
+    (``d ^ 1`` is the same edge the other way); entry ``[i, j]`` of its matrix (``i``
+    a strategy of ``src[d]``, ``j`` of ``dst[d]``) is ``flat[at[d] + j * step[d] + i *
+    stride[d]]``, every edge's entries flattened once. Node costs are rows of an
+    ``[n, width]`` array padded with inf; a node's directed edges are
+    ``adj[adj_ptr[v]:adj_ptr[v + 1]]``, in the edges' order."""
 
     def __init__(self, cost, edges):
         n = len(cost)
-        self.n = n
         self.size = np.array([len(c) for c in cost], dtype=np.int64)
         self.nodes = np.concatenate([np.asarray(c, dtype=np.float64) for c in cost])
         self.node_off = np.cumsum(self.size) - self.size
-        self.cost = np.full((n, _rounded(int(self.size.max()))), np.inf)
-        self.cost[np.repeat(np.arange(n), self.size), self._within(self.size)] = self.nodes
+        self.cost = np.full((n, int(self.size.max())), np.inf)
+        within = np.arange(len(self.nodes)) - np.repeat(self.node_off, self.size)
+        self.cost[np.repeat(np.arange(n), self.size), within] = self.nodes
         pairs = [((u, v), np.asarray(m, dtype=np.float64)) for (u, v), m in edges.items()]
         self.flat = np.concatenate([m.ravel() for _, m in pairs]) if pairs else np.zeros(0)
+        e = len(pairs)
+        u = np.array([p[0][0] for p in pairs], dtype=np.int64)
+        v = np.array([p[0][1] for p in pairs], dtype=np.int64)
+        width = np.array([m.shape[1] for _, m in pairs], dtype=np.int64)
         sizes = np.array([m.size for _, m in pairs], dtype=np.int64)
-        self.mats: list[np.ndarray] = []
-        self.nbrs: list[list[int]] = [[] for _ in range(n)]  # in the edges' order
-        by_src: list[list[int]] = [[] for _ in range(n)]
-        src, dst = [], []
-        # column j of mats[d] in `flat`: at + j * step + i * stride, i < S_src
-        at, step, stride = [], [], []
-        for ((u, v), m), o in zip(pairs, (np.cumsum(sizes) - sizes).tolist()):
-            for x, y, md, a, b in ((u, v, m, 1, m.shape[1]), (v, u, m.T, m.shape[1], 1)):
-                by_src[x].append(len(self.mats))
-                self.nbrs[x].append(y)
-                self.mats.append(md)
-                src.append(x)
-                dst.append(y)
-                at.append(o)
-                step.append(a)
-                stride.append(b)
-        self.src, self.dst = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
-        self.dst_of = dst
-        self.at, self.step, self.stride = (np.array(a, dtype=np.int64) for a in (at, step, stride))
-        self.by_src = np.array([d for ds in by_src for d in ds], dtype=np.int64)
-        self.edge_u, self.edge_v = self.src[::2], self.dst[::2]
-        self.edge_at, self.edge_width = self.at[::2], self.stride[::2]
-        shapes: dict[tuple[int, int], list[int]] = {}
-        for d, m in enumerate(self.mats):
-            if m.size <= STACKED:
-                shapes.setdefault((_rounded(m.shape[1]), _rounded(m.shape[0])), []).append(d)
-        self.group = [-1] * len(self.mats)
-        self.slot = [0] * len(self.mats)
-        self.stack: list[np.ndarray] = []
-        for g, (shape, ds) in enumerate(shapes.items()):
-            stack = np.zeros((len(ds), *shape))
-            for k, d in enumerate(ds):
-                self.group[d], self.slot[d] = g, k
-                stack[k, : self.mats[d].shape[1], : self.mats[d].shape[0]] = self.mats[d].T
-            self.stack.append(stack)
+        offset = np.cumsum(sizes) - sizes
+        self.src, self.dst = np.empty(2 * e, np.int64), np.empty(2 * e, np.int64)
+        self.src[0::2], self.src[1::2], self.dst[0::2], self.dst[1::2] = u, v, v, u
+        self.at = np.repeat(offset, 2)
+        self.step, self.stride = np.empty(2 * e, np.int64), np.empty(2 * e, np.int64)
+        self.step[0::2], self.step[1::2] = 1, width
+        self.stride[0::2], self.stride[1::2] = width, 1
+        order = np.argsort(self.src, kind="stable")  # by node, in the edges' order
+        self.adj = order.astype(np.int64)
+        self.adj_ptr = np.concatenate([[0], np.cumsum(np.bincount(self.src, minlength=n))])
+        self.edge_u, self.edge_v, self.edge_at, self.edge_width = u, v, offset, width
 
-    @staticmethod
-    def _within(lens: np.ndarray) -> np.ndarray:
-        """``concatenate([arange(k) for k in lens])``."""
-        return np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-
-    def price(self, choice) -> float:
+    def price(self, choice: np.ndarray) -> float:
         """The plan's node costs plus edge costs, summed by ``fsum`` (exactly rounded:
         the same value, to the last bit, whatever the order of the terms)."""
-        c = np.asarray(choice, dtype=np.int64)
-        terms = self.nodes[self.node_off + c]
+        terms = self.nodes[self.node_off + choice]
         if len(self.edge_u):
-            at = self.edge_at + c[self.edge_u] * self.edge_width + c[self.edge_v]
+            at = self.edge_at + choice[self.edge_u] * self.edge_width + choice[self.edge_v]
             terms = np.concatenate([terms, self.flat[at]])
         return math.fsum(terms.tolist())
 
-    def held(self, in_t: np.ndarray, choice: np.ndarray) -> np.ndarray:
-        """Node costs with every edge to a node outside the forest folded in at that
-        node's strategy: ``cost[v] + m[:, choice[y]]``, neighbour by neighbour in the
-        edges' order."""
-        c = self.cost.copy()
-        ds = self.by_src[in_t[self.src[self.by_src]] & ~in_t[self.dst[self.by_src]]]
-        if len(ds):
-            lens = self.size[self.src[ds]]
-            i = self._within(lens)
-            col = self.at[ds] + choice[self.dst[ds]] * self.step[ds]
-            pos = np.repeat(col, lens) + i * np.repeat(self.stride[ds], lens)
-            np.add.at(c, (np.repeat(self.src[ds], lens), i), self.flat[pos])
-        return c
-
-    def waves(self, nodes: list[int], in_t: np.ndarray) -> list[list[tuple[int, int]]]:
-        """The order a queue of leaves eliminates the forest ``nodes`` (ascending) in,
-        cut into waves (wave k+1: the nodes wave k left with one neighbour or none):
-        (node, its edge to the neighbour it folds into, or -1 for a root). A node folds
-        once all its other neighbours folded into it, in earlier waves. A node's one
-        remaining neighbour is the sum of its remaining neighbours' ids (and its edge
-        the sum of their edges' ids)."""
-        both = np.flatnonzero(in_t[self.src] & in_t[self.dst])
-        s, n = self.src[both], self.n
-        deg = np.bincount(s, minlength=n).tolist()
-        nsum = np.bincount(s, weights=self.dst[both], minlength=n).astype(np.int64).tolist()
-        esum = np.bincount(s, weights=both, minlength=n).astype(np.int64).tolist()
-        low = collections.deque((x, 0) for x in nodes if deg[x] <= 1)
-        done = [False] * n
-        waves: list[list[tuple[int, int]]] = []
-        while low:
-            x, wave = low.popleft()
-            if done[x]:
-                continue
-            done[x] = True
-            if wave == len(waves):
-                waves.append([])
-            if not deg[x]:
-                waves[wave].append((x, -1))
-                continue
-            u, d = nsum[x], esum[x]
-            waves[wave].append((x, d))
-            deg[x] = 0
-            deg[u] -= 1
-            nsum[u] -= x
-            esum[u] -= d ^ 1
-            if deg[u] <= 1:
-                low.append((u, wave + 1))
-        if sum(map(len, waves)) != len(nodes):
+    def round(self, order: np.ndarray, choice: np.ndarray) -> np.ndarray:
+        """`choice` with the forest grown in `order` re-solved exactly."""
+        trial = choice.copy()
+        ok = _kernel()(
+            order, choice, trial, self.adj_ptr, self.adj, self.src, self.dst, self.at,
+            self.step, self.stride, self.flat, self.cost, self.size,
+        )  # fmt: skip
+        if not ok:
             raise ValueError("forest descent needs a forest; the graph has a cycle")
-        return waves
-
-    def solve(self, nodes: list[int], in_t: np.ndarray, held: np.ndarray) -> dict[int, int]:
-        """Exact plan of the forest ``nodes`` with node costs ``held`` (changed in place):
-        every leaf folded into its neighbour u (``held[u] += min_i m[i, :] + held[x][i]``)
-        wave by wave, the sums added in the queue's order; then each node's strategy read
-        back in reverse from its neighbour's."""
-        waves = self.waves(nodes, in_t)
-        shared = []  # each wave's folds by stacked shape, read again to pick strategies
-        for wave in waves:
-            folds = [(x, d) for x, d in wave if d >= 0]
-            gains: list = [None] * len(folds)
-            shared.append(list(self._shared(folds)))
-            for part, xs, ds, stack in shared[-1]:
-                if stack is None:
-                    for k, x, d in zip(part, xs, ds):
-                        m = self.mats[d]
-                        gains[k] = np.minimum.reduce(m + held[x, : m.shape[0], None], axis=0)
-                    continue
-                table = stack[[self.slot[d] for d in ds]] + held[xs, None, : stack.shape[2]]
-                for k, gain in zip(part, np.minimum.reduce(table, axis=2)):
-                    gains[k] = gain  # padded to the stack's width: inf + anything is inf
-            for (_, d), gain in zip(folds, gains):
-                held[self.dst_of[d], : len(gain)] += gain
-        choice = [0] * self.n
-        for wave, groups in zip(reversed(waves), reversed(shared)):
-            roots = [x for x, d in wave if d < 0]
-            for x, s in zip(roots, held[roots].argmin(axis=1).tolist()):
-                choice[x] = s
-            for _, xs, ds, stack in groups:
-                if stack is None:
-                    for x, d in zip(xs, ds):
-                        col = self.mats[d][:, choice[self.dst_of[d]]]
-                        choice[x] = int((col + held[x, : len(col)]).argmin())
-                    continue
-                cols = stack[[self.slot[d] for d in ds], [choice[self.dst_of[d]] for d in ds]]
-                for x, s in zip(xs, (cols + held[xs, : stack.shape[2]]).argmin(axis=1).tolist()):
-                    choice[x] = s
-        return {v: choice[v] for v in nodes}
-
-    def _shared(self, folds: list[tuple[int, int]]):
-        """``folds`` (node, edge) by stacked shape: (their positions in ``folds``, their
-        nodes, their edges, the stack), the stack None where fewer than ``BATCH`` of them
-        share one (each is then read alone)."""
-        shared: dict[int, list[int]] = {}
-        for k, (_, d) in enumerate(folds):
-            shared.setdefault(self.group[d], []).append(k)
-        for g, ks in shared.items():
-            xs = [folds[k][0] for k in ks]
-            ds = [folds[k][1] for k in ks]
-            yield ks, xs, ds, (self.stack[g] if g >= 0 and len(ks) >= BATCH else None)
+        return trial
 
 
-def _rounded(k: int) -> int:
-    return -(-k // 8) * 8
+_compiled: Callable | None = None
+
+
+def _kernel() -> Callable:
+    """`_round` compiled (numba is imported on first use, not with autopar)."""
+    global _compiled
+    if _compiled is None:
+        import numba
+
+        _compiled = numba.njit(cache=True, nogil=True)(_round)
+    return _compiled
+
+
+def warm() -> None:
+    """Load (or compile) the kernel now: before forking search workers, so that each
+    does not load it again."""
+    forest_descent([np.zeros(2), np.zeros(2)], {(0, 1): np.eye(2)}, [0, 0], 1, 1)
+
+
+def _round(order, choice, trial, adj_ptr, adj, src, dst, at, step, stride, flat, cost, size):
+    """One round (`forest_descent`) into `trial`; False if the nodes taken hold a cycle.
+
+    The forest T: each node in `order` joins T unless two of its neighbours in T are
+    in one tree of T (union-find). Its node costs `held`: each node's row plus, edge by
+    edge, the column of a neighbour outside T at that neighbour's strategy. Then a queue
+    of T's leaves (ascending, then as they appear) folds each leaf x into its one
+    remaining neighbour u: ``held[u, j] += min_i (m[i, j] + held[x, i])``; a node with
+    no neighbour left is a root. Last, in reverse, each root takes its cheapest
+    strategy and each leaf the one cheapest against its neighbour's (the first such)."""
+    n = len(size)
+    parent = np.arange(n)
+    in_t = np.zeros(n, np.bool_)
+    seen = np.full(n, -1)
+    roots = np.empty(n, np.int64)
+    for v in order:
+        k = 0
+        dup = False
+        for a in range(adj_ptr[v], adj_ptr[v + 1]):
+            y = dst[adj[a]]
+            if in_t[y]:
+                while parent[y] != y:
+                    parent[y] = parent[parent[y]]
+                    y = parent[y]
+                if seen[y] == v:
+                    dup = True
+                seen[y] = v
+                roots[k] = y
+                k += 1
+        if not dup:
+            in_t[v] = True
+            for r in range(k):
+                parent[roots[r]] = v
+    held = cost.copy()
+    deg = np.zeros(n, np.int64)
+    nsum = np.zeros(n, np.int64)
+    esum = np.zeros(n, np.int64)
+    for x in range(n):
+        if not in_t[x]:
+            continue
+        for a in range(adj_ptr[x], adj_ptr[x + 1]):
+            d = adj[a]
+            y = dst[d]
+            if in_t[y]:
+                deg[x] += 1
+                nsum[x] += y
+                esum[x] += d
+            else:
+                col = at[d] + choice[y] * step[d]
+                for i in range(size[x]):
+                    held[x, i] += flat[col + i * stride[d]]
+    queue = np.empty(2 * n, np.int64)  # a node is queued at most twice (deg 1, then 0)
+    edge = np.empty(n, np.int64)
+    done = np.zeros(n, np.bool_)
+    head = tail = 0
+    for x in range(n):
+        if in_t[x] and deg[x] <= 1:
+            queue[tail] = x
+            tail += 1
+    seq = 0  # nodes eliminated so far: order_x[:seq], each with its edge or -1
+    order_x = np.empty(n, np.int64)
+    while head < tail:
+        x = queue[head]
+        head += 1
+        if done[x]:
+            continue
+        done[x] = True
+        order_x[seq] = x
+        if deg[x] == 0:
+            edge[seq] = -1
+            seq += 1
+            continue
+        u, d = nsum[x], esum[x]
+        edge[seq] = d
+        seq += 1
+        for j in range(size[u]):
+            base = at[d] + j * step[d]
+            best = np.inf
+            for i in range(size[x]):
+                c = flat[base + i * stride[d]] + held[x, i]
+                if c < best:
+                    best = c
+            held[u, j] += best
+        deg[x] = 0
+        deg[u] -= 1
+        nsum[u] -= x
+        esum[u] -= d ^ 1
+        if deg[u] <= 1:
+            queue[tail] = u
+            tail += 1
+    count = 0
+    for x in range(n):
+        if in_t[x]:
+            count += 1
+    if seq != count:
+        return False
+    for s in range(seq - 1, -1, -1):
+        x, d = order_x[s], edge[s]
+        best = held[x, 0]
+        pick = 0
+        if d < 0:
+            for i in range(1, size[x]):
+                if held[x, i] < best:
+                    best, pick = held[x, i], i
+        else:
+            base = at[d] + trial[dst[d]] * step[d]
+            best = flat[base] + held[x, 0]
+            for i in range(1, size[x]):
+                c = flat[base + i * stride[d]] + held[x, i]
+                if c < best:
+                    best, pick = c, i
+        trial[x] = pick
+    return True
