@@ -241,13 +241,19 @@ def test_prohibitive_costs_do_not_swamp_the_objective(seed):
     assert ilp.info["pruned_strategies"] >= cost[0].size - 1
 
 
-def test_minplus_accumulation_is_bit_identical_to_the_broadcast():
-    from autopar.search.solvers import dp
+def test_minplus_kernel_is_bit_identical_to_the_broadcast():
+    """The compiled min-plus product equals numpy's broadcast definition to the last
+    bit, in float32 as the elimination runs it, from a transposed operand, with inf
+    entries (strategies priced out)."""
+    from autopar.search.solvers.kernels import minplus
 
     rng = np.random.default_rng(0)
-    a, b = rng.random((300, 17)), rng.random((17, 90))  # above dp._BROADCAST: accumulates
-    assert a.size * b.shape[1] > dp._BROADCAST
-    assert np.array_equal(dp._minplus(a, b), (a[:, :, None] + b[None]).min(axis=1))
+    a = rng.random((300, 17)).astype(np.float32)
+    b = rng.random((90, 17)).astype(np.float32).T  # a view, as an edge's other way is
+    a[3, :5] = b[2, 7:] = np.inf
+    got = minplus(a, b)
+    assert got.dtype == np.float32
+    assert np.array_equal(got, (a[:, :, None] + b[None]).min(axis=1))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -17,6 +17,7 @@ from autopar.search.build import Problem
 from autopar.search.edges import combinable_values
 from autopar.search.evaluate import total_time
 from autopar.search.layouts import batch_like_inputs, fsdp_pins, optimizer_state_inputs
+from autopar.search.solvers.kernels import flat_graph, refine_kernel
 from autopar.sharding import axis_order_slow_first
 
 # MindSpore D-Rec weighs the cost of replicating a parameter (a batch cut) by
@@ -105,22 +106,14 @@ def refine(
     problem: Problem, choice: list[int], pinned: Mapping[int, int], sweeps: int = 2
 ) -> list[int]:
     """Iterated conditional modes: each free node moves to its best strategy given
-    all neighbours. Never increases the total cost."""
-    nb = neighbour_tables(problem)
-    every = np.ones(len(choice), bool)
-    for _ in range(sweeps):
-        changed = False
-        for v in range(len(choice)):
-            if v in pinned or len(problem.strategies[v]) == 1:
-                continue
-            score = problem.node_time[v] + edge_sum(
-                nb[v], choice, every, len(problem.strategies[v])
-            )
-            best = int(np.argmin(score))
-            if score[best] < score[choice[v]] - 1e-15:
-                choice[v], changed = best, True
-        if not changed:
-            break
+    all neighbours. Never increases the total cost. `choice` is updated in place
+    (compiled: `solvers.kernels.refine_kernel`)."""
+    g = flat_graph(problem.node_time, problem.edges)
+    free = g.size > 1
+    free[list(pinned)] = False
+    moved = np.array(choice, dtype=np.int64)
+    refine_kernel(g, free, moved, sweeps)
+    choice[:] = moved.tolist()
     return choice
 
 

@@ -103,9 +103,9 @@ def run_all(
     `clock.skip` (as `label(key)`) and left out of the results; a task whose child
     died is named in a warning and run in this process. A task for which
     `skip(key, results so far)` holds when its turn comes is not run (nor named)."""
-    from autopar.search.solvers import forest
+    from autopar.search.solvers import kernels
 
-    forest.warm()  # the compiled kernel loaded once here, not in every child
+    kernels.warm()  # the compiled search loops loaded once here, not in every child
     ctx = multiprocessing.get_context("fork")
     pending = list(tasks.items())
     running: dict[Any, tuple[Any, Any]] = {}  # connection -> (key, process)
