@@ -8,6 +8,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from autopar.search.build import Problem
 from autopar.search.edges import combinable_values
 from autopar.search.evaluate import total_time
 from autopar.search.layouts import batch_like_inputs, fsdp_pins, optimizer_state_inputs
-from autopar.search.solvers.kernels import flat_graph, refine_kernel
+from autopar.search.solvers.kernels import DRecTables, drec_kernel, flat_graph, refine_kernel
 from autopar.sharding import axis_order_slow_first
 
 # MindSpore D-Rec weighs the cost of replicating a parameter (a batch cut) by
@@ -188,83 +189,141 @@ def _recursive(problem: Problem, pinned: Mapping[int, int], sweeps: int) -> list
     `recursive` then tries `_optimizer_from_its_results` on the plan and keeps the
     cheaper of the two.
     """
-    mesh = problem.mesh
-    g, n_in = problem.graph, problem.num_inputs
-    n = len(problem.strategies)
-    nb = neighbour_tables(problem)
-    axes = [mesh.axis_names.index(a) for a in axis_order_slow_first(mesh)]
-    none = tuple([None] * len(mesh.axis_names))
-    lookup = [{s.assignment: i for i, s in enumerate(st)} for st in problem.strategies]
-    choice = [lookup[v].get(none, 0) for v in range(n)]
+    return refine(problem, _drec_passes(problem, pinned), pinned, sweeps)
+
+
+def _drec_passes(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
+    """`_recursive`'s passes, one per mesh axis, before its `refine` (compiled:
+    `solvers.kernels.drec_kernel`)."""
+    static = _drec_static(problem)
+    choice = static.start.copy()  # every node whole, where its table allows
+    fixed = static.single.copy()
     for v, s in pinned.items():
-        choice[v] = s
-    fixed = [v in pinned or len(problem.strategies[v]) == 1 for v in range(n)]
-    heavy = [not fixed[v] and v >= n_in and g.nodes[v - n_in].op in _TIER for v in range(n)]
-    order = sorted(
-        (v for v in range(n) if heavy[v]),
-        key=lambda v: (_TIER[g.nodes[v - n_in].op], -problem.flops[v], v),
-    )
+        choice[v], fixed[v] = s, True
+    heavy = static.tiered & ~fixed
+    order = sorted(np.flatnonzero(heavy).tolist(), key=static.rank.__getitem__)
+    tables = replace(static.tables, order=np.array(order, dtype=np.int64), heavy=heavy, fixed=fixed)
+    names = problem.mesh.axis_names
+    axes = np.array([names.index(a) for a in axis_order_slow_first(problem.mesh)], dtype=np.int64)
+    drec_kernel(flat_graph(problem.node_time, problem.edges), tables, axes, choice)
+    return choice.tolist()
+
+
+@dataclass(frozen=True, eq=False)
+class _DRecStatic:
+    """What D-Rec reads of a problem whatever the pins: the tables (`DRecTables`, its
+    order, heavy and fixed nodes left empty), each node's first strategy (the one
+    whose assignment is all None, else 0), which nodes have one strategy, which are
+    heavy ops (`_TIER`) and their rank in the decision order."""
+
+    tables: DRecTables
+    start: np.ndarray
+    single: np.ndarray
+    tiered: np.ndarray
+    rank: dict[int, tuple]
+
+
+_DREC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # problem -> _DRecStatic
+
+
+def _drec_static(problem: Problem) -> _DRecStatic:
+    """`_DRecStatic` of `problem`, once per problem. Candidates (an axis's cut: the
+    strategies that agree with the current one on every other axis; for a node too
+    small to cut, those that leave the axis whole, if any) and penalties are tabled
+    per strategy table and penalty kind, as the Python loop memoized them."""
+    if problem in _DREC:
+        return _DREC[problem]
+    g, n_in = problem.graph, problem.num_inputs
+    n, n_axes = len(problem.strategies), len(problem.mesh.axis_names)
+    none = tuple([None] * n_axes)
+    table_of: dict[int, int] = {}
+    table, start = np.empty(n, np.int64), np.empty(n, np.int64)
+    firsts, base, counts, cands, rows_so_far = [], [], [], [], 0
+    for v, st in enumerate(problem.strategies):
+        t = table_of.get(id(st))
+        if t is None:
+            t = table_of[id(st)] = len(firsts)
+            firsts.append({s.assignment: i for i, s in enumerate(st)}.get(none, 0))
+            rows = _candidate_rows(st, n_axes)  # [axes, S, 2, S]
+            base.append(rows_so_far)
+            rows_so_far += rows.shape[0] * rows.shape[1] * 2
+            counts.append(rows.sum(-1).ravel())
+            cands.append(np.nonzero(rows.reshape(-1, len(st)))[1])
+        table[v], start[v] = t, firsts[t]
     penalty = _replication_penalty(problem)
-    small = _latency_bound(problem)
-    # Repeated layers share strategy tables (`build` makes one per distinct op): the
-    # candidates of a (table, current strategy, axis) and the penalty of a (node kind,
-    # strategy, axis) are computed once, not once per layer.
     kinds: dict = {}
-    kind = [kinds.setdefault(_penalty_kind(problem, v), len(kinds)) for v in range(n)]
-    cand_memo: dict = {}
-    pen_memo: dict = {}
+    kind, pen_base, pens, pen_so_far = np.empty(n, np.int64), [], [], 0
+    widest = max(len(st) for st in problem.strategies)
+    for v in range(n):
+        key = _penalty_kind(problem, v)
+        if key not in kinds:
+            kinds[key] = len(kinds)
+            size = widest if v < n_in else len(problem.strategies[v])  # inputs: all 0
+            pens.append(
+                np.zeros(n_axes * size)
+                if v < n_in
+                else np.array([penalty(v, i, ai) for ai in range(n_axes) for i in range(size)])
+            )
+            pen_base.append(pen_so_far)
+            pen_so_far += len(pens[-1])
+        kind[v] = kinds[key]
+    ptr = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64)
+    tiered = np.array([v >= n_in and g.nodes[v - n_in].op in _TIER for v in range(n)])
+    rank = {v: (_TIER[g.nodes[v - n_in].op], -problem.flops[v], v) for v in np.flatnonzero(tiered)}
+    empty = np.zeros(0, np.int64)
+    static = _DRecStatic(
+        DRecTables(
+            empty,
+            empty.astype(bool),
+            empty.astype(bool),
+            np.array(_latency_bound(problem)),
+            table,
+            kind,
+            np.array(base, dtype=np.int64),
+            ptr,
+            np.concatenate(cands).astype(np.int64),
+            np.concatenate(pens).astype(np.float64),
+            np.array(pen_base, dtype=np.int64),
+        ),  # fmt: skip
+        start,
+        np.array([len(st) == 1 for st in problem.strategies]),
+        tiered,
+        rank,
+    )
+    _DREC[problem] = static
+    return static
 
-    def candidates(v: int, ai: int) -> list[int]:
-        strats = problem.strategies[v]
-        key = (id(strats), choice[v], ai, small[v])
-        got = cand_memo.get(key)
-        if got is None:
-            base = strats[choice[v]].assignment
-            got = [
-                i
-                for i, s in enumerate(strats)
-                if all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
-            ]
-            if small[v]:  # not worth a collective: stays whole along this axis
-                got = [i for i in got if strats[i].assignment[ai : ai + 1] in ((), (None,))] or got
-            cand_memo[key] = got
-        return got
 
-    def pen(v: int, i: int, ai: int) -> float:
-        key = (kind[v], i, ai)
-        got = pen_memo.get(key)
-        if got is None:
-            got = pen_memo[key] = penalty(v, i, ai)
-        return got
-
-    def decide(v: int, ai: int, decided: np.ndarray) -> None:
-        cands = candidates(v, ai)
-        edge = edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
-        times = problem.node_time[v]
-        scores = [times[i] + pen(v, i, ai) + edge[i] for i in cands]
-        choice[v] = cands[int(np.argmin(scores))]
-        decided[v] = True
-
-    def flood(queue: deque, ai: int, decided: np.ndarray) -> None:
-        while queue:
-            u = queue.popleft()
-            for w, _ in nb[u]:
-                if not decided[w] and not heavy[w]:
-                    decide(w, ai, decided)
-                    queue.append(w)
-
-    for ai in axes:
-        decided = np.array(fixed)
-        for v in order:
-            if not decided[v]:
-                decide(v, ai, decided)
-            flood(deque([v]), ai, decided)
-        flood(deque(v for v in range(n) if decided[v]), ai, decided)
-        for v in range(n):  # pieces no decision reaches
-            if not decided[v]:
-                decide(v, ai, decided)
-                flood(deque([v]), ai, decided)
-    return refine(problem, choice, pinned, sweeps)
+def _candidate_rows(strategies, n_axes: int) -> np.ndarray:
+    """[axis, current strategy c, small, i]: whether strategy i is a candidate of a
+    node at c cutting the axis: it agrees with c on every other axis c names (all, where
+    c's assignment is empty: a fixed rule's); small: it also leaves the axis whole, or,
+    if none does, as not small."""
+    size = len(strategies)
+    out = np.empty((n_axes, size, 2, size), dtype=bool)
+    lengths = {len(s.assignment) for s in strategies}
+    if len(lengths) != 1:  # mixed tables: the definition, strategy by strategy
+        for ai in range(n_axes):
+            whole = [s.assignment[ai : ai + 1] in ((), (None,)) for s in strategies]
+            for c, base in enumerate(s.assignment for s in strategies):
+                out[ai, c, 0] = [
+                    all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
+                    for s in strategies
+                ]
+                keep = out[ai, c, 0] & whole
+                out[ai, c, 1] = keep if keep.any() else out[ai, c, 0]
+        return out
+    (width,) = lengths
+    code = np.array(
+        [[-2 if a is None else int(a) for a in s.assignment] for s in strategies], dtype=np.int64
+    ).reshape(size, width)
+    same = code[:, None, :] == code[None, :, :]  # [c, i, axis c names]
+    for ai in range(n_axes):
+        match = np.delete(same, ai, axis=2).all(axis=2) if ai < width else same.all(axis=2)
+        whole = match & (code[:, ai] == -2)[None, :] if ai < width else match
+        out[ai, :, 0] = match
+        out[ai, :, 1] = np.where(whole.any(axis=1, keepdims=True), whole, match)
+    return out
 
 
 def _latency_bound(problem: Problem) -> list[bool]:

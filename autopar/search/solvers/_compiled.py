@@ -1,0 +1,273 @@
+"""The search's node-by-node loops (`solvers.kernels` documents them and calls them):
+imported on first use, so that `import autopar` does not import numba."""
+
+import numba
+import numpy as np
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def drec(axes, order, heavy, fixed, small, table, kind, base, ptr, cand, pen, pen_base,
+          choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size):  # fmt: skip
+    """D-Rec's passes (`search.engines._recursive`), one per axis in `axes`: the heavy
+    nodes in `order`, each not yet decided taking its cheapest candidate (own time plus
+    penalty, plus its edges' rows at its decided neighbours' strategies, the first
+    minimum), each decision flooding breadth-first through the light nodes around it;
+    then a flood from every decided node, in order; then each node still undecided,
+    with its flood."""
+    n = len(size)
+    decided = np.empty(n, np.bool_)
+    queue = np.empty(2 * n, np.int64)
+    total = np.empty(cost.shape[1])
+    for ai in axes:
+        decided[:] = fixed
+        for v in order:
+            if not decided[v]:
+                _decide(v, ai, decided, table, kind, small, base, ptr, cand, pen, pen_base,
+                        choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total)  # fmt: skip
+            queue[0] = v
+            _flood(queue, 1, ai, decided, heavy, table, kind, small, base, ptr, cand, pen,
+                   pen_base, choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size,
+                   total)  # fmt: skip
+        k = 0
+        for v in range(n):
+            if decided[v]:
+                queue[k] = v
+                k += 1
+        _flood(queue, k, ai, decided, heavy, table, kind, small, base, ptr, cand, pen, pen_base,
+               choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total)  # fmt: skip
+        for v in range(n):
+            if not decided[v]:
+                _decide(v, ai, decided, table, kind, small, base, ptr, cand, pen, pen_base,
+                        choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total)  # fmt: skip
+                queue[0] = v
+                _flood(queue, 1, ai, decided, heavy, table, kind, small, base, ptr, cand, pen,
+                       pen_base, choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size,
+                       total)  # fmt: skip
+
+
+@_jit
+def _flood(queue, tail, ai, decided, heavy, table, kind, small, base, ptr, cand, pen, pen_base,
+           choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total):  # fmt: skip
+    """Breadth-first from `queue[:tail]`: each undecided light neighbour is decided and
+    queued."""
+    head = 0
+    while head < tail:
+        u = queue[head]
+        head += 1
+        for a in range(adj_ptr[u], adj_ptr[u + 1]):
+            w = dst[adj[a]]
+            if not decided[w] and not heavy[w]:
+                _decide(w, ai, decided, table, kind, small, base, ptr, cand, pen, pen_base,
+                        choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total)  # fmt: skip
+                queue[tail] = w
+                tail += 1
+
+
+@_jit
+def _decide(v, ai, decided, table, kind, small, base, ptr, cand, pen, pen_base, choice,
+            adj_ptr, adj, dst, at, step, stride, flat, cost, size, total):  # fmt: skip
+    """Node `v` takes its cheapest candidate on axis `ai` and is decided."""
+    s_v = size[v]
+    for i in range(s_v):
+        total[i] = 0.0
+    for a in range(adj_ptr[v], adj_ptr[v + 1]):
+        d = adj[a]
+        u = dst[d]
+        if decided[u]:
+            col = at[d] + choice[u] * step[d]
+            for i in range(s_v):
+                total[i] += flat[col + i * stride[d]]
+    k = base[table[v]] + (ai * s_v + choice[v]) * 2 + (1 if small[v] else 0)
+    p = pen_base[kind[v]] + ai * s_v
+    best, low = -1, 0.0
+    for j in range(ptr[k], ptr[k + 1]):
+        i = cand[j]
+        score = cost[v, i] + pen[p + i] + total[i]
+        if best < 0 or score < low:
+            best, low = i, score
+    choice[v] = best
+    decided[v] = True
+
+
+@_jit
+def minplus(a, b, out):
+    """`kernels.minplus` into `out`: row by row, the first middle index's sums, then each later
+    one's where smaller (each sum one rounding, the minimum exact)."""
+    n, m = a.shape
+    p = b.shape[1]
+    for i in range(n):
+        for k in range(p):
+            out[i, k] = a[i, 0] + b[0, k]
+        for j in range(1, m):
+            aij = a[i, j]
+            for k in range(p):
+                t = aij + b[j, k]
+                if t < out[i, k]:
+                    out[i, k] = t
+
+
+@_jit
+def refine(free, choice, sweeps, adj_ptr, adj, dst, at, step, stride, flat, cost, size):
+    """Iterated conditional modes (`search.engines.refine`): up to `sweeps` rounds in
+    which each `free` node, in order, moves to its cheapest strategy given all its
+    neighbours' (its cost plus, edge by edge, the rows of its edges at theirs), when
+    that is cheaper than its own by more than 1e-15."""
+    width = cost.shape[1]
+    total = np.empty(width)
+    for _ in range(sweeps):
+        changed = False
+        for v in range(len(size)):
+            if not free[v]:
+                continue
+            s_v = size[v]
+            for i in range(s_v):
+                total[i] = 0.0
+            for a in range(adj_ptr[v], adj_ptr[v + 1]):
+                d = adj[a]
+                col = at[d] + choice[dst[d]] * step[d]
+                for i in range(s_v):
+                    total[i] += flat[col + i * stride[d]]
+            best = 0
+            low = cost[v, 0] + total[0]
+            for i in range(1, s_v):
+                score = cost[v, i] + total[i]
+                if score < low:
+                    best, low = i, score
+            if low < cost[v, choice[v]] + total[choice[v]] - 1e-15:
+                choice[v] = best
+                changed = True
+        if not changed:
+            break
+
+
+@_jit
+def round_forest(order, choice, trial, adj_ptr, adj, src, dst, at, step, stride, flat, cost, size):
+    """One round (`forest_descent`) into `trial`; False if the nodes taken hold a cycle.
+
+    The forest T: each node in `order` joins T unless two of its neighbours in T are
+    in one tree of T (union-find). Its node costs `held`: each node's row plus, edge by
+    edge, the column of a neighbour outside T at that neighbour's strategy. Then a queue
+    of T's leaves (ascending, then as they appear) folds each leaf x into its one
+    remaining neighbour u: ``held[u, j] += min_i (m[i, j] + held[x, i])``; a node with
+    no neighbour left is a root. Last, in reverse, each root takes its cheapest
+    strategy and each leaf the one cheapest against its neighbour's (the first such)."""
+    n = len(size)
+    parent = np.arange(n)
+    in_t = np.zeros(n, np.bool_)
+    seen = np.full(n, -1)
+    roots = np.empty(n, np.int64)
+    for v in order:
+        k = 0
+        dup = False
+        for a in range(adj_ptr[v], adj_ptr[v + 1]):
+            y = dst[adj[a]]
+            if in_t[y]:
+                while parent[y] != y:
+                    parent[y] = parent[parent[y]]
+                    y = parent[y]
+                if seen[y] == v:
+                    dup = True
+                seen[y] = v
+                roots[k] = y
+                k += 1
+        if not dup:
+            in_t[v] = True
+            for r in range(k):
+                parent[roots[r]] = v
+    held = cost.copy()
+    deg = np.zeros(n, np.int64)
+    nsum = np.zeros(n, np.int64)
+    esum = np.zeros(n, np.int64)
+    for x in range(n):
+        if not in_t[x]:
+            continue
+        for a in range(adj_ptr[x], adj_ptr[x + 1]):
+            d = adj[a]
+            y = dst[d]
+            if in_t[y]:
+                deg[x] += 1
+                nsum[x] += y
+                esum[x] += d
+            else:
+                col = at[d] + choice[y] * step[d]
+                for i in range(size[x]):
+                    held[x, i] += flat[col + i * stride[d]]
+    gain = np.empty(cost.shape[1])
+    queue = np.empty(2 * n, np.int64)  # a node is queued at most twice (deg 1, then 0)
+    edge = np.empty(n, np.int64)
+    done = np.zeros(n, np.bool_)
+    head = tail = 0
+    for x in range(n):
+        if in_t[x] and deg[x] <= 1:
+            queue[tail] = x
+            tail += 1
+    seq = 0  # nodes eliminated so far: order_x[:seq], each with its edge or -1
+    order_x = np.empty(n, np.int64)
+    while head < tail:
+        x = queue[head]
+        head += 1
+        if done[x]:
+            continue
+        done[x] = True
+        order_x[seq] = x
+        if deg[x] == 0:
+            edge[seq] = -1
+            seq += 1
+            continue
+        u, d = nsum[x], esum[x]
+        edge[seq] = d
+        seq += 1
+        # gain[j] = min_i m[i, j] + held[x, i], read along the matrix's rows
+        if step[d] == 1:  # row i of m is contiguous
+            for j in range(size[u]):
+                gain[j] = np.inf
+            for i in range(size[x]):
+                row = at[d] + i * stride[d]
+                h = held[x, i]
+                for j in range(size[u]):
+                    c = flat[row + j] + h
+                    if c < gain[j]:
+                        gain[j] = c
+        else:  # column j is
+            for j in range(size[u]):
+                col = at[d] + j * step[d]
+                best = np.inf
+                for i in range(size[x]):
+                    c = flat[col + i] + held[x, i]
+                    if c < best:
+                        best = c
+                gain[j] = best
+        for j in range(size[u]):
+            held[u, j] += gain[j]
+        deg[x] = 0
+        deg[u] -= 1
+        nsum[u] -= x
+        esum[u] -= d ^ 1
+        if deg[u] <= 1:
+            queue[tail] = u
+            tail += 1
+    count = 0
+    for x in range(n):
+        if in_t[x]:
+            count += 1
+    if seq != count:
+        return False
+    for s in range(seq - 1, -1, -1):
+        x, d = order_x[s], edge[s]
+        best = held[x, 0]
+        pick = 0
+        if d < 0:
+            for i in range(1, size[x]):
+                if held[x, i] < best:
+                    best, pick = held[x, i], i
+        else:
+            base = at[d] + trial[dst[d]] * step[d]
+            best = flat[base] + held[x, 0]
+            for i in range(1, size[x]):
+                c = flat[base + i * stride[d]] + held[x, i]
+                if c < best:
+                    best, pick = c, i
+        trial[x] = pick
+    return True
