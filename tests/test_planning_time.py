@@ -567,3 +567,35 @@ def test_pipeline_candidates_share_a_micro_batch_trace(monkeypatch):
     assert plan is not None
     micro = [b for b in batches if b < 8]
     assert sorted(micro) == sorted(set(micro)) and len(micro) >= 2, batches
+
+
+def test_planning_keeps_the_capture_out_of_garbage_collections_and_puts_it_back(
+    tmp_path, monkeypatch
+):
+    """While a plan is searched, what existed before it and the captured graph are
+    frozen (`gc.freeze`: Python's full collections do not walk them); afterwards the
+    heap is as it was: nothing stays frozen, also when the search raises."""
+    import gc
+
+    from autopar.compile import driver
+
+    seen = []
+    build = driver._Driver._built
+
+    def watched(self, *a, **k):
+        seen.append(gc.get_freeze_count())
+        return build(self, *a, **k)
+
+    monkeypatch.setattr(driver._Driver, "_built", watched)
+    before = gc.get_freeze_count()
+    plan(tmp_path)
+    assert seen and min(seen) > before  # frozen while the problem is built and searched
+    assert gc.get_freeze_count() == before
+
+    def fail(self, *a, **k):
+        raise RuntimeError("search failed")
+
+    monkeypatch.setattr(driver._Driver, "_built", fail)
+    with pytest.raises(RuntimeError, match="search failed"):
+        plan(tmp_path, batch=32)
+    assert gc.get_freeze_count() == before

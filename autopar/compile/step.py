@@ -6,6 +6,7 @@ out is named in a warning and in the plan, and such a plan is not cached."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 from dataclasses import replace
 
@@ -26,7 +27,23 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
     it (`compile.cache`), else searched (and stored there). The plan records the
     seconds of each phase; under `time_limit=` the work left out is named in a
     warning (and the plan is not stored). `source`: the call's trace-free key
-    (`cache.source_key`), pointed at the entry for `.plan()` in later processes."""
+    (`cache.source_key`), pointed at the entry for `.plan()` in later processes.
+
+    Python's full garbage collections walk every object it tracks; planning makes
+    millions of short-lived ones, which trigger them, while the objects that are there
+    to stay (JAX's, the captured graph) make each walk long: on GPT-3 175B unrolled
+    (`recursive`) 15 full collections took 2.3 of 13.6 s. So what exists before
+    planning and after the capture is frozen (`gc.freeze`: left out of collections;
+    freed by reference counting as ever) for the planning's duration, and put back
+    after it (0.25 -> 0.05 s on the 7B Llama-style step, 2.3 -> 1.3 s on 175B)."""
+    gc.freeze()
+    try:
+        return _compile_step(options, call, source)
+    finally:
+        gc.unfreeze()
+
+
+def _compile_step(options: Options, call: Call, source: str | None) -> Compiled:
     clock = Clock(options.time_limit)
     single = len(options.meshes) == 1
     log.info("tracing %s", fn_name(options.fn))
@@ -38,6 +55,7 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
             options.meshes[0] if single else None,
             options.keywords,
         )
+    gc.freeze()  # the captured graph stays for the whole planning (`compile_step`)
     cache = key = parts = None
     if options.cache_dir is not None and options.given_plan is None:
         cache = PlanCache(options.cache_dir)
