@@ -12,8 +12,9 @@ left out under `time_limit=` and the warnings it raised; the caller takes the re
 in the order its sequential loop would have made them, so the plan is the same byte
 for byte.
 
-A child runs numpy and Python (of JAX only its dtype and pytree helpers: it never
-traces, compiles or touches a device array), which is what makes forking a process
+A child runs numpy, Python and the search's numba-compiled loops (loaded in the parent
+before it forks, `solvers.kernels.warm`; they start no threads) and of JAX only its
+dtype and pytree helpers (it never traces, compiles or touches a device array), which is what makes forking a process
 with XLA's threads alive safe: `fork` copies the calling thread only, and nothing in the
 child waits on a lock another thread held (the child drops JAX's garbage-collection
 hook, the one call into XLA it would make, and freezes the objects it inherits out of
