@@ -35,7 +35,7 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
     (`recursive`) 15 full collections took 2.3 of 13.6 s. So what exists before
     planning and after the capture is frozen (`gc.freeze`: left out of collections;
     freed by reference counting as ever) for the planning's duration, and put back
-    after it (0.25 -> 0.05 s on the 7B Llama-style step, 2.3 -> 1.3 s on 175B)."""
+    after it (0.25 -> 0.05 s on the 7B Llama-style step, 2.3 -> 1.1 s on 175B)."""
     gc.freeze()
     try:
         return _compile_step(options, call, source)

@@ -20,38 +20,38 @@ def drec(axes, order, heavy, fixed, small, table, kind, base, ptr, cand, pen, pe
     decided = np.empty(n, np.bool_)
     queue = np.empty(2 * n, np.int64)
     total = np.empty(cost.shape[1])
+    # what a decision reads: the tables (`kernels.DRecTables`) and the graph
+    ctx = (table, kind, small, base, ptr, cand, pen, pen_base, adj_ptr, adj, dst, at, step,
+           stride, flat, cost, size)  # fmt: skip
     for ai in axes:
         decided[:] = fixed
         for v in order:
-            if not decided[v]:
-                _decide(v, ai, decided, table, kind, small, base, ptr, cand, pen, pen_base,
-                        choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total)  # fmt: skip
-            queue[0] = v
-            _flood(queue, 1, ai, decided, heavy, table, kind, small, base, ptr, cand, pen,
-                   pen_base, choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size,
-                   total)  # fmt: skip
+            _settle(v, ai, decided, heavy, choice, queue, total, ctx)
         k = 0
         for v in range(n):
             if decided[v]:
                 queue[k] = v
                 k += 1
-        _flood(queue, k, ai, decided, heavy, table, kind, small, base, ptr, cand, pen, pen_base,
-               choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total)  # fmt: skip
+        _flood(queue, k, ai, decided, heavy, choice, total, ctx)
         for v in range(n):
             if not decided[v]:
-                _decide(v, ai, decided, table, kind, small, base, ptr, cand, pen, pen_base,
-                        choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total)  # fmt: skip
-                queue[0] = v
-                _flood(queue, 1, ai, decided, heavy, table, kind, small, base, ptr, cand, pen,
-                       pen_base, choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size,
-                       total)  # fmt: skip
+                _settle(v, ai, decided, heavy, choice, queue, total, ctx)
 
 
 @_jit
-def _flood(queue, tail, ai, decided, heavy, table, kind, small, base, ptr, cand, pen, pen_base,
-           choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total):  # fmt: skip
+def _settle(v, ai, decided, heavy, choice, queue, total, ctx):
+    """Node `v` decided (if it is not yet), then the flood from it."""
+    if not decided[v]:
+        _decide(v, ai, decided, choice, total, ctx)
+    queue[0] = v
+    _flood(queue, 1, ai, decided, heavy, choice, total, ctx)
+
+
+@_jit
+def _flood(queue, tail, ai, decided, heavy, choice, total, ctx):
     """Breadth-first from `queue[:tail]`: each undecided light neighbour is decided and
     queued."""
+    adj_ptr, adj, dst = ctx[8], ctx[9], ctx[10]
     head = 0
     while head < tail:
         u = queue[head]
@@ -59,16 +59,16 @@ def _flood(queue, tail, ai, decided, heavy, table, kind, small, base, ptr, cand,
         for a in range(adj_ptr[u], adj_ptr[u + 1]):
             w = dst[adj[a]]
             if not decided[w] and not heavy[w]:
-                _decide(w, ai, decided, table, kind, small, base, ptr, cand, pen, pen_base,
-                        choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size, total)  # fmt: skip
+                _decide(w, ai, decided, choice, total, ctx)
                 queue[tail] = w
                 tail += 1
 
 
 @_jit
-def _decide(v, ai, decided, table, kind, small, base, ptr, cand, pen, pen_base, choice,
-            adj_ptr, adj, dst, at, step, stride, flat, cost, size, total):  # fmt: skip
+def _decide(v, ai, decided, choice, total, ctx):
     """Node `v` takes its cheapest candidate on axis `ai` and is decided."""
+    table, kind, small, base, ptr, cand, pen, pen_base = ctx[:8]
+    adj_ptr, adj, dst, at, step, stride, flat, cost, size = ctx[8:]
     s_v = size[v]
     for i in range(s_v):
         total[i] = 0.0
