@@ -161,3 +161,24 @@ def test_compiled_drec_and_refine_are_the_python_loops(mesh):
         assert engines.refine(problem, list(start), pinned, 3) == _refine_reference(
             problem, list(start), pinned, 3
         )
+
+
+def test_flat_graph_stores_equal_matrices_once_and_reads_every_entry_both_ways():
+    """Edges whose matrices are equal in value (distinct objects, or a transposed view)
+    share one stored copy per direction, and every directed edge reads entry [i, j] of
+    its own orientation: a mistake in the offsets or the row width shows as a wrong
+    entry here."""
+    from autopar.search.solvers.kernels import flat_graph
+
+    rng = np.random.default_rng(0)
+    a = rng.random((3, 5))
+    b = rng.random((5, 4))
+    cost = [rng.random(3), rng.random(5), rng.random(3), rng.random(5), rng.random(4)]
+    edges = {(0, 1): a, (2, 3): a.copy(), (1, 4): b, (3, 4): np.ascontiguousarray(b.T).T}
+    g = flat_graph(cost, edges)
+    assert g.flat.size == 2 * (a.size + b.size)  # each value once, both ways
+    for k, ((u, v), m) in enumerate(edges.items()):
+        for d, (x, y, want) in enumerate([(u, v, m), (v, u, m.T)]):
+            at = g.at[2 * k + d]
+            got = g.flat[at : at + want.size].reshape(g.size[x], g.size[y])
+            np.testing.assert_array_equal(got, want)

@@ -54,9 +54,20 @@ class _Palette:
         return np.array([get(s, len(self.specs)) for s in specs], dtype=np.int64)
 
     def sequences(self, src: Sequence[Spec], dst: Sequence[Spec], cross: bool) -> np.ndarray:
-        """Per pair (every src x dst, row-major, or src[i] with dst[i]), its sequence."""
+        """Per pair (every src x dst, row-major, or src[i] with dst[i]), its sequence.
+        Each distinct pair is looked up once: a strategy table repeats its specs (a
+        3-axis mesh's 247 strategies of a matmul have a few dozen distinct operands)."""
         ia, ib = self.ids(src), self.ids(dst)
-        keys = ((ia[:, None] << 32) | ib[None, :]).ravel() if cross else (ia << 32) | ib
+        if cross:
+            ua, ra = np.unique(ia, return_inverse=True)
+            ub, rb = np.unique(ib, return_inverse=True)
+            seq = self._lookup(((ua[:, None] << 32) | ub[None, :]).ravel())
+            return seq.reshape(len(ua), len(ub))[ra[:, None], rb[None, :]].ravel()
+        keys, back = np.unique((ia << 32) | ib, return_inverse=True)
+        return self._lookup(keys)[back]
+
+    def _lookup(self, keys: np.ndarray) -> np.ndarray:
+        """The sequence of each pair key (src id << 32 | dst id), made where new."""
         get = self.pairs.get
         seq = [get(k) for k in keys.tolist()]
         if None in seq:

@@ -9,7 +9,7 @@ _jit = numba.njit(cache=True, nogil=True)
 
 @_jit
 def drec(axes, order, heavy, fixed, small, table, kind, base, ptr, cand, pen, pen_base,
-          choice, adj_ptr, adj, dst, at, step, stride, flat, cost, size):  # fmt: skip
+          choice, adj_ptr, adj, dst, at, flat, cost, size):  # fmt: skip
     """D-Rec's passes (`search.engines._recursive`), one per axis in `axes`: the heavy
     nodes in `order`, each not yet decided taking its cheapest candidate (own time plus
     penalty, plus its edges' rows at its decided neighbours' strategies, the first
@@ -21,8 +21,8 @@ def drec(axes, order, heavy, fixed, small, table, kind, base, ptr, cand, pen, pe
     queue = np.empty(2 * n, np.int64)
     total = np.empty(cost.shape[1])
     # what a decision reads: the tables (`kernels.DRecTables`) and the graph
-    ctx = (table, kind, small, base, ptr, cand, pen, pen_base, adj_ptr, adj, dst, at, step,
-           stride, flat, cost, size)  # fmt: skip
+    ctx = (table, kind, small, base, ptr, cand, pen, pen_base, adj_ptr, adj, dst, at, flat,
+           cost, size)  # fmt: skip
     for ai in axes:
         decided[:] = fixed
         for v in order:
@@ -68,7 +68,7 @@ def _flood(queue, tail, ai, decided, heavy, choice, total, ctx):
 def _decide(v, ai, decided, choice, total, ctx):
     """Node `v` takes its cheapest candidate on axis `ai` and is decided."""
     table, kind, small, base, ptr, cand, pen, pen_base = ctx[:8]
-    adj_ptr, adj, dst, at, step, stride, flat, cost, size = ctx[8:]
+    adj_ptr, adj, dst, at, flat, cost, size = ctx[8:]
     s_v = size[v]
     for i in range(s_v):
         total[i] = 0.0
@@ -76,9 +76,9 @@ def _decide(v, ai, decided, choice, total, ctx):
         d = adj[a]
         u = dst[d]
         if decided[u]:
-            col = at[d] + choice[u] * step[d]
+            row = at[d ^ 1] + choice[u] * s_v
             for i in range(s_v):
-                total[i] += flat[col + i * stride[d]]
+                total[i] += flat[row + i]
     k = base[table[v]] + (ai * s_v + choice[v]) * 2 + (1 if small[v] else 0)
     p = pen_base[kind[v]] + ai * s_v
     best, low = -1, 0.0
@@ -109,7 +109,7 @@ def minplus(a, b, out):
 
 
 @_jit
-def refine(free, choice, sweeps, adj_ptr, adj, dst, at, step, stride, flat, cost, size):
+def refine(free, choice, sweeps, adj_ptr, adj, dst, at, flat, cost, size):
     """Iterated conditional modes (`search.engines.refine`): up to `sweeps` rounds in
     which each `free` node, in order, moves to its cheapest strategy given all its
     neighbours' (its cost plus, edge by edge, the rows of its edges at theirs), when
@@ -126,9 +126,9 @@ def refine(free, choice, sweeps, adj_ptr, adj, dst, at, step, stride, flat, cost
                 total[i] = 0.0
             for a in range(adj_ptr[v], adj_ptr[v + 1]):
                 d = adj[a]
-                col = at[d] + choice[dst[d]] * step[d]
+                row = at[d ^ 1] + choice[dst[d]] * s_v
                 for i in range(s_v):
-                    total[i] += flat[col + i * stride[d]]
+                    total[i] += flat[row + i]
             best = 0
             low = cost[v, 0] + total[0]
             for i in range(1, s_v):
@@ -143,7 +143,7 @@ def refine(free, choice, sweeps, adj_ptr, adj, dst, at, step, stride, flat, cost
 
 
 @_jit
-def round_forest(order, choice, trial, adj_ptr, adj, src, dst, at, step, stride, flat, cost, size):
+def round_forest(order, choice, trial, adj_ptr, adj, src, dst, at, flat, cost, size):
     """One round (`forest_descent`) into `trial`; False if the nodes taken hold a cycle.
 
     The forest T: each node in `order` joins T unless two of its neighbours in T are
@@ -191,9 +191,9 @@ def round_forest(order, choice, trial, adj_ptr, adj, src, dst, at, step, stride,
                 nsum[x] += y
                 esum[x] += d
             else:
-                col = at[d] + choice[y] * step[d]
+                row = at[d ^ 1] + choice[y] * size[x]
                 for i in range(size[x]):
-                    held[x, i] += flat[col + i * stride[d]]
+                    held[x, i] += flat[row + i]
     gain = np.empty(cost.shape[1])
     queue = np.empty(2 * n, np.int64)  # a node is queued at most twice (deg 1, then 0)
     edge = np.empty(n, np.int64)
@@ -219,26 +219,16 @@ def round_forest(order, choice, trial, adj_ptr, adj, src, dst, at, step, stride,
         u, d = nsum[x], esum[x]
         edge[seq] = d
         seq += 1
-        # gain[j] = min_i m[i, j] + held[x, i], read along the matrix's rows
-        if step[d] == 1:  # row i of m is contiguous
+        # gain[j] = min_i m[i, j] + held[x, i], read along the rows of m
+        for j in range(size[u]):
+            gain[j] = np.inf
+        for i in range(size[x]):
+            row = at[d] + i * size[u]
+            h = held[x, i]
             for j in range(size[u]):
-                gain[j] = np.inf
-            for i in range(size[x]):
-                row = at[d] + i * stride[d]
-                h = held[x, i]
-                for j in range(size[u]):
-                    c = flat[row + j] + h
-                    if c < gain[j]:
-                        gain[j] = c
-        else:  # column j is
-            for j in range(size[u]):
-                col = at[d] + j * step[d]
-                best = np.inf
-                for i in range(size[x]):
-                    c = flat[col + i] + held[x, i]
-                    if c < best:
-                        best = c
-                gain[j] = best
+                c = flat[row + j] + h
+                if c < gain[j]:
+                    gain[j] = c
         for j in range(size[u]):
             held[u, j] += gain[j]
         deg[x] = 0
@@ -263,10 +253,10 @@ def round_forest(order, choice, trial, adj_ptr, adj, src, dst, at, step, stride,
                 if held[x, i] < best:
                     best, pick = held[x, i], i
         else:
-            base = at[d] + trial[dst[d]] * step[d]
-            best = flat[base] + held[x, 0]
+            row = at[d ^ 1] + trial[dst[d]] * size[x]
+            best = flat[row] + held[x, 0]
             for i in range(1, size[x]):
-                c = flat[base + i * stride[d]] + held[x, i]
+                c = flat[row + i] + held[x, i]
                 if c < best:
                     best, pick = c, i
         trial[x] = pick

@@ -38,12 +38,16 @@ class FlatGraph:
     """A cost graph (node costs, edge matrices) as arrays.
 
     Each edge ``e`` is kept both ways: directed edge ``d = 2e`` runs from its first node
-    to its second, ``d = 2e + 1`` back (``d ^ 1`` is the other way); entry ``[i, j]`` of
-    its matrix (``i`` a strategy of ``src[d]``, ``j`` of ``dst[d]``) is ``flat[at[d] + j
-    * step[d] + i * stride[d]]``. Node costs are rows of ``cost`` (``[n, width]``,
-    padded with inf); a node's directed edges are ``adj[adj_ptr[v]:adj_ptr[v + 1]]``,
-    in the edges' order. ``nodes``/``node_off`` hold the node costs flattened, and
-    ``edge_*`` each undirected edge's nodes, offset and row width (for pricing)."""
+    to its second, ``d = 2e + 1`` back (``d ^ 1`` is the other way), each with its own
+    row-major matrix: entry ``[i, j]`` (``i`` a strategy of ``src[d]``, ``j`` of
+    ``dst[d]``) is ``flat[at[d] + i * size[dst[d]] + j]``. So every loop reads along
+    rows: a fold into ``dst[d]`` reads the rows of ``d``, and a node's costs at its
+    neighbour's strategy are a row of the edge back (``d ^ 1``). Matrices equal in
+    value are stored once (repeated layers give equal matrices, shared or not). Node
+    costs are rows of ``cost`` (``[n, width]``, padded with inf); a node's directed
+    edges are ``adj[adj_ptr[v]:adj_ptr[v + 1]]``, in the edges' order. ``nodes``/
+    ``node_off`` hold the node costs flattened, and ``edge_*`` each undirected edge's
+    nodes, offset and row width (for pricing)."""
 
     size: np.ndarray
     nodes: np.ndarray
@@ -53,8 +57,6 @@ class FlatGraph:
     src: np.ndarray
     dst: np.ndarray
     at: np.ndarray
-    step: np.ndarray
-    stride: np.ndarray
     adj: np.ndarray
     adj_ptr: np.ndarray
     edge_u: np.ndarray
@@ -89,31 +91,41 @@ def _flatten(cost, edges) -> FlatGraph:
     pairs = list(edges.items())
     if any(u == v for (u, v), _ in pairs):
         raise ValueError("a cost graph's edge joins two distinct nodes")
-    # a matrix object several edges share (a problem's repeated layers share their
-    # reshard tables) is stored once
     e = len(pairs)
-    offset, chunks, stored, at_of = np.empty(e, np.int64), [], 0, {}
+    at = np.empty(2 * e, np.int64)
+    chunks: list[np.ndarray] = []
+    by_id: dict[int, tuple[int, int]] = {}  # a matrix object -> its offsets both ways
+    by_value: dict[tuple, list] = {}  # (shape, hash of bytes) -> [(matrix, offsets)]
+    stored = 0
+
+    def store(m: np.ndarray) -> int:
+        nonlocal stored
+        chunks.append(m.ravel())
+        stored += m.size
+        return stored - m.size
+
     for k, (_, m) in enumerate(pairs):
-        o = at_of.get(id(m))
-        if o is None:
-            chunk = np.asarray(m, dtype=np.float64).ravel()
-            o = at_of[id(m)] = stored
-            chunks.append(chunk)
-            stored += chunk.size
-        offset[k] = o
+        got = by_id.get(id(m))
+        if got is None:
+            m = np.ascontiguousarray(m, dtype=np.float64)
+            same = by_value.setdefault((m.shape, hash(m.tobytes())), [])
+            got = next((o for held, o in same if np.array_equal(held, m)), None)
+            if got is None:
+                got = (store(m), store(np.ascontiguousarray(m.T)))
+                same.append((m, got))
+            by_id[id(pairs[k][1])] = got
+        at[2 * k], at[2 * k + 1] = got
     flat = np.concatenate(chunks) if chunks else np.zeros(0)
     u = np.array([p[0][0] for p in pairs], dtype=np.int64)
     v = np.array([p[0][1] for p in pairs], dtype=np.int64)
     width = np.array([np.shape(m)[1] for _, m in pairs], dtype=np.int64)
     src, dst = np.empty(2 * e, np.int64), np.empty(2 * e, np.int64)
     src[0::2], src[1::2], dst[0::2], dst[1::2] = u, v, v, u
-    step, stride = np.empty(2 * e, np.int64), np.empty(2 * e, np.int64)
-    step[0::2], step[1::2], stride[0::2], stride[1::2] = 1, width, width, 1
     adj = np.argsort(src, kind="stable").astype(np.int64)  # by node, in the edges' order
     adj_ptr = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=n))]).astype(np.int64)
     return FlatGraph(
-        size, nodes, node_off, padded, flat, src, dst, np.repeat(offset, 2), step, stride,
-        adj, adj_ptr, u, v, offset, width,
+        size, nodes, node_off, padded, flat, src, dst, at, adj, adj_ptr, u, v, at[0::2].copy(),
+        width,
     )  # fmt: skip
 
 
@@ -128,7 +140,7 @@ def round_kernel(g: FlatGraph, order: np.ndarray, choice: np.ndarray, trial: np.
     """One forest-descent round (`forest.forest_descent`) on `g`, into `trial`; False if
     the nodes taken hold a cycle."""
     return _loops().round_forest(
-        order, choice, trial, g.adj_ptr, g.adj, g.src, g.dst, g.at, g.step, g.stride, g.flat,
+        order, choice, trial, g.adj_ptr, g.adj, g.src, g.dst, g.at, g.flat,
         g.cost, g.size,
     )  # fmt: skip
 
@@ -136,7 +148,7 @@ def round_kernel(g: FlatGraph, order: np.ndarray, choice: np.ndarray, trial: np.
 def refine_kernel(g: FlatGraph, free: np.ndarray, choice: np.ndarray, sweeps: int) -> None:
     """`engines.refine`'s sweeps on `g` (in place on `choice`)."""
     _loops().refine(
-        free, choice, sweeps, g.adj_ptr, g.adj, g.dst, g.at, g.step, g.stride, g.flat, g.cost,
+        free, choice, sweeps, g.adj_ptr, g.adj, g.dst, g.at, g.flat, g.cost,
         g.size,
     )  # fmt: skip
 
@@ -169,7 +181,7 @@ def drec_kernel(g: FlatGraph, d: DRecTables, axes: np.ndarray, choice: np.ndarra
     """D-Rec's passes (`engines._recursive`) on `g` (in place on `choice`)."""
     _loops().drec(
         axes, d.order, d.heavy, d.fixed, d.small, d.table, d.kind, d.base, d.ptr, d.cand,
-        d.pen, d.pen_base, choice, g.adj_ptr, g.adj, g.dst, g.at, g.step, g.stride, g.flat,
+        d.pen, d.pen_base, choice, g.adj_ptr, g.adj, g.dst, g.at, g.flat,
         g.cost, g.size,
     )  # fmt: skip
 
