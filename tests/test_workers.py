@@ -126,12 +126,13 @@ def test_mesh_shapes_are_screened_side_by_side_to_the_same_plan(monkeypatch):
     phases, run_all = [], workers.run_all
 
     def counted(tasks, n, clock, **kw):
-        phases.append((kw.get("phase", "engines"), len(tasks)))
+        phases.append((kw.get("phase", "engines"), len(tasks), kw.get("beside") is not None))
         return run_all(tasks, n, clock, **kw)
 
     monkeypatch.setattr(workers, "run_all", counted)
     side = plan(monkeypatch, 2, mesh=8)
-    assert phases[0][0] == "screen" and phases[0][1] >= 3, phases
+    # the screen: one worker screens its list while this process screens its own
+    assert phases[0] == ("screen", 1, True), phases
     assert phases[1][0] == "engines", phases  # the shapes searched in full: engines side by side
     assert "screen" in inline.phases and "screen" in side.phases
     assert side.to_json() == inline.to_json()
@@ -212,3 +213,21 @@ def test_a_try_is_left_out_ahead_only_where_the_walk_leaves_it_out(monkeypatch):
     graph = SimpleNamespace(nodes=[])
     got = tries.ahead(graph, [(0, mesh, None)] * 3, [0, 1, 2], one, pruned, _NoClock())
     assert sorted(got) == [0, 1, 2]  # the walk searches 0 and 2 (best 4: 3 <= 2 x 4)
+
+
+def test_the_screen_keeps_the_costliest_shapes_here_and_balances_the_rest():
+    """This process screens the costliest shape (its problem is kept for the full
+    search, a worker's is built again) and the lists are balanced by work (4x per mesh
+    axis); each list keeps the tries' order."""
+    from types import SimpleNamespace
+
+    from autopar.compile.screen import _shares
+
+    shapes = [{"d": 32, "m": 8}, {"d": 32, "m": 2, "e": 4}, {"d": 256}, {"d": 64, "m": 4}]
+    shapes += [{"d": 64, "m": 2, "e": 2}, {"d": 2, "m": 128}, {"d": 4, "m": 64}]
+    infos = {i: SimpleNamespace(shape=s) for i, s in enumerate(shapes)}
+    mine, theirs = _shares(infos, 2)
+    assert mine == [0, 1, 2, 5] and theirs == [[3, 4, 6]]  # 16+64+4+16 against 16+64+16
+    mine, theirs = _shares(infos, 3)
+    assert mine[0] == 1 and sorted(mine + sum(theirs, [])) == list(range(7))
+    assert all(lst == sorted(lst) for lst in theirs)

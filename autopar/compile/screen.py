@@ -2,9 +2,10 @@
 priced before any full search. All shapes have the same FLOP floor, so this price
 orders them and bounds which are worth a full search (`compile.driver`); a shape the
 cost model cannot tell from one before it (`meshes.equivalent`) is neither screened
-nor searched. Where `search.workers` allows, the shapes are screened side by side in
-forked workers (each builds its own problem; the driver builds again the few it then
-searches in full)."""
+nor searched. Where `search.workers` allows, the shapes are screened side by side:
+this process screens the shapes costliest to build and keeps their problems for the
+full search, forked workers screen the rest (the driver builds again the problem of a
+worker's shape it then searches in full)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from autopar.compile.clock import Clock, left_out, try_name
+from autopar.compile.clock import Clock, left_out
 from autopar.errors import MeshError
 from autopar.ir.graph import Graph
 from autopar.meshes import equivalent
@@ -61,41 +62,81 @@ def screen(
             cost = evaluate(problem, ENGINES["recursive"](problem, pins, {}))
         return cost.step_s, cost.peak_memory_bytes <= budget, problem
 
-    screened: dict[int, float] = {}
     built: dict[int, Problem] = {}
-    fits: dict[int, bool] = {}
+
+    def in_order(steps: list[int], keep: bool) -> dict[int, tuple[float, bool]]:
+        """{step: (screen price, fits the budget)} of `steps`, screened in order in
+        this process; with `keep`, the problems of those within the margin are kept
+        in `built`. Past `time_limit=` the rest are left out (priced inf) and named."""
+        got: dict[int, tuple[float, bool]] = {}
+        for k, step in enumerate(steps):
+            if got and clock.out_of_time():
+                rest = steps[k:]
+                clock.skip("the screen and search of " + left_out(tries, rest, None))
+                got.update(dict.fromkeys(rest, (math.inf, False)))
+                break
+            log.info(
+                "mesh %s: screening with recursive",
+                infos[step].shape,
+                extra={"autopar_step": (step + 1, len(tries))},
+            )
+            price, fit, problem = one(step)
+            if problem is None:
+                continue  # its full search reports why
+            got[step] = (price, fit)
+            if keep:
+                built[step] = problem
+                _drop_over_margin(built, got)
+        return got
+
     n = workers.usable(len(graph.nodes), len(infos))
     if n > 1:
-        log.info("screening %d mesh shapes with recursive side by side (%d workers)", len(infos), n)
+        mine, theirs = _shares(infos, n)
+        log.info(
+            "screening %d mesh shapes with recursive side by side (%d here, the rest in %d "
+            "workers)",
+            len(infos),
+            len(mine),
+            len(theirs),
+        )
+        here: dict[int, tuple[float, bool]] = {}
         done = workers.run_all(
-            {try_name(infos[s].shape, None): (lambda s=s: one(s)[:2]) for s in infos},
-            n,
+            {k: (lambda steps=steps: in_order(steps, False)) for k, steps in enumerate(theirs)},
+            len(theirs),
             clock,
             phase="screen",
+            beside=lambda: here.update(in_order(mine, True)),
+            label=lambda k: "the screen of " + ", ".join(str(infos[s].shape) for s in theirs[k]),
         )
-        for step in infos:
-            price, fit = done.get(try_name(infos[step].shape, None), (math.inf, False))
-            if not math.isnan(price):  # problems are built again where searched in full
-                screened[step], fits[step] = price, fit
-        return screened, built, same
-    for k, step in enumerate(infos):
-        if screened and clock.out_of_time():  # the rest are left out, and named
-            rest = list(infos)[k:]
-            clock.skip("the screen and search of " + left_out(tries, rest, None))
-            screened.update(dict.fromkeys(rest, math.inf))
-            break
-        log.info(
-            "mesh %s: screening with recursive",
-            infos[step].shape,
-            extra={"autopar_step": (step + 1, len(tries))},
-        )
-        price, fit, problem = one(step)
-        if problem is None:
-            continue
-        screened[step], built[step], fits[step] = price, problem, fit
-        # a full search keeps recursive's plan if it fits: the best such screen price
-        # bounds the best price, and the problems of shapes above the margin can go
-        top = min((screened[j] for j in fits if fits[j]), default=math.inf)
-        for j in [j for j in built if screened[j] > SCREEN_MARGIN * top]:
-            del built[j]
-    return screened, built, same
+        results = [here, *done.values()]
+    else:
+        results = [in_order(list(infos), True)]
+    every = {step: got for part in results for step, got in part.items()}
+    _drop_over_margin(built, every)
+    return {step: price for step, (price, _) in every.items()}, built, same
+
+
+def _drop_over_margin(built: dict[int, Problem], got: dict[int, tuple[float, bool]]) -> None:
+    """A full search keeps recursive's plan if it fits: the best such screen price in
+    `got` bounds the best price, and the problems of shapes above the margin can go."""
+    top = min((price for price, fit in got.values() if fit), default=math.inf)
+    for j in [j for j in built if j in got and got[j][0] > SCREEN_MARGIN * top]:
+        del built[j]
+
+
+def _shares(infos: dict[int, Any], procs: int) -> tuple[list[int], list[list[int]]]:
+    """The screen's steps split between this process and `procs - 1` workers, each
+    list in the tries' order: the costliest shapes first, each to the least loaded,
+    this process first among equals. A problem built here is kept for the full search
+    and one built in a worker is built again, so this process takes the costliest
+    shape. A shape's work is counted as 4x per mesh axis (more axes, more strategies
+    per op: on the 7B step a 3-axis shape took ~1.9 s to build and screen, a 2-axis
+    one ~0.45 s)."""
+    work = {s: 4 ** sum(1 for n in infos[s].shape.values() if n > 1) for s in infos}
+    bins: list[list[int]] = [[] for _ in range(procs)]
+    loads = [0] * procs
+    for s in sorted(infos, key=lambda s: (-work[s], s)):
+        b = loads.index(min(loads))
+        bins[b].append(s)
+        loads[b] += work[s]
+    return sorted(bins[0]), [sorted(steps) for steps in bins[1:] if steps]

@@ -94,8 +94,10 @@ def run_all(
     phase: str = "engines",
     skip: Callable[[Any, dict[Any, Any]], bool] = lambda key, done: False,
     label: Callable[[Any], str] = str,
+    beside: Callable[[], None] | None = None,
 ) -> dict[Any, Any]:
-    """Each task's result, computed in up to `workers` forked children (in task order).
+    """Each task's result, computed in up to `workers` forked children (in task order),
+    while this process runs `beside` (if given) once the first children are started.
 
     The parent's time waiting for them is the clock's `phase`; the children's own
     phases overlap it, so they go to `clock.worked`, not to its phases; their skips go
@@ -140,6 +142,9 @@ def run_all(
                     key, task = pending.pop(0)
                     if not skip(key, results):
                         start(key, task)
+                if beside is not None:
+                    beside()  # this process's own share of the work
+                    beside = None
                 if not running:
                     break
                 now = time.perf_counter()
@@ -176,6 +181,8 @@ def run_all(
                         clock.skip(what)
                     for w in caught:
                         warnings.warn_explicit(w[0], w[1], w[2], w[3])
+            if beside is not None:  # no task to start a child for
+                beside()
         finally:
             stop("")  # after an error: the other children are not waited for
     for key, spent in phases.items():
