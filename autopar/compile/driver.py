@@ -11,6 +11,7 @@ that error is raised. Plans are made and bound in `compile.plans`."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import warnings
@@ -445,7 +446,12 @@ class _Driver(PipelineTries):
 
     def _built(self, g: Graph, info, pipelined) -> Problem:
         with self.clock.phase("build"):
-            return build_problem(g, info, CostModel(self.o.profile, info), pipelined)
+            problem = build_problem(g, info, CostModel(self.o.profile, info), pipelined)
+        # its tables stay while it is searched, most of them for the whole planning:
+        # left out of the full collections the search's garbage triggers, as the
+        # capture is (`compile.step.compile_step`, which puts them back at the end)
+        gc.freeze()
+        return problem
 
     def _pins(self, problem: Problem, rolled: bool, reused: dict[int, Spec]):
         """The user's `in_specs=` and a reused plan's specs as pins on `problem`'s

@@ -42,6 +42,7 @@ class _Palette:
     def __init__(self, cost: CostModel):
         self.cost = cost
         self.index: dict[tuple, int] = {}  # (kind, axes, divisor) -> code
+        self.steps: dict[tuple, int] = {}  # a `reshard_steps` step -> its code
         self.rows: list[tuple] = [("", 0.0, 1.0, 1.0, 1, 0.0)]
         self.specs: dict[Spec, int] = {}  # spec -> id, for the pairs' int keys
         self.pairs: dict[int, int] = {}  # src id << 32 | dst id -> sequence
@@ -80,12 +81,18 @@ class _Palette:
     def _sequence(self, key: int, a: Spec, b: Spec) -> int:
         got = self.pairs.get(key)
         if got is None:
-            codes = tuple(self._code(*step) for step in reshard_steps(a, b))
+            codes = tuple(self._code(step) for step in reshard_steps(a, b))
             got = self.pairs[key] = self.seqs.setdefault(codes, len(self.seqs))
             self.seq_codes = None
         return got
 
-    def _code(self, kind: str, axes: tuple[str, ...], layout: Spec) -> int:
+    def _code(self, step: tuple[str, tuple[str, ...], Spec]) -> int:
+        code = self.steps.get(step)  # a step recurs in many pairs' sequences
+        if code is None:
+            code = self.steps[step] = self._new_code(*step)
+        return code
+
+    def _new_code(self, kind: str, axes: tuple[str, ...], layout: Spec) -> int:
         mesh = self.cost.mesh
         n = math.prod(mesh.size(a) for a in axes)
         if n <= 1:

@@ -84,17 +84,23 @@ def chained(graph: Graph, strategies, combinable: frozenset[int]) -> frozenset[i
     made = {v: node.id for node in graph.nodes for v in node.outputs}
     below: set[int] = set()  # downstream of a possible start, through carriers at most
     after: set[int] = set()
+    # per strategy table (repeated layers share theirs): whether each output can start
+    # a sum, and whether any strategy carries one on
+    facts: dict[tuple[int, int], tuple[tuple[bool, ...], bool]] = {}
     for node in graph.nodes:
         strats = strategies[n_in + node.id]
+        key = (id(strats), len(node.outputs))
+        if key not in facts:
+            facts[key] = (
+                tuple(any(starts_sum(s, k) for s in strats) for k in range(len(node.outputs))),
+                any(
+                    any(sp.partial for sp in s.in_specs) and any(o.partial for o in s.out_specs)
+                    for s in strats
+                ),
+            )
+        can_start, carries = facts[key]
         ups = {made[x] for x in node.inputs if x in made and x in combinable}
-        starts = any(
-            v in combinable and any(starts_sum(s, k) for s in strats)
-            for k, v in enumerate(node.outputs)
-        )
-        carries = any(
-            any(sp.partial for sp in s.in_specs) and any(o.partial for o in s.out_specs)
-            for s in strats
-        )
+        starts = any(v in combinable and can_start[k] for k, v in enumerate(node.outputs))
         if phase[node.id] == OTHER and (ups & after or (ups & below and not carries)):
             after.add(node.id)
         elif starts or ups & below:
