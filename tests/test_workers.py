@@ -159,11 +159,17 @@ def test_zero_retries_of_plans_over_budget_run_side_by_side_to_the_same_plan(mon
     assert side.to_json() == inline.to_json()
 
 
-@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_pipeline_tries_side_by_side_find_the_plan_searched_inline(monkeypatch, scan):
+@pytest.mark.parametrize(
+    "scan, min_nodes",
+    [(True, 10**6), (True, 10), pytest.param(False, 10**6, marks=pytest.mark.slow)],
+)
+def test_pipeline_tries_side_by_side_find_the_plan_searched_inline(monkeypatch, scan, min_nodes):
     """`pipeline_stages="auto"`: every (stage count, micro-batch count) try searched in
     a child, layers under `scan` or unrolled in Python (rolled); the plan, its notes on
-    the tries, and the tries left out by their floors are those of the inline walk."""
+    the tries, and the tries left out by their floors are those of the inline walk.
+    Pipelined tries go side by side even where each try's graph is big enough for its
+    engines to (`min_nodes` 10): building a try searches its loop bodies, which
+    engines side by side would leave to the planner alone."""
     from autopar.examples.models import gpt
 
     cfg = gpt.GPTConfig(hidden=64, heads=4, seq=32, vocab=256, layers=4, batch_size=8)
@@ -172,8 +178,8 @@ def test_pipeline_tries_side_by_side_find_the_plan_searched_inline(monkeypatch, 
 
     def planned(n):
         monkeypatch.setenv("AUTOPAR_WORKERS", str(n))
-        # engines inline (every problem below the threshold), the tries side by side
-        monkeypatch.setattr(workers, "MIN_NODES", 10**6)
+        # the tries side by side (their engines inline in each child)
+        monkeypatch.setattr(workers, "MIN_NODES", min_nodes)
         monkeypatch.setattr(workers, "memory_cap", lambda: 64)
         monkeypatch.setattr(tries, "size", lambda graph: 10**7)
         par = autopar.parallelize(

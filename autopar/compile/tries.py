@@ -36,15 +36,21 @@ def ahead(
     clock: Any,
 ) -> dict[int, Any]:
     """{try index: `one(step, i)` without its problem} for the tries searched side by
-    side; {} where `search.workers` gives one worker, or where the graph outside its
-    loops is big enough for the engines of each try to run side by side (one level of
-    workers: the engines where a try's problem is big, the tries where only their loop
-    bodies are, as in pipelined tries of scanned layers). `pruned(i, best)`: whether
+    side; {} where `search.workers` gives one worker, or where the tries are not
+    pipelined and the graph outside their loops is big enough for the engines of each
+    try to run side by side (one level of workers: the engines where a try's problem
+    is big, the tries where only their loop bodies are or where each builds a
+    pipeline). `pruned(i, best)`: whether
     the walk leaves try `i` out once `best` is the best price found."""
     # a try builds its problem and runs `auto`'s four searches on it (and on its loop
     # bodies): that much work per try is what `search.workers`' threshold weighs
     n = workers.usable(4 * size(graph), len(order))
-    if n <= 1 or workers.usable(len(graph.nodes), 2) > 1:
+    # Pipelined tries go side by side whatever their size: building one searches its
+    # loop bodies (a nested search per try), which engines side by side would leave to
+    # this process alone (a 24-layer GPT-3-wide step unrolled in Python: 48 s of such
+    # builds here against 61 s of engines side by side).
+    pipelined = any(p is not None for _, _, p in tries)
+    if n <= 1 or (workers.usable(len(graph.nodes), 2) > 1 and not pipelined):
         return {}  # (the latter: each try's engines run side by side instead)
     position = {i: p for p, i in enumerate(order)}
 
