@@ -3,6 +3,7 @@ and ZeRO retries, the mesh screen and pipeline tries give the plan searched inli
 errors and dead workers are handled, `time_limit=` honoured."""
 
 import os
+import re
 import time
 import warnings
 from dataclasses import replace
@@ -237,3 +238,19 @@ def test_the_screen_keeps_the_costliest_shapes_here_and_balances_the_rest():
     mine, theirs = _shares(infos, 3)
     assert mine[0] == 1 and sorted(mine + sum(theirs, [])) == list(range(7))
     assert all(lst == sorted(lst) for lst in theirs)
+
+
+def test_time_limit_cuts_the_screen_side_by_side_and_names_what_it_left(monkeypatch):
+    """`mesh=N` with the screen shared between this process and a worker: past the
+    time limit each screens no more shapes than the one it started with, names the
+    rest, and a plan still comes back."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = plan(monkeypatch, 2, mesh=8, time_limit=1e-3)
+    said = " ".join(str(w.message) for w in caught)
+    assert "time_limit=0.001 s reached" in said
+    # 4 shapes, two of them one mesh to the cost model (data 4 x model 2 relabeled):
+    # one screened by each process, the third named
+    left = re.findall(r"the screen and search of (\d) of 4 mesh/pipeline tries", said)
+    assert sum(map(int, left)) == 1, said
+    assert p.cost.step_s > 0
