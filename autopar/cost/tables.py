@@ -58,7 +58,8 @@ class _Palette:
         """Per pair (every src x dst, row-major, or src[i] with dst[i]), its sequence.
         Each distinct pair is looked up once: a strategy table repeats its specs (its
         strategies read and make the same operand spec many times; on the 7B step's
-        3-axis mesh 285k lookups of new pairs fell to 48k)."""
+        `mesh=256` screen, inline, the calls that make a new pair's sequence fell from
+        285k to 199k, the builds' time by little)."""
         ia, ib = self.ids(src), self.ids(dst)
         if cross:
             ua, ra = np.unique(ia, return_inverse=True)

@@ -448,9 +448,9 @@ def data_problem(problem: Problem, exempt: frozenset[int] = frozenset()) -> Prob
     tables: dict = {}  # (type, producer table, output, consumer table, operand) -> penalty
     memo: dict = {}  # `reshard_table`'s
     # edge matrix + penalty -> their sum, made once: edges that share a matrix (repeated
-    # layers) share the sum too, so the penalized graph flattens as small as the
-    # problem's (`solvers.kernels.flat_graph`: 834 MB against 19 MB on the 7B step's
-    # 3-axis graph when every edge had its own copy)
+    # layers) share the sum too, rather than a copy per edge (12302 copies, 834 MB, on
+    # the 7B step's 3-axis graph, which `solvers.kernels.flat_graph` then had to copy
+    # again, or now hash, to store once)
     sums: dict = {}
 
     for node in g.nodes:

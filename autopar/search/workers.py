@@ -14,9 +14,9 @@ for byte.
 
 A child runs numpy, Python and the search's numba-compiled loops (loaded in the parent
 before it forks, `solvers.kernels.warm`; they start no threads) and of JAX only its
-dtype and pytree helpers (it never traces, compiles or touches a device array), which is what makes forking a process
-with XLA's threads alive safe: `fork` copies the calling thread only, and nothing in the
-child waits on a lock another thread held (the child drops JAX's garbage-collection
+dtype and pytree helpers (it never traces, compiles or touches a device array), which
+is what makes forking a process with XLA's threads alive safe: `fork` copies the
+calling thread only, and nothing in the child waits on a lock another thread held (the child drops JAX's garbage-collection
 hook, the one call into XLA it would make, and freezes the objects it inherits out of
 its own collections). JAX and Python 3.12+ warn about any fork in a multi-threaded
 process; those warnings are filtered at the fork for that reason. A child never forks

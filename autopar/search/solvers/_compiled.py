@@ -143,7 +143,7 @@ def refine(free, choice, sweeps, adj_ptr, adj, dst, at, flat, cost, size):
 
 
 @_jit
-def round_forest(order, choice, trial, adj_ptr, adj, src, dst, at, flat, cost, size):
+def round_forest(order, choice, trial, adj_ptr, adj, dst, at, flat, cost, size):
     """One round (`forest_descent`) into `trial`; False if the nodes taken hold a cycle.
 
     The forest T: each node in `order` joins T unless two of its neighbours in T are

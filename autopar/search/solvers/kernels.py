@@ -39,8 +39,8 @@ class FlatGraph:
 
     Each edge ``e`` is kept both ways: directed edge ``d = 2e`` runs from its first node
     to its second, ``d = 2e + 1`` back (``d ^ 1`` is the other way), each with its own
-    row-major matrix: entry ``[i, j]`` (``i`` a strategy of ``src[d]``, ``j`` of
-    ``dst[d]``) is ``flat[at[d] + i * size[dst[d]] + j]``. So every loop reads along
+    row-major matrix: entry ``[i, j]`` (``i`` a strategy of the node it leaves, ``j``
+    of ``dst[d]``) is ``flat[at[d] + i * size[dst[d]] + j]``. So every loop reads along
     rows: a fold into ``dst[d]`` reads the rows of ``d``, and a node's costs at its
     neighbour's strategy are a row of the edge back (``d ^ 1``). Matrices equal in
     value are stored once (repeated layers give equal matrices, shared or not). Node
@@ -54,7 +54,6 @@ class FlatGraph:
     node_off: np.ndarray
     cost: np.ndarray
     flat: np.ndarray
-    src: np.ndarray
     dst: np.ndarray
     at: np.ndarray
     adj: np.ndarray
@@ -124,8 +123,7 @@ def _flatten(cost, edges) -> FlatGraph:
     adj = np.argsort(src, kind="stable").astype(np.int64)  # by node, in the edges' order
     adj_ptr = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=n))]).astype(np.int64)
     return FlatGraph(
-        size, nodes, node_off, padded, flat, src, dst, at, adj, adj_ptr, u, v, at[0::2].copy(),
-        width,
+        size, nodes, node_off, padded, flat, dst, at, adj, adj_ptr, u, v, at[0::2].copy(), width,
     )  # fmt: skip
 
 
@@ -140,22 +138,20 @@ def round_kernel(g: FlatGraph, order: np.ndarray, choice: np.ndarray, trial: np.
     """One forest-descent round (`forest.forest_descent`) on `g`, into `trial`; False if
     the nodes taken hold a cycle."""
     return _loops().round_forest(
-        order, choice, trial, g.adj_ptr, g.adj, g.src, g.dst, g.at, g.flat,
-        g.cost, g.size,
+        order, choice, trial, g.adj_ptr, g.adj, g.dst, g.at, g.flat, g.cost, g.size
     )  # fmt: skip
 
 
 def refine_kernel(g: FlatGraph, free: np.ndarray, choice: np.ndarray, sweeps: int) -> None:
     """`engines.refine`'s sweeps on `g` (in place on `choice`)."""
     _loops().refine(
-        free, choice, sweeps, g.adj_ptr, g.adj, g.dst, g.at, g.flat, g.cost,
-        g.size,
+        free, choice, sweeps, g.adj_ptr, g.adj, g.dst, g.at, g.flat, g.cost, g.size
     )  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
 class DRecTables:
-    """What one D-Rec pass reads besides the graph (`search.engines._drec_tables`).
+    """What one D-Rec pass reads besides the graph (`search.engines._drec_static`).
 
     Per node: its strategy table ``table[v]``, penalty kind ``kind[v]``, whether it is
     heavy (decided in ``order``), fixed, or too small to cut (``small``). Candidates of
@@ -181,8 +177,7 @@ def drec_kernel(g: FlatGraph, d: DRecTables, axes: np.ndarray, choice: np.ndarra
     """D-Rec's passes (`engines._recursive`) on `g` (in place on `choice`)."""
     _loops().drec(
         axes, d.order, d.heavy, d.fixed, d.small, d.table, d.kind, d.base, d.ptr, d.cand,
-        d.pen, d.pen_base, choice, g.adj_ptr, g.adj, g.dst, g.at, g.flat,
-        g.cost, g.size,
+        d.pen, d.pen_base, choice, g.adj_ptr, g.adj, g.dst, g.at, g.flat, g.cost, g.size,
     )  # fmt: skip
 
 
