@@ -128,13 +128,20 @@ def test_mesh_shapes_are_screened_side_by_side_to_the_same_plan(monkeypatch):
 
     def counted(tasks, n, clock, **kw):
         phases.append((kw.get("phase", "engines"), len(tasks), kw.get("beside") is not None))
-        return run_all(tasks, n, clock, **kw)
+        got = run_all(tasks, n, clock, **kw)
+        shapes.append({key[0] if isinstance(key, tuple) else key for key in got})
+        return got
 
+    shapes: list[set] = []
     monkeypatch.setattr(workers, "run_all", counted)
     side = plan(monkeypatch, 2, mesh=8)
     # the screen: one worker screens its list while this process screens its own
     assert phases[0] == ("screen", 1, True), phases
-    assert phases[1][0] == "engines", phases  # the shapes searched in full: engines side by side
+    # the 3 shapes within the screen's margin: all their engines in one pool, started
+    # with the 4 of the shape this process screened (its problem kept), the others'
+    # after this process built their problems beside the workers (`tries.firsts_ahead`)
+    assert phases[1] == ("engines", 4, True) and len(phases) == 2, phases
+    assert len(shapes[1]) == 3, shapes
     assert "screen" in inline.phases and "screen" in side.phases
     assert side.to_json() == inline.to_json()
     assert [w for w in side.warnings if "mesh shapes" in w] == [
@@ -254,3 +261,33 @@ def test_time_limit_cuts_the_screen_side_by_side_and_names_what_it_left(monkeypa
     left = re.findall(r"the screen and search of (\d) of 4 mesh/pipeline tries", said)
     assert sum(map(int, left)) == 1, said
     assert p.cost.step_s > 0
+
+
+def test_the_engines_of_the_screened_shapes_are_left_out_only_where_the_walk_leaves_them(
+    monkeypatch,
+):
+    """`compile.tries.firsts_ahead`: the first searches of the shapes within the screen's
+    margin, in one pool. A shape's tasks are skipped at their turn only by the walk
+    replayed over the shapes whose tasks are all in: shape 1's screen price is past the
+    margin of shape 0's price, so it is skipped, though its own plan would have been
+    the cheapest; shape 2 is still searched. Shapes missing from `built` are built
+    here, beside the workers, and their tasks run after."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(workers, "memory_cap", lambda: 64)
+    screen, price = {0: 1.0, 1: 10.0, 2: 3.0}, {0: 4.0, 1: 1.0, 2: 5.0}
+    built = {0: 0}
+
+    def tasks_of(i):
+        cost = SimpleNamespace(step_s=price[i], peak_memory_bytes=0)
+        return {"dp": lambda: (([i], cost), {}), "recursive": lambda: (([i], cost), {})}
+
+    def pruned(i, best):  # the walk's screen-margin rule
+        return screen[i] > 2.0 * best
+
+    got = tries.firsts_ahead(
+        [0, 1, 2], built, lambda i: i, tasks_of, pruned, 1.0, _NoClock(), 1, str
+    )
+    assert sorted(built) == [0, 1, 2]  # 1 and 2 built beside the first worker
+    assert sorted(got) == [0, 2]  # the walk searches 0 and 2 (best 4: 3 <= 2 x 4)
+    assert sorted(got[2]) == ["dp", "recursive"] and got[2]["dp"][0][1].step_s == 5.0

@@ -49,7 +49,7 @@ from autopar.compile.plans import (
     user_pins,
 )
 from autopar.compile.screen import SCREEN_MARGIN, screen
-from autopar.compile.tries import ahead
+from autopar.compile.tries import ahead, firsts_ahead
 from autopar.cost.model import CostModel
 from autopar.errors import (
     MemoryBudgetError,
@@ -72,7 +72,7 @@ from autopar.passes.remat import rematerialize
 from autopar.passes.roll import Roll
 from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan
-from autopar.search import search
+from autopar.search import first_tasks, search, workers
 from autopar.search.evaluate import memory_floor
 from autopar.search.piped import rescheduled
 from autopar.search.problem import Problem, build_problem, residency, step_floor
@@ -165,14 +165,20 @@ class _Found:
 
 
 def _searched(
-    problem: Problem, engine: str, budget: float, pins: dict[int, int], clock, checked: bool
+    problem: Problem,
+    engine: str,
+    budget: float,
+    pins: dict[int, int],
+    clock,
+    checked: bool,
+    first: dict | None = None,
 ):
     """`search`, or the MemoryBudgetError it raises when no plan fits, as a value.
     `checked`: plans near the budget will be compiled to check their memory, so the
     search keeps leaner ones behind them."""
     sure_fit = COMPILE_CHECK_FRACTION if checked else 1.0
     try:
-        return search(problem, engine, budget, pins, clock, sure_fit)
+        return search(problem, engine, budget, pins, clock, sure_fit, first)
     except MemoryBudgetError as e:
         return Infeasible(e)
 
@@ -349,10 +355,14 @@ class _Driver(PipelineTries):
         def pruned(i: int, best: float) -> bool:  # the walk's rules below, as one test
             return i in same or floored(i, best) or screened_out(i, best)
 
+        first: dict[int, dict] = {}  # the screened shapes' engines, run side by side
+
         def one(step: int, i: int):
-            return self._try(graph, tries, i, step, built, reused)
+            return self._try(graph, tries, i, step, built, reused, first.get(i))
 
         found = ahead(graph, tries, order, one, pruned, self.clock)
+        if not found and screen:
+            first = self._firsts_ahead(graph, tries, order, screen, built, pruned, reused)
         left: list[int] = []  # not searched: the time limit came first
         for step, i in enumerate(order):
             k, mesh, pipelined = tries[i]
@@ -410,9 +420,19 @@ class _Driver(PipelineTries):
             screened = screen_note(tries, screen, dropped, same, best, SCREEN_MARGIN)
         return _Found(ranked, failures, len(tries), skipped, memory_bound, screened)
 
-    def _try(self, graph: Graph, tries: list, i: int, step: int, built: dict, reused: dict):
+    def _try(
+        self,
+        graph: Graph,
+        tries: list,
+        i: int,
+        step: int,
+        built: dict,
+        reused: dict,
+        first: dict | None = None,
+    ):
         """Try `i` searched: (its problem, the search's result or Infeasible), or the
-        note saying its memory floor is over the budget (it is then not built)."""
+        note saying its memory floor is over the budget (it is then not built).
+        `first`: its first searches' results, run side by side (`_firsts_ahead`)."""
         o = self.o
         _, mesh, pipelined = tries[i]
         info, g = self._info(mesh), graph_of(graph, pipelined)
@@ -433,7 +453,7 @@ class _Driver(PipelineTries):
         if isinstance(pins, MeshError):
             return problem, Infeasible(pins), ()
         checked = isinstance(mesh, Mesh)
-        result = _searched(problem, o.engine, o.memory_budget, pins, self.clock, checked)
+        result = _searched(problem, o.engine, o.memory_budget, pins, self.clock, checked, first)
         return problem, result, self._other_schedule(problem, pipelined, result)
 
     def _memory_floor(self, g: Graph, devices: int, pipelined) -> float:
@@ -483,6 +503,34 @@ class _Driver(PipelineTries):
         build = lambda info: self._built(graph, info, None)  # noqa: E731
         pins = lambda problem: self._pins(problem, False, reused)  # noqa: E731
         return screen(graph, tries, self.clock, self._info, build, pins, o.memory_budget)
+
+    def _firsts_ahead(
+        self, graph: Graph, tries: list, order: list[int], screen: dict, built: dict, pruned, reused
+    ) -> dict[int, dict]:
+        """`compile.tries.firsts_ahead` for the shapes within the screen's margin of its
+        best price (the walk searches them unless a full search's plan lowers that
+        bound): their engines side by side in one pool. {} where fewer than two are
+        left or the graph is searched inline."""
+        prices = [p for p in screen.values() if math.isfinite(p)]
+        kept = [
+            i
+            for i in order
+            if math.isfinite(screen.get(i, math.nan)) and not pruned(i, min(prices, default=0))
+        ]
+        n = workers.usable(len(graph.nodes), 4 * len(kept))
+        if len(kept) < 2 or n < 2:
+            return {}
+
+        def tasks(problem: Problem) -> dict:
+            pins = self._pins(problem, False, reused)
+            if isinstance(pins, MeshError):
+                return {}  # the walk's search of it says why
+            return first_tasks(problem, self.o.engine, self.o.memory_budget, pins, self.clock)
+
+        build = lambda i: self._built(graph, self._info(tries[i][1]), None)  # noqa: E731
+        name = lambda i: str(self._info(tries[i][1]).shape)  # noqa: E731
+        budget = self.o.memory_budget
+        return firsts_ahead(kept, built, build, tasks, pruned, budget, self.clock, n, name)
 
     def _first_that_fits(
         self, graph: Graph, found: _Found, notes: tuple[str, ...], lead: tuple[str, ...]

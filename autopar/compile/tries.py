@@ -99,3 +99,78 @@ def size(graph: Graph) -> int:
         1 + (size(n.body) if n.body is not None else 0) + sum(size(b) for b in n.branches or ())
         for n in graph.nodes
     )
+
+
+# Engines whose search is `dp`'s (much longer than `recursive`'s): started first in a
+# pool of several tries' first searches, so the longest tasks do not come last.
+_LONG = ("dp", "data", "fsdp", "ilp")
+
+
+def firsts_ahead(
+    kept: list[int],
+    built: dict[int, Any],
+    build: Callable[[int], Any],
+    tasks_of: Callable[[Any], dict[str, Callable[[], Any]]],
+    pruned: Callable[[int, float], bool],
+    budget: float,
+    clock: Any,
+    workers_: int,
+    name: Callable[[int], str],
+) -> dict[int, dict[str, Any]]:
+    """{try: its first searches' results} (`search.first_tasks`, for `search(...,
+    first=)`), for the tries `kept` (in the walk's order) searched side by side in one
+    pool of `workers_` workers, not one try's engines after another's: a try whose
+    `dp` is its longest search no longer leaves a worker idle at its end, and this
+    process builds the problems of the tries missing from `built` (it puts them
+    there) while the workers search the others. A try's tasks are left out at their
+    turn if the walk is sure to leave the try out (`ahead`'s replay); a try is in the
+    result only with all its tasks (else, at the time limit, the walk searches it as
+    it would alone)."""
+    keys: dict[int, list[str]] = {}
+
+    def tasks(i: int) -> dict[tuple[int, str], Callable[[], Any]]:
+        got = tasks_of(built[i])
+        keys[i] = sorted(got, key=lambda k: (k.split("+")[0] not in _LONG, list(got).index(k)))
+        return {(i, k): got[k] for k in keys[i]}
+
+    def beside() -> dict:
+        more = {}
+        for i in kept:
+            if i not in built:
+                built[i] = build(i)
+                more.update(tasks(i))
+        return more
+
+    def price(i: int, done: dict) -> float:
+        costs = [done[(i, k)][0][1] for k in keys[i]]
+        return min((c.step_s for c in costs if c.peak_memory_bytes <= budget), default=math.inf)
+
+    def skip(key: tuple[int, str], done: dict) -> bool:
+        best = math.inf  # the walk's, over the kept tries before this one
+        for j in kept[: kept.index(key[0])]:
+            if pruned(j, best):
+                continue
+            if j not in keys or any((j, k) not in done for k in keys[j]):
+                break
+            best = min(best, price(j, done))
+        return pruned(key[0], best)
+
+    pool = {}
+    for i in kept:
+        if i in built:
+            pool.update(tasks(i))
+    log.info("searching %d mesh shapes' engines side by side (%d workers)", len(kept), workers_)
+    done = workers.run_all(
+        pool,
+        workers_,
+        clock,
+        enough=lambda got: any(r[0][1].peak_memory_bytes <= budget for r in got.values()),
+        skip=skip,
+        label=lambda key: f"{key[1]} on {name(key[0])}",
+        beside=beside,
+    )
+    return {
+        i: {k: done[(i, k)] for k in keys[i]}
+        for i in keys
+        if keys[i] and all((i, k) in done for k in keys[i])
+    }

@@ -141,6 +141,138 @@ class _NoClock:
         pass
 
 
+class _Runner:
+    """One engine's search of a problem, its plan polished and priced (`run`): what
+    `search` does per engine, in this process or, as a `task`, in a search worker."""
+
+    def __init__(self, problem: Problem, clock: Any, memory_budget: float):
+        self.problem, self.clock, self.budget = problem, clock, memory_budget
+        self.info: dict[str, SolverInfo] = {}
+
+    def priced(self, choice) -> Cost:
+        with self.clock.phase("evaluate"):
+            return evaluate(self.problem, choice)
+
+    def run(self, name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
+        self.info[key] = {}
+        with self.clock.phase(name):
+            choice = ENGINES[name](self.problem, pins, self.info[key])
+        alternates = self.info[key].pop("alternates", [])
+        choice, cost, saved = self.polished(choice, pins, key)
+        if alternates and self.clock.out_of_time():
+            self.clock.skip(f"the runner-up of {key} on {self.problem.mesh.shape} (the time limit)")
+            alternates = []
+        for alt in alternates:
+            # an engine's runner-up under its objective, which the latency polish can
+            # put ahead (dp's starts: the polish took one plan 9% lower, another the
+            # objective ranked cheaper 1%)
+            other, other_cost, other_saved = self.polished(alt, pins, key)
+            fits = other_cost.peak_memory_bytes <= self.budget
+            if other_cost.step_s < cost.step_s and (
+                fits or other_cost.peak_memory_bytes <= cost.peak_memory_bytes
+            ):
+                choice, cost, saved = other, other_cost, other_saved
+        if saved:
+            self.info[key]["polished_s"] = saved
+        recipe = RECIPE_PINS[name](self.problem) if name in RECIPE_PINS else {}
+        return self.leaner(choice, cost, {**recipe, **pins}, key)
+
+    def polished(self, choice, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost, float]:
+        """`choice` after the latency polish, its price, and the seconds the polish saved
+        (0 where its plan was not kept)."""
+        # the engine's plan is priced only where needed: a polished plan that fits
+        # replaces it unpriced (a pricing of the 175B step takes 1.6 s)
+        cost = None
+        if self.clock.out_of_time():
+            cost = self.priced(choice)
+            if cost.peak_memory_bytes <= self.budget:
+                self.clock.skip(f"the latency polish of {key} on {self.problem.mesh.shape}")
+                return choice, cost, 0.0
+        cut = []
+
+        def stop() -> bool:
+            if self.clock.out_of_time():
+                cut.append(True)
+            return bool(cut)
+
+        timed = {"stop": stop} if getattr(self.clock, "deadline", None) is not None else {}
+        with self.clock.phase("polish"):
+            moved, saved = polish(self.problem, choice, pins, **timed)
+        if cut:
+            self.clock.skip(f"the rest of the latency polish of {key} on {self.problem.mesh.shape}")
+        if saved > 0:
+            better = self.priced(moved)
+            if better.peak_memory_bytes <= self.budget or (
+                better.peak_memory_bytes <= (cost := cost or self.priced(choice)).peak_memory_bytes
+            ):
+                return moved, better, saved
+        return choice, cost or self.priced(choice), 0.0
+
+    def leaner(self, choice, cost: Cost, pins, key: str) -> tuple[list[int], Cost]:
+        """The plan with `lean_arguments`, when that keeps its price and saves memory."""
+        with self.clock.phase("polish"):
+            lean = lean_arguments(self.problem, choice, pins)
+        if lean == list(choice):
+            return choice, cost
+        with self.clock.phase("evaluate"):
+            new = evaluate(self.problem, lean)
+        if (
+            new.step_s <= cost.step_s * (1 + 1e-9)
+            and new.argument_bytes < cost.argument_bytes
+            and new.peak_memory_bytes <= cost.peak_memory_bytes
+        ):
+            self.info[key]["lean_arguments_bytes"] = cost.argument_bytes - new.argument_bytes
+            return lean, new
+        return choice, cost
+
+    def task(self, name: str, pins: Mapping[int, int], key: str) -> Callable[[], Any]:
+        """`run` for `workers.run_all`: its plan and the solver's info."""
+        return lambda: (self.run(name, pins, key), self.info[key])
+
+
+def _zero_pins(problem: Problem, pinned: Mapping[int, int]) -> dict[int, int]:
+    """ZeRO-3's pins of the arguments a step updates (`layouts.fsdp_pins`), but the
+    user's."""
+    return {
+        i: s
+        for i, s in layouts.fsdp_pins(problem).items()
+        if i not in pinned and i in problem.aliases.values()
+    }
+
+
+def first_searches(
+    problem: Problem,
+    engine: str,
+    pinned: Mapping[int, int] = {},  # noqa: B006
+) -> dict[str, tuple[str, Mapping[int, int]]]:
+    """The searches `search` starts with, independent of each other ({key: (engine,
+    pins)}): `engine`, or `auto`'s engines and its ZeRO-3 candidate (the memory
+    fallback and the ZeRO retries depend on their plans)."""
+    names = AUTO_ENGINES if engine == "auto" else (engine,)
+    early = {n: (n, pinned) for n in names if n not in AUTO_MEMORY_FALLBACK}
+    zero_pins = _zero_pins(problem, pinned)
+    if engine == "auto" and not problem.loop_body and zero_pins:
+        early[AUTO_ZERO3] = ("recursive", {**zero_pins, **pinned})
+    return early
+
+
+def first_tasks(
+    problem: Problem,
+    engine: str,
+    memory_budget: float,
+    pinned: Mapping[int, int] = {},  # noqa: B006
+    clock: Any = None,
+) -> dict[str, Callable[[], Any]]:
+    """`first_searches` as tasks for `workers.run_all`, to run side by side with the
+    searches of other problems; `search(..., first=their results)` takes them, to the
+    same plan as it would find alone."""
+    runner = _Runner(problem, clock or _NoClock(), memory_budget)
+    return {
+        key: runner.task(n, p, key)
+        for key, (n, p) in first_searches(problem, engine, pinned).items()
+    }
+
+
 def search(
     problem: Problem,
     engine: str,
@@ -148,6 +280,7 @@ def search(
     pinned: Mapping[int, int] = {},  # noqa: B006
     clock: Any = None,
     sure_fit: float = 1.0,
+    first: Mapping[str, Any] | None = None,
 ) -> SearchResult:
     """Run `engine` ("auto": `AUTO_ENGINES`, then `fsdp` if no plan fits); if its plan
     does not fit `memory_budget`,
@@ -163,19 +296,17 @@ def search(
 
     A plan predicted above `sure_fit` x the budget may still be turned away (the driver
     compiles such plans to check their memory), so the ZeRO retries run for it too and
-    stay candidates behind it."""
+    stay candidates behind it.
+
+    `first`: the results of `first_tasks`, run elsewhere (side by side with the
+    searches of other problems); a task missing from it was stopped at the time limit."""
     clock = clock or _NoClock()
     if engine != "auto" and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
     start = time.perf_counter()
     names = AUTO_ENGINES + AUTO_MEMORY_FALLBACK if engine == "auto" else (engine,)
     candidates: dict[str, tuple[list[int], Cost]] = {}
-    info: dict[str, SolverInfo] = {}
-    zero_pins = {
-        i: s
-        for i, s in layouts.fsdp_pins(problem).items()
-        if i not in pinned and i in problem.aliases.values()
-    }
+    zero_pins = _zero_pins(problem, pinned)
     opt_state = layouts.optimizer_state_inputs(problem)
     # ZeRO-1/2: only the optimizer state sharded (a fused step reduce-scatters the
     # gradients into it, so stage 2 is stage 1 here); ZeRO-3: the parameters too
@@ -193,81 +324,8 @@ def search(
             if lean:
                 zero_stages[f"zero3+loops/{f}"] = {**zero_pins, **lean}
 
-    def priced(choice) -> Cost:
-        with clock.phase("evaluate"):
-            return evaluate(problem, choice)
-
-    def run(name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
-        info[key] = {}
-        with clock.phase(name):
-            choice = ENGINES[name](problem, pins, info[key])
-        alternates = info[key].pop("alternates", [])
-        choice, cost, saved = polished(choice, pins, key)
-        if alternates and clock.out_of_time():
-            clock.skip(f"the runner-up of {key} on {problem.mesh.shape} (the time limit)")
-            alternates = []
-        for alt in alternates:
-            # an engine's runner-up under its objective, which the latency polish can
-            # put ahead (dp's starts: the polish took one plan 9% lower, another the
-            # objective ranked cheaper 1%)
-            other, other_cost, other_saved = polished(alt, pins, key)
-            fits = other_cost.peak_memory_bytes <= memory_budget
-            if other_cost.step_s < cost.step_s and (
-                fits or other_cost.peak_memory_bytes <= cost.peak_memory_bytes
-            ):
-                choice, cost, saved = other, other_cost, other_saved
-        if saved:
-            info[key]["polished_s"] = saved
-        recipe = RECIPE_PINS[name](problem) if name in RECIPE_PINS else {}
-        return leaner(choice, cost, {**recipe, **pins}, key)
-
-    def polished(choice, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost, float]:
-        """`choice` after the latency polish, its price, and the seconds the polish saved
-        (0 where its plan was not kept)."""
-        # the engine's plan is priced only where needed: a polished plan that fits
-        # replaces it unpriced (a pricing of the 175B step takes 1.6 s)
-        cost = None
-        if clock.out_of_time():
-            cost = priced(choice)
-            if cost.peak_memory_bytes <= memory_budget:
-                clock.skip(f"the latency polish of {key} on {problem.mesh.shape}")
-                return choice, cost, 0.0
-        cut = []
-
-        def stop() -> bool:
-            if clock.out_of_time():
-                cut.append(True)
-            return bool(cut)
-
-        timed = {"stop": stop} if getattr(clock, "deadline", None) is not None else {}
-        with clock.phase("polish"):
-            moved, saved = polish(problem, choice, pins, **timed)
-        if cut:
-            clock.skip(f"the rest of the latency polish of {key} on {problem.mesh.shape}")
-        if saved > 0:
-            better = priced(moved)
-            if better.peak_memory_bytes <= memory_budget or (
-                better.peak_memory_bytes <= (cost := cost or priced(choice)).peak_memory_bytes
-            ):
-                return moved, better, saved
-        return choice, cost or priced(choice), 0.0
-
-    def leaner(choice, cost: Cost, pins, key: str) -> tuple[list[int], Cost]:
-        """The plan with `lean_arguments`, when that keeps its price and saves memory."""
-        with clock.phase("polish"):
-            lean = lean_arguments(problem, choice, pins)
-        if lean == list(choice):
-            return choice, cost
-        with clock.phase("evaluate"):
-            new = evaluate(problem, lean)
-        if (
-            new.step_s <= cost.step_s * (1 + 1e-9)
-            and new.argument_bytes < cost.argument_bytes
-            and new.peak_memory_bytes <= cost.peak_memory_bytes
-        ):
-            info[key]["lean_arguments_bytes"] = cost.argument_bytes - new.argument_bytes
-            return lean, new
-        return choice, cost
+    runner = _Runner(problem, clock, memory_budget)
+    info, run = runner.info, runner.run
 
     def fits_any() -> bool:
         return any(v[1].peak_memory_bytes <= memory_budget for v in candidates.values())
@@ -275,11 +333,9 @@ def search(
     # `auto`'s engines and its ZeRO-3 candidate are independent: on a big enough problem
     # they run side by side (`search.workers`), then the ZeRO retries of those over
     # budget; the loops below take their results
-    early = {n: (n, pinned) for n in names if n not in AUTO_MEMORY_FALLBACK}
-    if engine == "auto" and not problem.loop_body and zero_pins:
-        early[AUTO_ZERO3] = ("recursive", {**zero_pins, **pinned})
+    early = first_searches(problem, engine, pinned)
     n_workers = workers.usable(len(problem.strategies), len(early))
-    done: dict[str, tuple[tuple[list[int], Cost], SolverInfo]] = {}
+    done: dict[str, tuple[tuple[list[int], Cost], SolverInfo]] = dict(first or {})
 
     def side_by_side(batch: dict[str, tuple[str, Mapping[int, int]]]) -> None:
         log.info(
@@ -288,13 +344,9 @@ def search(
             ", ".join(batch),
             n_workers,
         )
-
-        def task(name: str, pins: Mapping[int, int], key: str):
-            return lambda: (run(name, pins, key), info[key])
-
         done.update(
             workers.run_all(
-                {key: task(n, p, key) for key, (n, p) in batch.items()},
+                {key: runner.task(n, p, key) for key, (n, p) in batch.items()},
                 n_workers,
                 clock,
                 enough=lambda got: any(
@@ -317,8 +369,9 @@ def search(
                 yield stage, pins
 
     batches = [early]
-    if n_workers > 1:
-        side_by_side(early)
+    if n_workers > 1 or first is not None:
+        if first is None:
+            side_by_side(early)
         batches.append(
             {
                 f"{n}+{stage}": (n, {**pins, **pinned})
@@ -335,7 +388,8 @@ def search(
         elif batches[-1]:
             side_by_side(batches[-1])
     # stopped by the time limit
-    stopped = {k for b in batches for k in b} - set(done) if n_workers > 1 else set()
+    side = n_workers > 1 or first is not None
+    stopped = {k for b in batches for k in b} - set(done) if side else set()
 
     def take(name: str, pins: Mapping[int, int], key: str) -> tuple[list[int], Cost]:
         if key in done:

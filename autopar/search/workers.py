@@ -94,10 +94,11 @@ def run_all(
     phase: str = "engines",
     skip: Callable[[Any, dict[Any, Any]], bool] = lambda key, done: False,
     label: Callable[[Any], str] = str,
-    beside: Callable[[], None] | None = None,
+    beside: Callable[[], Mapping[Any, Callable[[], Any]] | None] | None = None,
 ) -> dict[Any, Any]:
     """Each task's result, computed in up to `workers` forked children (in task order),
-    while this process runs `beside` (if given) once the first children are started.
+    while this process runs `beside` (if given) once the first children are started;
+    the tasks `beside` returns, if any (tasks of what it made), are run after the rest.
 
     The parent's time waiting for them is the clock's `phase`; the children's own
     phases overlap it, so they go to `clock.worked`, not to its phases; their skips go
@@ -110,6 +111,7 @@ def run_all(
 
     kernels.warm()  # the compiled search loops loaded once here, not in every child
     ctx = multiprocessing.get_context("fork")
+    tasks = dict(tasks)
     pending = list(tasks.items())
     running: dict[Any, tuple[Any, Any]] = {}  # connection -> (key, process)
     results: dict[Any, Any] = {}
@@ -137,14 +139,17 @@ def run_all(
 
     with clock.phase(phase):
         try:
-            while pending or running:
+            while pending or running or beside is not None:
                 while pending and len(running) < workers:
                     key, task = pending.pop(0)
                     if not skip(key, results):
                         start(key, task)
                 if beside is not None:
-                    beside()  # this process's own share of the work
+                    more = beside() or {}  # this process's own share of the work
                     beside = None
+                    tasks.update(more)
+                    pending += list(more.items())
+                    continue
                 if not running:
                     break
                 now = time.perf_counter()
@@ -181,8 +186,6 @@ def run_all(
                         clock.skip(what)
                     for w in caught:
                         warnings.warn_explicit(w[0], w[1], w[2], w[3])
-            if beside is not None:  # no task to start a child for
-                beside()
         finally:
             stop("")  # after an error: the other children are not waited for
     for key, spent in phases.items():
