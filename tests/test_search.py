@@ -287,6 +287,26 @@ def test_independent_collectives_pay_one_latency_per_combined_bucket():
     assert combined_latency(problem, [(0, 1, small), (0, 2, gather)]) == 0  # other kinds
 
 
+def test_combined_runs_of_hundreds_of_all_reduces_keep_the_count_cap_and_dependences():
+    """The runs are followed by a compiled loop over bitsets of 64-bit words: a
+    dependence on an all-reduce past the 64th is still seen, and a run closes at
+    `COMBINE_THRESHOLD_COUNT` all-reduces."""
+    from autopar.cost.model import COMBINE_THRESHOLD_COUNT
+    from autopar.search.combiner import combined_latency
+
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    problem = _problem(lambda x: jnp.tanh(jnp.tanh(x)), (x,), {"data": 8})
+    latency = problem.cost.link(("data",))[0]
+    tiny = problem.cost.collective("all-reduce", ("data",), 1024)
+    n = COMBINE_THRESHOLD_COUNT + 44  # input 0 -> tanh 1, each independent of the others
+    assert combined_latency(problem, [(0, 1, tiny)] * n) == pytest.approx((n - 2) * latency)
+    # 70 independent ones, then the 71st (bit 70, the second word) read by tanh 1, then
+    # one that tanh 1 makes: it depends on the 71st only, and closes the run
+    chained = [(0, 2, tiny)] * 70 + [(0, 1, tiny), (1, 2, tiny)]
+    assert combined_latency(problem, chained) == pytest.approx(70 * latency)
+    assert combined_latency(problem, chained[::-1]) == pytest.approx(70 * latency)  # walk order
+
+
 def test_combined_runs_follow_xlas_post_order_walk():
     """Two branches, each two all-reduces the one after the other: one antichain per
     dependence depth would merge them into two runs, but XLA's combiner walks the

@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from autopar.cost.model import (
     COMBINABLE,
     COMBINE_THRESHOLD_BYTES,
@@ -30,6 +32,7 @@ from autopar.cost.model import (
     Collective,
 )
 from autopar.search.build import Problem
+from autopar.search.solvers import kernels
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class _Walk:
 
     preds: tuple[tuple[int, ...], ...]
     when: dict[tuple[int, int | None], int]
+    ptr: np.ndarray  # `preds` as CSR: node v's producers are flat[ptr[v]:ptr[v + 1]]
+    flat: np.ndarray
 
 
 _WALKS: weakref.WeakKeyDictionary[Problem, _Walk] = weakref.WeakKeyDictionary()
@@ -91,7 +96,9 @@ def _walk(problem: Problem) -> _Walk:
     for v in range(n_in + len(g.nodes)):  # what no output reads (XLA drops it)
         if v not in done:
             visit(v)
-    _WALKS[problem] = got = _Walk(preds, when)
+    ptr = np.cumsum([0] + [len(p) for p in preds], dtype=np.int64)
+    flat = np.array([u for p in preds for u in p], np.int64)
+    _WALKS[problem] = got = _Walk(preds, when, ptr, flat)
     return got
 
 
@@ -101,38 +108,40 @@ def combined_latency(
     """Seconds of latency the combiner saves on `colls` ((producer, reader, Collective)
     of every reshard a plan pays, `evaluate.edge_collectives`; reader None for an
     output): the module docstring's runs, each all-reduce placed in the walk where its
-    reader takes it."""
+    reader takes it (the runs are followed by a compiled loop, `kernels.combiner_runs`:
+    the latency polish prices hundreds of plans)."""
     ars = [(u, v, c) for u, v, c in colls if c.kind in COMBINABLE and c.seconds > 0]
     if not ars:
         return 0.0
     walk = _walk(problem)
-    # the all-reduces upstream of each node, as bits (one per all-reduce), forward
-    at: dict[int, int] = {}
+    n = len(walk.preds)
+    at = np.zeros((n, (len(ars) + 63) // 64), np.uint64)
+    readers = [v for _, v, _ in ars if v is not None]
     for i, (_, v, _) in enumerate(ars):
         if v is not None:
-            at[v] = at.get(v, 0) | (1 << i)
-    first = min(at, default=len(walk.preds))
-    above = [0] * len(walk.preds)
-    for v in range(first, len(walk.preds)):
-        b = at.get(v, 0)
-        for u in walk.preds[v]:
-            b |= above[u]
-        above[v] = b
-    runs: dict[tuple, list[int]] = {}
-    for i in sorted(range(len(ars)), key=lambda i: (walk.when.get(ars[i][:2], 0), i)):
-        c = ars[i][2]
-        runs.setdefault((c.kind, c.axes), []).append(i)
+            at[v, i >> 6] |= np.uint64(1 << (i & 63))
+    order = sorted(range(len(ars)), key=lambda i: (walk.when.get(ars[i][:2], 0), i))
+    keys: dict[tuple, int] = {}  # (kind, axes) -> run, in the order runs open
+    for i in order:
+        keys.setdefault((ars[i][2].kind, ars[i][2].axes), len(keys))
+    run = np.array([keys[(c.kind, c.axes)] for _, _, c in ars], np.int64)
+    prod = np.array([u for u, _, _ in ars], np.int64)
+    closed = kernels.combiner_runs(
+        walk.ptr,
+        walk.flat,
+        at,
+        min(readers, default=n),
+        int(prod.max()),
+        np.array(order, np.int64),
+        run,
+        prod,
+        np.array([c.bytes for _, _, c in ars], np.int64),
+        COMBINE_THRESHOLD_BYTES,
+        COMBINE_THRESHOLD_COUNT,
+        len(keys),
+    )
+    members = np.bincount(run, minlength=len(keys))
     saved = 0.0
-    for (_, axes), order in runs.items():
-        n = size = count = members = 0
-        for i in order:
-            u, _, c = ars[i]
-            if count and (
-                size + c.bytes > COMBINE_THRESHOLD_BYTES
-                or count == COMBINE_THRESHOLD_COUNT
-                or above[u] & members
-            ):
-                n, size, count, members = n + 1, 0, 0, 0
-            size, count, members = size + c.bytes, count + 1, members | (1 << i)
-        saved += (len(order) - n - 1) * problem.cost.link(axes)[0]
+    for (_, axes), r in keys.items():
+        saved += int(members[r] - closed[r] - 1) * problem.cost.link(axes)[0]
     return saved

@@ -266,3 +266,42 @@ def round_forest(order, choice, trial, adj_ptr, adj, dst, at, flat, cost, size):
                     best, pick = c, i
         trial[x] = pick
     return True
+
+
+@_jit
+def combiner_runs(ptr, preds, at, first, last, order, run, prod, size, max_bytes, max_count,
+                  runs):  # fmt: skip
+    """`combiner.combined_latency`'s runs: how many times each run of all-reduces closes.
+
+    `at[v]`: the all-reduces node v reads, as bits (one per all-reduce, in uint64
+    words); in place, for v in first..last, OR'ed with its producers' rows (`ptr`,
+    `preds`: CSR), so that `at[u]` holds the all-reduces upstream of u. Then the
+    all-reduces in `order` (the walk's), each joining its run `run[i]` (kind, device
+    group), which closes first when it is full (`max_bytes`, `max_count`) or holds one
+    the new one depends on (upstream of its producer `prod[i]`)."""
+    w = at.shape[1]
+    for v in range(first, last + 1):
+        for a in range(ptr[v], ptr[v + 1]):
+            u = preds[a]
+            for k in range(w):
+                at[v, k] |= at[u, k]
+    total = np.zeros(runs, np.int64)
+    count = np.zeros(runs, np.int64)
+    closed = np.zeros(runs, np.int64)
+    members = np.zeros((runs, w), np.uint64)
+    for i in order:
+        r = run[i]
+        if count[r]:
+            upstream = False
+            for k in range(w):
+                if at[prod[i], k] & members[r, k]:
+                    upstream = True
+            if total[r] + size[i] > max_bytes or count[r] == max_count or upstream:
+                closed[r] += 1
+                total[r] = 0
+                count[r] = 0
+                members[r, :] = 0
+        total[r] += size[i]
+        count[r] += 1
+        members[r, i >> 6] |= np.uint64(1) << np.uint64(i & 63)
+    return closed

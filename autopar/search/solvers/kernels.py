@@ -202,3 +202,26 @@ def warm() -> None:
     tables = DRecTables(i, b, b, b, i, i, i[:1], ptr, np.array([0, 0, 1, 1], np.int64),
                         np.zeros(2), i[:1])  # fmt: skip
     drec_kernel(g, tables, np.zeros(1, np.int64), c)
+    one = np.ones(1, np.int64)
+    combiner_runs(i, i[:1], np.zeros((1, 1), np.uint64), 0, 0, i[:1], i[:1], i[:1], one, 1, 1, 1)
+
+
+def combiner_runs(
+    ptr: np.ndarray,
+    preds: np.ndarray,
+    at: np.ndarray,
+    first: int,
+    last: int,
+    order: np.ndarray,
+    run: np.ndarray,
+    prod: np.ndarray,
+    size: np.ndarray,
+    max_bytes: int,
+    max_count: int,
+    runs: int,
+) -> np.ndarray:
+    """How many times each run of all-reduces closes (`combiner.combined_latency`; the
+    loop, `solvers._compiled.combiner_runs`, says what each argument holds)."""
+    return _loops().combiner_runs(
+        ptr, preds, at, first, last, order, run, prod, size, max_bytes, max_count, runs
+    )
