@@ -481,8 +481,10 @@ def test_reshard_tables_equal_pairwise_prices():
 def test_reshard_palette_is_shared_by_builds_on_one_mesh():
     """The pair codes of a mesh's reshards (`cost.tables._palette`) are worked out once
     for every build on that mesh and profile (each try of a call builds its own
-    problem), and apart for another mesh; the prices are the same either way (the test
-    above builds every matrix with a fresh memo, so on the shared palette)."""
+    problem), and apart for another mesh, whose pairs' step sequences, the same for
+    every mesh, are not worked out again (`_Steps`); the prices are the same either
+    way (the test above builds every matrix with a fresh memo, so on the shared
+    palette)."""
     import cost_models
     from autopar.cost.model import CostModel
     from autopar.cost.tables import reshard_table
@@ -495,10 +497,12 @@ def test_reshard_palette_is_shared_by_builds_on_one_mesh():
     again = reshard_table(
         CostModel(prof, MeshInfo.build(("data", "model"), (4, 2), None, 8)), specs, specs, {}
     )
+    known = len(first.palette.all.pairs)
     other = reshard_table(
         CostModel(prof, MeshInfo.build(("data", "model"), (2, 4), None, 8)), specs, specs, {}
     )
     assert again.palette is first.palette and other.palette is not first.palette
+    assert other.palette.all is first.palette.all and len(other.palette.all.pairs) == known
     assert np.array_equal(again.codes, first.codes)
 
 

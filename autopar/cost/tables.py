@@ -34,25 +34,64 @@ __all__ = ["ReshardTable", "reshard_table"]
 GATHERS = frozenset({"all-gather", "all-to-all"})
 
 
+class _Steps:
+    """The step sequence (`reshard_steps`) of every spec pair met so far, numbered, for
+    every mesh: it depends on the two specs alone, not on the mesh's sizes, so the
+    shapes of a mesh-shape search that share their axis names share it (what a step
+    costs is each mesh's, `_Palette`). Specs are numbered too, for int pair keys."""
+
+    def __init__(self):
+        self.specs: dict[Spec, int] = {}  # spec -> id
+        self.by_id: list[Spec] = []
+        self.pairs: dict[int, int] = {}  # src id << 32 | dst id -> sequence number
+        self.seqs: dict[tuple, int] = {}  # a `reshard_steps` sequence -> its number
+        self.by_seq: list[tuple] = []
+
+    def ids(self, specs: Sequence[Spec]) -> np.ndarray:
+        get, by_id = self.specs.get, self.by_id
+        out = []
+        for s in specs:
+            i = get(s)
+            if i is None:
+                i = self.specs[s] = len(by_id)
+                by_id.append(s)
+            out.append(i)
+        return np.array(out, dtype=np.int64)
+
+    def sequence(self, key: int) -> int:
+        """The number of pair `key`'s step sequence, made where new."""
+        got = self.pairs.get(key)
+        if got is None:
+            steps = reshard_steps(self.by_id[key >> 32], self.by_id[key & 0xFFFFFFFF])
+            got = self.seqs.get(steps)
+            if got is None:
+                got = self.seqs[steps] = len(self.by_seq)
+                self.by_seq.append(steps)
+            self.pairs[key] = got
+        return got
+
+
+_STEPS = _Steps()
+
+
 class _Palette:
     """The distinct collectives of one mesh's reshards, coded 1, 2, ... (0: no step);
     each (src, dst) pair's steps as one of the distinct step sequences (few: a mesh's
     reshards are combinations of a handful of collectives)."""
 
-    def __init__(self, cost: CostModel):
-        self.cost = cost
+    def __init__(self, cost: CostModel, steps: _Steps):
+        self.cost, self.all = cost, steps
         self.index: dict[tuple, int] = {}  # (kind, axes, divisor) -> code
         self.steps: dict[tuple, int] = {}  # a `reshard_steps` step -> its code
         self.rows: list[tuple] = [("", 0.0, 1.0, 1.0, 1, 0.0)]
-        self.specs: dict[Spec, int] = {}  # spec -> id, for the pairs' int keys
-        self.pairs: dict[int, int] = {}  # src id << 32 | dst id -> sequence
+        self.pairs: dict[int, int] = {}  # src id << 32 | dst id (`_Steps`) -> sequence
+        self.coded: dict[int, int] = {}  # a `_Steps` sequence number -> sequence
         self.seqs: dict[tuple[int, ...], int] = {(): 0}
         self.arrays: tuple | None = None
         self.seq_codes: np.ndarray | None = None
 
     def ids(self, specs: Sequence[Spec]) -> np.ndarray:
-        get = self.specs.setdefault
-        return np.array([get(s, len(self.specs)) for s in specs], dtype=np.int64)
+        return self.all.ids(specs)
 
     def sequences(self, src: Sequence[Spec], dst: Sequence[Spec], cross: bool) -> np.ndarray:
         """Per pair (every src x dst, row-major, or src[i] with dst[i]), its sequence.
@@ -74,18 +113,21 @@ class _Palette:
         get = self.pairs.get
         seq = [get(k) for k in keys.tolist()]
         if None in seq:
-            by_id = {i: s for s, i in self.specs.items()}
             for n, k in enumerate(keys.tolist()):
                 if seq[n] is None:
-                    seq[n] = self._sequence(k, by_id[k >> 32], by_id[k & 0xFFFFFFFF])
+                    seq[n] = self._sequence(k)
         return np.array(seq, dtype=np.int64)
 
-    def _sequence(self, key: int, a: Spec, b: Spec) -> int:
+    def _sequence(self, key: int) -> int:
         got = self.pairs.get(key)
         if got is None:
-            codes = tuple(self._code(step) for step in reshard_steps(a, b))
-            got = self.pairs[key] = self.seqs.setdefault(codes, len(self.seqs))
-            self.seq_codes = None
+            steps = self.all.sequence(key)
+            got = self.coded.get(steps)
+            if got is None:
+                codes = tuple(self._code(step) for step in self.all.by_seq[steps])
+                got = self.coded[steps] = self.seqs.setdefault(codes, len(self.seqs))
+                self.seq_codes = None
+            self.pairs[key] = got
         return got
 
     def _code(self, step: tuple[str, tuple[str, ...], Spec]) -> int:
@@ -138,19 +180,24 @@ class _Palette:
 
 # Palettes kept across builds, by (profile, mesh): the tries of one call (micro-batch
 # counts, remat policies) build problems on the same few meshes, and a palette's pair
-# codes depend on nothing else. At most MAX_PALETTES of them, of at most MAX_PAIRS pairs.
+# codes depend on nothing else. At most MAX_PALETTES of them, of at most MAX_PAIRS pairs
+# (as the step sequences of all meshes, `_STEPS`, which starts afresh with them).
 MAX_PALETTES = 8
 MAX_PAIRS = 1 << 20
 _PALETTES: collections.OrderedDict[tuple, _Palette] = collections.OrderedDict()
 
 
 def _palette(cost: CostModel, memo: dict) -> _Palette:
+    global _STEPS
     pal = memo.get("palette")
     if pal is None or memo.get("palette_for") is not cost:
         key = (cost.profile, cost.mesh)
+        if len(_STEPS.pairs) > MAX_PAIRS:  # its spec ids go: so do the palettes' pairs
+            _STEPS = _Steps()
+            _PALETTES.clear()
         pal = _PALETTES.get(key)
         if pal is None or len(pal.pairs) > MAX_PAIRS:
-            pal = _PALETTES[key] = _Palette(cost)
+            pal = _PALETTES[key] = _Palette(cost, _STEPS)
         _PALETTES.move_to_end(key)
         while len(_PALETTES) > MAX_PALETTES:
             _PALETTES.popitem(last=False)
