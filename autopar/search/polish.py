@@ -402,10 +402,11 @@ class Pricing:
         source = self.p.source
         return combined_latency(
             self.p,
-            [
+            [  # only what it combines (in the same order): all-reduces that take time
                 (source[x][0], None if pos[0] == self.END else pos[0], c)
                 for x, pays in self.paid.items()
                 for pos, c in pays
+                if c.kind in COMBINABLE and c.seconds > 0
             ],
         )
 
