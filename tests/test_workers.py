@@ -274,8 +274,11 @@ def test_the_engines_of_the_screened_shapes_are_left_out_only_where_the_walk_lea
     here, beside the workers, and their tasks run after."""
     from types import SimpleNamespace
 
+    monkeypatch.setenv("AUTOPAR_WORKERS", "2")
     monkeypatch.setattr(workers, "memory_cap", lambda: 64)
-    screen, price = {0: 1.0, 1: 10.0, 2: 3.0}, {0: 4.0, 1: 1.0, 2: 5.0}
+    run_all = workers.run_all  # one task at a time, in order: the replay is deterministic
+    monkeypatch.setattr(workers, "run_all", lambda tasks, n, *a, **kw: run_all(tasks, 1, *a, **kw))
+    screen, price = {0: 4.0, 1: 7.0, 2: 6.0, 3: 50.0}, {0: 3.0, 1: 1.0, 2: 5.0, 3: 0.5}
     built = {0: 0}
 
     def tasks_of(i):
@@ -286,8 +289,11 @@ def test_the_engines_of_the_screened_shapes_are_left_out_only_where_the_walk_lea
         return screen[i] > 2.0 * best
 
     got = tries.firsts_ahead(
-        [0, 1, 2], built, lambda i: i, tasks_of, pruned, 1.0, _NoClock(), 1, str
-    )
-    assert sorted(built) == [0, 1, 2]  # 1 and 2 built beside the first worker
-    assert sorted(got) == [0, 2]  # the walk searches 0 and 2 (best 4: 3 <= 2 x 4)
+        [0, 1, 2, 3], screen, built, pruned, 1.0, _NoClock(), 10**6,
+        build=lambda i: i, tasks_of=tasks_of, name=str,
+    )  # fmt: skip
+    # 1 and 2 built beside the first worker; 3 is past the margin of the best screen
+    # price (50 > 2 x 4), so not in the pool
+    assert sorted(built) == [0, 1, 2]
+    assert sorted(got) == [0, 2]  # the walk searches 0 and 2 (best 3: 7 > 2 x 3 >= 6)
     assert sorted(got[2]) == ["dp", "recursive"] and got[2]["dp"][0][1].step_s == 5.0

@@ -72,7 +72,7 @@ from autopar.passes.remat import rematerialize
 from autopar.passes.roll import Roll
 from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan
-from autopar.search import first_tasks, search, workers
+from autopar.search import first_tasks, search
 from autopar.search.evaluate import memory_floor
 from autopar.search.piped import rescheduled
 from autopar.search.problem import Problem, build_problem, residency, step_floor
@@ -210,6 +210,7 @@ class _Driver(PipelineTries):
         self.base: Graph | None = None  # the trace before remat (`compile`)
         self.traces: dict = {} if traces is None else traces  # `PipelineTries._pipelined`
         self._floors: dict = {}  # `_memory_floor`
+        self._first: dict[int, dict] = {}  # screened shapes' first searches (`firsts_ahead`)
 
     def _capture(self, args: tuple, mesh=None) -> Graph:
         """Trace the function on `args` under `mesh` (default: the mesh, when there is
@@ -355,14 +356,17 @@ class _Driver(PipelineTries):
         def pruned(i: int, best: float) -> bool:  # the walk's rules below, as one test
             return i in same or floored(i, best) or screened_out(i, best)
 
-        first: dict[int, dict] = {}  # the screened shapes' engines, run side by side
-
         def one(step: int, i: int):
-            return self._try(graph, tries, i, step, built, reused, first.get(i))
+            return self._try(graph, tries, i, step, built, reused)
 
         found = ahead(graph, tries, order, one, pruned, self.clock)
-        if not found and screen:
-            first = self._firsts_ahead(graph, tries, order, screen, built, pruned, reused)
+        shape = lambda i: self._info(tries[i][1])  # noqa: E731
+        self._first = {} if found or not screen else firsts_ahead(
+            order, screen, built, pruned, self.o.memory_budget, self.clock, len(graph.nodes),
+            build=lambda i: self._built(graph, shape(i), None),
+            tasks_of=lambda problem: self._first_tasks(problem, reused),
+            name=lambda i: str(shape(i).shape),
+        )  # fmt: skip
         left: list[int] = []  # not searched: the time limit came first
         for step, i in enumerate(order):
             k, mesh, pipelined = tries[i]
@@ -420,19 +424,10 @@ class _Driver(PipelineTries):
             screened = screen_note(tries, screen, dropped, same, best, SCREEN_MARGIN)
         return _Found(ranked, failures, len(tries), skipped, memory_bound, screened)
 
-    def _try(
-        self,
-        graph: Graph,
-        tries: list,
-        i: int,
-        step: int,
-        built: dict,
-        reused: dict,
-        first: dict | None = None,
-    ):
+    def _try(self, graph: Graph, tries: list, i: int, step: int, built: dict, reused: dict):
         """Try `i` searched: (its problem, the search's result or Infeasible), or the
-        note saying its memory floor is over the budget (it is then not built).
-        `first`: its first searches' results, run side by side (`_firsts_ahead`)."""
+        note saying its memory floor is over the budget (it is then not built); with
+        its first searches' results where they ran side by side (`firsts_ahead`)."""
         o = self.o
         _, mesh, pipelined = tries[i]
         info, g = self._info(mesh), graph_of(graph, pipelined)
@@ -453,6 +448,7 @@ class _Driver(PipelineTries):
         if isinstance(pins, MeshError):
             return problem, Infeasible(pins), ()
         checked = isinstance(mesh, Mesh)
+        first = self._first.get(i)
         result = _searched(problem, o.engine, o.memory_budget, pins, self.clock, checked, first)
         return problem, result, self._other_schedule(problem, pipelined, result)
 
@@ -504,33 +500,13 @@ class _Driver(PipelineTries):
         pins = lambda problem: self._pins(problem, False, reused)  # noqa: E731
         return screen(graph, tries, self.clock, self._info, build, pins, o.memory_budget)
 
-    def _firsts_ahead(
-        self, graph: Graph, tries: list, order: list[int], screen: dict, built: dict, pruned, reused
-    ) -> dict[int, dict]:
-        """`compile.tries.firsts_ahead` for the shapes within the screen's margin of its
-        best price (the walk searches them unless a full search's plan lowers that
-        bound): their engines side by side in one pool. {} where fewer than two are
-        left or the graph is searched inline."""
-        prices = [p for p in screen.values() if math.isfinite(p)]
-        kept = [
-            i
-            for i in order
-            if math.isfinite(screen.get(i, math.nan)) and not pruned(i, min(prices, default=0))
-        ]
-        n = workers.usable(len(graph.nodes), 4 * len(kept))
-        if len(kept) < 2 or n < 2:
+    def _first_tasks(self, problem: Problem, reused: dict) -> dict:
+        """`search.first_tasks` of a screened shape's problem ({} where its pins fail:
+        the walk's search of it says why)."""
+        pins = self._pins(problem, False, reused)
+        if isinstance(pins, MeshError):
             return {}
-
-        def tasks(problem: Problem) -> dict:
-            pins = self._pins(problem, False, reused)
-            if isinstance(pins, MeshError):
-                return {}  # the walk's search of it says why
-            return first_tasks(problem, self.o.engine, self.o.memory_budget, pins, self.clock)
-
-        build = lambda i: self._built(graph, self._info(tries[i][1]), None)  # noqa: E731
-        name = lambda i: str(self._info(tries[i][1]).shape)  # noqa: E731
-        budget = self.o.memory_budget
-        return firsts_ahead(kept, built, build, tasks, pruned, budget, self.clock, n, name)
+        return first_tasks(problem, self.o.engine, self.o.memory_budget, pins, self.clock)
 
     def _first_that_fits(
         self, graph: Graph, found: _Found, notes: tuple[str, ...], lead: tuple[str, ...]

@@ -107,25 +107,39 @@ _LONG = ("dp", "data", "fsdp", "ilp")
 
 
 def firsts_ahead(
-    kept: list[int],
+    order: list[int],
+    screen: dict[int, float],
     built: dict[int, Any],
-    build: Callable[[int], Any],
-    tasks_of: Callable[[Any], dict[str, Callable[[], Any]]],
     pruned: Callable[[int, float], bool],
     budget: float,
     clock: Any,
-    workers_: int,
+    nodes: int,
+    build: Callable[[int], Any],
+    tasks_of: Callable[[Any], dict[str, Callable[[], Any]]],
     name: Callable[[int], str],
 ) -> dict[int, dict[str, Any]]:
     """{try: its first searches' results} (`search.first_tasks`, for `search(...,
-    first=)`), for the tries `kept` (in the walk's order) searched side by side in one
-    pool of `workers_` workers, not one try's engines after another's: a try whose
-    `dp` is its longest search no longer leaves a worker idle at its end, and this
-    process builds the problems of the tries missing from `built` (it puts them
-    there) while the workers search the others. A try's tasks are left out at their
-    turn if the walk is sure to leave the try out (`ahead`'s replay); a try is in the
-    result only with all its tasks (else, at the time limit, the walk searches it as
-    it would alone)."""
+    first=)`) for the screened tries worth a full search, searched side by side in one
+    pool of workers, not one try's engines after another's: a try whose `dp` is its
+    longest search no longer leaves a worker idle at its end, and this process builds
+    the problems of the tries missing from `built` (it puts them there) while the
+    workers search the others. A try's tasks are left out at their turn if the walk is
+    sure to leave the try out (`ahead`'s replay); a try is in the result only with all
+    its tasks (else, at the time limit, the walk searches it as it would alone).
+
+    The tries are those of `order` (the walk's) whose `screen` price is within the
+    margin of the best one's (not `pruned` at that price: the walk searches them unless
+    a full search's plan lowers the bound); {} where fewer than two are, or where the
+    graph's `nodes` are searched inline."""
+    prices = [p for p in screen.values() if math.isfinite(p)]
+    kept = [
+        i
+        for i in order
+        if math.isfinite(screen.get(i, math.nan)) and not pruned(i, min(prices, default=0))
+    ]
+    n = workers.usable(nodes, 4 * len(kept))
+    if len(kept) < 2 or n < 2:
+        return {}
     keys: dict[int, list[str]] = {}
 
     def tasks(i: int) -> dict[tuple[int, str], Callable[[], Any]]:
@@ -159,10 +173,10 @@ def firsts_ahead(
     for i in kept:
         if i in built:
             pool.update(tasks(i))
-    log.info("searching %d mesh shapes' engines side by side (%d workers)", len(kept), workers_)
+    log.info("searching %d mesh shapes' engines side by side (%d workers)", len(kept), n)
     done = workers.run_all(
         pool,
-        workers_,
+        n,
         clock,
         enough=lambda got: any(r[0][1].peak_memory_bytes <= budget for r in got.values()),
         skip=skip,
