@@ -11,6 +11,7 @@ add it to REGRESSIONS below to keep it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import jax
@@ -40,6 +41,7 @@ OPS = (
     "broadcast",
     "slice",
     "concatenate",
+    "stack",
     "take",
 )
 MAX_SIZE = 4096  # elements per tensor, so shapes stay small
@@ -102,6 +104,8 @@ def _apply(op: Op, t: list) -> jax.Array:
             return jax.lax.slice_in_dim(a, lo, hi, axis=axis)
         case "concatenate":
             return jnp.concatenate([a, b * 0.5], axis=op.param[0])
+        case "stack":  # its gradient unstacks
+            return jnp.stack([a, b * 0.5], axis=op.param[0])
         case "take":
             axis, n = op.param
             idx = (np.arange(n) * 5 + 1) % a.shape[axis]
@@ -195,6 +199,13 @@ def programs(draw) -> Program:
             out = s[:axis] + (s[axis] + shapes[j][axis],) + s[axis + 1 :]
             if math.prod(out) <= MAX_SIZE:
                 emit(Op(name, (i, j), (axis,)), out)
+        elif name == "stack":
+            axis = draw(st.integers(0, len(s)))
+            same = [j for j, t in enumerate(shapes) if t == s]
+            if len(s) < 3 and 2 * math.prod(s) <= MAX_SIZE:
+                emit(
+                    Op(name, (i, draw(st.sampled_from(same))), (axis,)), s[:axis] + (2,) + s[axis:]
+                )
         else:  # take: a gather with constant indices
             axis, n = draw(st.integers(0, len(s) - 1)), draw(dim)
             emit(Op(name, (i,), (axis, n)), s[:axis] + (n,) + s[axis + 1 :])
@@ -267,6 +278,20 @@ REGRESSIONS = [
         ),
         {"a": 2, "b": 2, "c": 2},
     ),
+    (  # RoPE's interleaved halves, as `jnp.stack` on a new last dim (its gradient unstacks)
+        Program(
+            (
+                Op("input", (), (8, 16)),
+                Op("input", (), (16, 12)),
+                Op("dot", (0, 1)),
+                Op("tanh", (2,)),
+                Op("stack", (2, 3), (2,)),
+                Op("reshape", (4,), (8, 24)),
+                Op("stack", (5, 5), (0,)),
+            )
+        ),
+        {"data": 2, "model": 4},
+    ),
     (
         Program(
             (
@@ -286,6 +311,39 @@ REGRESSIONS = [
 @pytest.mark.parametrize("program, mesh", REGRESSIONS)
 def test_regressions(program, mesh):
     check(program, mesh)
+
+
+def test_stack_and_unstack_are_split_like_their_operands():
+    """RoPE written with `jnp.stack` (interleaved halves) and its gradient (`unstack`),
+    in a data-parallel step: split over the batch like the ops around them, not run
+    replicated (the rules of `strategies.shapes`; without them, no rule: each gathered
+    its operand, an all-gather)."""
+    import warnings
+
+    def loss(w, x):
+        h = x @ w
+        y = jnp.stack([-h[:, 1::2], h[:, ::2]], axis=-1).reshape(h.shape)
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(loss)(w, x)
+
+    x = jnp.asarray((np.arange(64 * 32) % 13 - 6) / 8, jnp.float32).reshape(64, 32)
+    w = jnp.asarray((np.arange(32 * 16) % 7 - 3) / 9, jnp.float32).reshape(32, 16)
+    fast = autopar.parallelize(step, mesh={"data": 8}, engine="data")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = fast.plan(w, x)
+    assert not [c for c in caught if "no sharding rule" in str(c.message)]
+    ops = {op.op: op.strategy for op in plan.ops if op.op in ("stack", "unstack")}
+    assert ops == {
+        "stack": "S[data]RR = S[data]R x S[data]R",
+        "unstack": "S[data]R, S[data]R = S[data]RR",
+    }
+    assert_trees_close(fast(w, x), jax.jit(step)(w, x), rtol=1e-5)
+    hlo = fast.lower(w, x).compile().as_text()
+    gathered = set(re.findall(r"= (f32\[[\d,]*\])\S* all-gather\(", hlo))
+    assert gathered <= {"f32[32,16]"}, gathered  # at most the weight, stored split (ZeRO)
 
 
 def random_plan(fn, args, mesh: dict[str, int], seed: int):

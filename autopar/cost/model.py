@@ -209,6 +209,8 @@ FUSED_OPS = frozenset(ELEMENTWISE) | {
     "iota",
     "slice",
     "concatenate",
+    "stack",
+    "unstack",
     "pad",
     "rev",
 }

@@ -122,6 +122,30 @@ def concatenate_rule(node: Node, graph: Graph) -> FactorRule:
     return FactorRule(factors, tuple(dims for _ in ins), (dims,))
 
 
+@register("stack")
+def stack_rule(node: Node, graph: Graph) -> FactorRule:
+    """`jnp.stack`: the operands' dims land on the result's around the new one, split
+    alike; the new dim (one entry per operand) stays whole, as `concatenate`'s axis."""
+    ins, (out,) = _types(node, graph)
+    axis = node.params["axis"] % out.rank
+    factors = tuple(Factor(s) for s in out.shape)
+    in_dims = tuple(i if i < axis else i + 1 for i in range(out.rank - 1))
+    out_dims = tuple(None if j == axis else j for j in range(out.rank))
+    return FactorRule(factors, tuple(in_dims for _ in ins), (out_dims,))
+
+
+@register("unstack")
+def unstack_rule(node: Node, graph: Graph) -> FactorRule:
+    """`jnp.unstack` (`stack`'s transpose): the operand's dims but `axis` land on every
+    result's, split alike; `axis` stays whole."""
+    (src,), outs = _types(node, graph)
+    axis = node.params["axis"] % src.rank
+    factors = tuple(Factor(s) for s in src.shape)
+    in_dims = tuple(None if i == axis else i for i in range(src.rank))
+    out_dims = tuple(k if k < axis else k + 1 for k in range(src.rank - 1))
+    return FactorRule(factors, (in_dims,), tuple(out_dims for _ in outs))
+
+
 @register("split")
 def split_rule(node: Node, graph: Graph) -> FactorRule:
     (src,), outs = _types(node, graph)
