@@ -33,7 +33,14 @@ from autopar.compile.cache import source_key
 from autopar.compile.progress import Progress
 from autopar.compile.progress import enabled as _progress_enabled
 from autopar.compile.step import plan_by_source
-from autopar.errors import AutoparError, MeshError, MicrobatchError, PipelineError, did_you_mean
+from autopar.errors import (
+    AutoparError,
+    MeshError,
+    MicrobatchError,
+    PipelineError,
+    did_you_mean,
+    user_level,
+)
 from autopar.frontends import Bound, bind, check_static_argnames, unwrap
 from autopar.ir.capture import abstractify_tree, fn_name
 from autopar.lower.rolled import RolledIO, abstract_inputs
@@ -266,7 +273,7 @@ def _options(
             f"autopar: {', '.join(f'{k}={v!r}' for k, v in unused.items())} "
             f"{'takes' if len(unused) == 1 else 'take'} effect with pipeline_stages=S or "
             "'auto' only; without it no pipeline is planned",
-            stacklevel=4,
+            stacklevel=user_level(),
         )
     given_plan = Plan.load(plan) if isinstance(plan, str | os.PathLike) else plan
     if precision is None and given_plan is not None:

@@ -7,7 +7,21 @@ message. `message` is the text without the link, for quoting one error in anothe
 
 from __future__ import annotations
 
+import os
+import sys
+
 DOCS = "docs/troubleshooting.md"
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_level() -> int:
+    """The `stacklevel` that points a `warnings.warn` made by the caller of this at the
+    user's line: the first frame outside autopar (its `.plan()`, its call of a
+    parallelized function), however deep in autopar the warning is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class AutoparError(Exception):

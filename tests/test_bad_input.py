@@ -266,9 +266,21 @@ def test_unsupported_primitive_runs_replicated_with_its_line():
     with pytest.warns(UserWarning, match="no sharding rule for primitive 'cholesky'") as caught:
         assert_trees_close(step(a), jax.jit(_cholesky)(a))
     assert _line_of(_cholesky) in str(caught[0].message)  # a Python warning, not only the plan
+    # raised deep in autopar, it points at the user's call (`errors.user_level`)
+    assert caught[0].filename == __file__, (caught[0].filename, caught[0].lineno)
     (warning,) = step.plan(a).warnings
     assert f"no sharding rule for primitive 'cholesky' at {_line_of(_cholesky)}" in warning
     assert "runs replicated" in warning
+
+
+def test_a_wrapped_function_is_named_where_its_own_code_is():
+    """`parallelize(jax.grad(f))`: the plan names `f` at its line, not JAX's wrapper."""
+
+    def f(a):
+        return jnp.sum(jnp.tanh(a) ** 2)
+
+    plan = autopar.parallelize(jax.grad(f), mesh=MESH).plan(_values((8, 8)))
+    assert f"f ({_line_of(f, 0)})" in plan.summary(), plan.summary().splitlines()[0]
 
 
 def test_unsupported_primitive_inside_a_library_jit_names_the_callers_line():

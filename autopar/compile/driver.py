@@ -57,6 +57,7 @@ from autopar.errors import (
     MicrobatchError,
     PlanError,
     format_bytes,
+    user_level,
 )
 from autopar.ir.capture import abstractify_tree, arg_names, capture, fn_name
 from autopar.ir.graph import Graph
@@ -250,7 +251,7 @@ class _Driver(PipelineTries):
                 warnings.warn(
                     f"autopar: {self.name}: remat={self.remat_policy!r} has nothing to "
                     f"rematerialize ({report.why_nothing()}); the plan records remat=None",
-                    stacklevel=6,
+                    stacklevel=user_level(),
                 )
             self.remat_policy = None
         return graph, report.notes()
@@ -295,7 +296,7 @@ class _Driver(PipelineTries):
             piped = any(r[6] is not None for r in found.ranked)
             if stage and not piped:  # no pipeline could be made: say why
                 why = no_pipeline_why(found.failures)
-                warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
+                warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                 notes += (why,)
         if found.screened:
             notes += (found.screened,)
@@ -533,7 +534,7 @@ class _Driver(PipelineTries):
                 if pipelined is not None:
                     for why in (random_per_microbatch(pipelined), unbranched(pipelined, mesh)):
                         if why:
-                            warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
+                            warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                             plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers
                     kept = [w for w in plan.warnings if not w.startswith("remat (")]
@@ -554,7 +555,7 @@ class _Driver(PipelineTries):
                     continue
             elif plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * o.memory_budget:
                 why = offline_warning(plan, o.memory_budget)
-                warnings.warn(f"autopar: {self.name}: {why}", stacklevel=6)
+                warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                 plan = replace(plan, warnings=(*plan.warnings, why))
             if rejected:
                 plan = replace(

@@ -15,7 +15,7 @@ import jax
 from autopar.compile.cache import PlanCache, cache_key
 from autopar.compile.clock import Clock
 from autopar.compile.driver import Call, Compiled, Infeasible, Options, _Driver, log
-from autopar.errors import AutoparError, MemoryBudgetError
+from autopar.errors import AutoparError, MemoryBudgetError, user_level
 from autopar.ir.capture import abstractify_tree, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.passes.remat import POLICIES as REMAT_POLICIES
@@ -79,7 +79,7 @@ def _compile_step(options: Options, call: Call, source: str | None) -> Compiled:
             f"time_limit={options.time_limit:g} s reached after {clock.elapsed():.1f} s: this is "
             "the best plan found; not searched: " + "; ".join(clock.skipped)
         )
-        warnings.warn(f"autopar: {fn_name(options.fn)}: {note}", stacklevel=4)
+        warnings.warn(f"autopar: {fn_name(options.fn)}: {note}", stacklevel=user_level())
         got = replace(got, plan=replace(got.plan, warnings=(*got.plan.warnings, note)))
     workers = {k: round(v, 6) for k, v in clock.workers.items()} or None
     plan = replace(got.plan, phases=clock.report(), worker_phases=workers)
@@ -100,7 +100,9 @@ def _warn_unsupported(options: Options, plan: Plan) -> None:
     ops = [w for w in plan.warnings if w.startswith("no sharding rule")]
     if ops:
         more = f" (and {len(ops) - 3} more)" if len(ops) > 3 else ""
-        warnings.warn(f"autopar: {fn_name(options.fn)}: " + "; ".join(ops[:3]) + more, stacklevel=5)
+        warnings.warn(
+            f"autopar: {fn_name(options.fn)}: " + "; ".join(ops[:3]) + more, stacklevel=user_level()
+        )
 
 
 def plan_by_source(options: Options, call: Call, source: str | None) -> Plan | None:

@@ -6,6 +6,7 @@ own frames (`is_library_file`; an op's `source` and an error's line use it)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,8 +17,14 @@ from autopar.errors import did_you_mean
 
 
 def fn_name(fn: Callable) -> str:
+    """`fn`'s name and where it is defined; a wrapper's (`jax.grad(f)`, anything
+    `functools.wraps` made) is where the function it wraps is."""
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    code = getattr(fn, "__code__", None)
+    try:
+        inner = inspect.unwrap(fn)
+    except ValueError:  # a cycle of __wrapped__
+        inner = fn
+    code = getattr(inner, "__code__", None)
     where = f" ({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})" if code else ""
     return f"{name}{where}"
 

@@ -42,6 +42,8 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import wait
 from typing import Any
 
+from autopar.errors import user_level
+
 log = logging.getLogger("autopar")
 
 MIN_NODES = 1000
@@ -175,7 +177,7 @@ def run_all(
                             f"(exit code {proc.exitcode}); it is searched in this process "
                             "instead",
                             RuntimeWarning,
-                            stacklevel=2,
+                            stacklevel=user_level(),
                         )
                         results[key] = tasks[key]()
                         continue
