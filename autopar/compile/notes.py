@@ -67,17 +67,16 @@ def screen_note(tries, screen: dict, dropped: list, same: dict, best: float, mar
     if dropped:
         names = [f"{shape(i)} {screen[i] * 1e3:.4g} ms" for i in sorted(dropped, key=screen.get)]
         parts.append(
-            f"{len(dropped)} of {len(tries)} mesh shapes not searched in full: their "
-            f"`recursive` plan is priced above {margin:g}x the best plan found "
-            f"({best * 1e3:.4g} ms): " + "; ".join(names)
+            f"{len(dropped)} whose `recursive` plan is priced above {margin:g}x the best plan "
+            f"found ({best * 1e3:.4g} ms): " + ", ".join(names)
         )
     if same:
         parts.append(
-            "Not searched, the same mesh to the cost model (axis sizes and node boundaries "
+            f"{len(same)} the same mesh to the cost model (axis sizes and node boundaries "
             "alike) as a shape searched: "
-            + "; ".join(f"{shape(i)} as {shape(j)}" for i, j in sorted(same.items()))
+            + ", ".join(f"{shape(i)} as {shape(j)}" for i, j in sorted(same.items()))
         )
-    return ". ".join(parts)
+    return f"mesh-shape search over {len(tries)} shapes, not searched in full: " + "; ".join(parts)
 
 
 def no_pipeline_why(failures) -> str:

@@ -25,7 +25,7 @@ FORMAT = "autopar.plan/1"
 # was reused): shown as `note:`, the rest as `warning:`.
 _NOTE_RE = re.compile(
     r"^(mixed precision: |remat \(\w+\): (the backward loop|layer stack)|remat='auto' tried|"
-    r"layer stack: |"
+    r"layer stack: |mesh-shape search over |"
     r"pipeline_stages='auto' tried|partial reuse of a plan|"
     r"\d+ of \d+ \(mesh, micro-batch count\) tries not searched)"
 )
