@@ -81,16 +81,24 @@ class Spec:
     def to_json(self) -> list:
         return [None if not a else a[0] if len(a) == 1 else list(a) for a in self.dims]
 
-    @functools.cached_property
+    @property
     def used_axes(self) -> Axes:
-        return tuple(a for d in self.dims for a in d)
+        got = self.__dict__.get("_used")  # a memo, as `_shards` (a build asks ~10^5 times)
+        if got is None:
+            got = tuple(a for d in self.dims for a in d)
+            object.__setattr__(self, "_used", got)
+        return got
 
     def without_partial(self) -> Spec:
         return Spec(self.dims)
 
     def axis_dims(self) -> dict[str, int]:
-        """The dim each used axis shards."""
-        return {a: i for i, d in enumerate(self.dims) for a in d}
+        """The dim each used axis shards (one dict per spec, kept: not to be changed)."""
+        got = self.__dict__.get("_axis_dims")
+        if got is None:
+            got = {a: i for i, d in enumerate(self.dims) for a in d}
+            object.__setattr__(self, "_axis_dims", got)
+        return got
 
     def gather_last(self, dst: Spec) -> Spec:
         """Where a reshard from this dense spec to dense `dst` stops before its
@@ -115,7 +123,8 @@ class Spec:
         instead ("involuntary full rematerialization"). None when an axis is not
         minor-most where it must leave, as `S[data,model]` to dim 1 in the same
         order (which XLA does in one go)."""
-        goal = [list(d) for d in self.gather_last(dst).dims]
+        used_dst = set(dst.used_axes)  # `gather_last(dst)`'s dims, without making it
+        goal = [[*w, *(a for a in d if a not in used_dst)] for w, d in zip(dst.dims, self.dims)]
         cur = [list(d) for d in self.dims]
         steps: list[Spec] = []
         while cur != goal:

@@ -159,38 +159,38 @@ def reshard_steps(src: Spec, dst: Spec) -> tuple[tuple[str, Axes, Spec], ...]:
     if dst.partial:
         return reshard_steps(src, dst.without_partial())
     steps: list[tuple[str, Axes, Spec]] = []
-    dims = [list(d) for d in src.dims]
-    # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else all-reduce.
     dst_axis_dim = dst.axis_dims()
-    scatter = tuple(a for a in src.partial if a in dst_axis_dim and a not in src.used_axes)
-    reduce = tuple(a for a in src.partial if a not in scatter)
-    cur = Spec(tuple(map(tuple, dims)))
-    if reduce:
-        steps.append(("all-reduce", reduce, cur))
-    if scatter:
-        steps.append(("reduce-scatter", scatter, cur))
-        for a in scatter:
-            dims[dst_axis_dim[a]].append(a)
+    dims = src.dims
+    # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else all-reduce.
+    if src.partial:
+        used = src.used_axes
+        scatter = tuple(a for a in src.partial if a in dst_axis_dim and a not in used)
+        reduce = tuple(a for a in src.partial if a not in scatter)
+        cur = Spec(dims)
+        if reduce:
+            steps.append(("all-reduce", reduce, cur))
+        if scatter:
+            steps.append(("reduce-scatter", scatter, cur))
+            grown = [list(d) for d in dims]
+            for a in scatter:
+                grown[dst_axis_dim[a]].append(a)
+            dims = tuple(map(tuple, grown))
     # 2. Axes that sit where `dst` does not want them: move (all-to-all) or gather.
-    before = Spec(tuple(map(tuple, dims)))
     gather: list[str] = []
     moved: list[str] = []
-    for i, d in enumerate(dims):
-        want = dst.dims[i]
+    for d, want in zip(dims, dst.dims):
         keep = 0
         while keep < len(d) and keep < len(want) and d[keep] == want[keep]:
             keep += 1
         for a in d[keep:]:
             (moved if a in dst_axis_dim else gather).append(a)
-        dims[i] = d[:keep]
     moves = None if src.partial or not moved else src.move_steps(dst)
     if moves:  # as the lowering does it: slices first, then one axis per all-to-all
         for prev, nxt in zip((src, *moves), moves):
-            was, now = prev.axis_dims(), nxt.axis_dims()
-            for a in [a for a, i in was.items() if now[a] != i]:
-                steps.append(("all-to-all", (a,), prev))
+            for d, now in zip(prev.dims, nxt.dims):  # the axis that left its dim (if any)
+                steps += [("all-to-all", (a,), prev) for a in d if a not in now]
     elif moved:
-        steps.append(("all-to-all", tuple(moved), before))
+        steps.append(("all-to-all", tuple(moved), Spec(dims)))
     # 3. Axes `dst` adds are a local slice: free. The lowering slices them before it
     # gathers (`Spec.gather_last`), so the all-gather makes `dst`'s blocks.
     if gather:
