@@ -472,3 +472,33 @@ def test_allow_partial_reuses_what_still_matches(tmp_path):
     assert plan.in_specs[0] == saved.in_specs["w"] and plan.in_specs[1] == saved.in_specs["x"]
     assert "kept the specs of 2 of 3 arguments" in plan.warnings[0]
     assert_trees_close(step(w, x, b), jax.jit(new)(w, x, b))
+
+
+def test_the_summary_says_how_much_of_the_work_runs_split():
+    """`Plan.replicated_share`: a data-parallel MLP step splits nearly all its work; the
+    same ops made whole on every device are all replicated, and the summary says so."""
+    from dataclasses import replace
+
+    from autopar.sharding import Spec
+
+    def step(w, x):
+        def loss(w):
+            return jnp.mean(jnp.tanh(x @ w["a"]) @ w["b"])
+
+        return jax.tree.map(lambda p, g: p - 0.1 * g, w, jax.grad(loss)(w))
+
+    f = jnp.float32
+    w = {"a": jax.ShapeDtypeStruct((64, 128), f), "b": jax.ShapeDtypeStruct((128, 8), f)}
+    x = jax.ShapeDtypeStruct((512, 64), f)
+    split = autopar.parallelize(step, mesh={"data": 8}, engine="data").plan(w, x)
+    assert split.replicated_share() < 0.2, split.summary()
+    # the same ops, each made whole on every device
+    whole = replace(
+        split,
+        ops=tuple(
+            replace(op, out_specs=tuple(Spec.replicated(len(sp.dims)) for sp in op.out_specs))
+            for op in split.ops
+        ),
+    )
+    assert whole.replicated_share() == 1.0
+    assert "work: 0% of the ops' compute split over devices, 100% replicated" in whole.summary()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -359,6 +360,23 @@ class Plan:
         return Plan.from_json(d, str(path))
 
     # ---- display ------------------------------------------------------------------------
+    def replicated_share(self) -> float | None:
+        """The share of the ops' compute that runs replicated: ops whose result is
+        neither split nor a partial sum over any mesh axis, each op weighted by its
+        whole work (its predicted time per device x the devices it is split over).
+        None when no op takes time. A plan can be mostly replicated and still the
+        fastest (a small model, where collectives cost more than the work they split):
+        the summary says so, rather than leave the user to find out."""
+        total = replicated = 0.0
+        for op in self.ops:
+            if not op.out_specs:
+                continue
+            spec = op.out_specs[0]
+            split = math.prod(self.mesh.size(a) for a in {*spec.used_axes, *spec.partial})
+            total += op.compute_s * split
+            replicated += op.compute_s if split == 1 else 0.0
+        return replicated / total if total > 0 else None
+
     def summary(self) -> str:
         c = self.cost
         axes = " x ".join(f"{a}={s}" for a, s in zip(self.mesh.axis_names, self.mesh.axis_sizes))
@@ -375,6 +393,12 @@ class Plan:
             f"  predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + comm {c.comm_s * 1e3:.3f} ms; "
             f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)})",
         ]
+        replicated = self.replicated_share()
+        if replicated is not None and self.mesh.num_devices > 1:
+            lines.append(
+                f"  work: {100 * (1 - replicated):.0f}% of the ops' compute split over devices, "
+                f"{100 * replicated:.0f}% replicated (run whole on every device)"
+            )
         if self.phases:
             lines.append("  time: " + _phase_line(self.phases))
         if self.worker_phases:
