@@ -31,6 +31,8 @@ def _with_iotas(indices: jax.Array, dims: tuple[int, ...]) -> jax.Array:
     """`indices` (the index vector in its last dim) with, first in the vector, the
     position along each of `dims` (its batching dims)."""
     shape = indices.shape[:-1] + (1,)
+    if any(indices.shape[d] > jnp.iinfo(indices.dtype).max for d in dims):
+        indices = indices.astype(jnp.int32)  # narrow indices could not hold the positions
     iotas = [lax.broadcasted_iota(indices.dtype, shape, d) for d in dims]
     return jnp.concatenate([*iotas, indices], axis=-1)
 
