@@ -72,8 +72,8 @@ def screen_note(tries, screen: dict, dropped: list, same: dict, best: float, mar
         )
     if same:
         parts.append(
-            f"{len(same)} the same mesh to the cost model (axis sizes and node boundaries "
-            "alike) as a shape searched: "
+            f"{len(same)} the same mesh to the cost model as a shape searched, its axes "
+            "relabeled (the same sizes and node boundaries, under other names): "
             + ", ".join(f"{shape(i)} as {shape(j)}" for i, j in sorted(same.items()))
         )
     return f"mesh-shape search over {len(tries)} shapes, not searched in full: " + "; ".join(parts)
