@@ -3,7 +3,8 @@ re-captures for accumulation and pipelines, the compile check), `lowering` (a pl
 jit lowered for its arguments, XLA's memory figure) and `plans` (plans made from search
 results, loaded plans bound to a trace)."""
 
-from autopar.compile.driver import Call, Compiled, Infeasible, Options
+from autopar.compile.calls import Call, Compiled, Options
+from autopar.compile.driver import Infeasible
 from autopar.compile.lowering import compiled_memory, info_str, lowered
 from autopar.compile.plans import bind_plan, make_plan, plan_mismatch, reusable_specs, user_pins
 from autopar.compile.step import compile_step

@@ -165,7 +165,7 @@ def _hashed(described: dict) -> tuple[str, dict[str, str]]:
 
 
 def cache_key(options, call, graph: Graph) -> tuple[str, dict[str, str]]:
-    """The key of one call's plan (`options`: `compile.driver.Options`, `call`: its
+    """The key of one call's plan (`options`: `compile.calls.Options`, `call`: its
     `Call`, `graph`: the function traced on the call's arguments), and a hash of each
     part it is made of (kept in the entry, to tell why a later call missed)."""
     return _hashed({**_described(options, call), "program": program_hash(graph)})

@@ -13,8 +13,9 @@ from dataclasses import replace
 import jax
 
 from autopar.compile.cache import PlanCache, cache_key
+from autopar.compile.calls import Call, Compiled, Options
 from autopar.compile.clock import Clock
-from autopar.compile.driver import Call, Compiled, Infeasible, Options, _Driver, log
+from autopar.compile.driver import Infeasible, _Driver, log
 from autopar.errors import AutoparError, MemoryBudgetError, user_level
 from autopar.ir.capture import abstractify_tree, capture, fn_name
 from autopar.ir.graph import Graph

@@ -1,0 +1,81 @@
+"""What one call of a parallelized function is to the driver: the options `parallelize`
+was given (`Options`), the call's arguments (`Call`) and the plan and program made for
+its argument signature (`Compiled`, what `api.Parallelized` caches)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+
+import cost_models
+from autopar.ir.graph import Graph
+from autopar.passes.roll import Roll
+from autopar.plan.plan import Plan
+from autopar.search.problem import Problem
+
+
+@dataclass(frozen=True)
+class Options:
+    """What `parallelize` was asked, validated once (`api.Parallelized`)."""
+
+    fn: Callable
+    keywords: tuple[str, ...]  # keyword-only parameters, traced after the positional ones
+    profile: cost_models.ClusterProfile
+    meshes: tuple[Mesh | AbstractMesh, ...]  # one, or the candidates of mesh search
+    engine: str
+    memory_budget: float
+    static_argnums: tuple[int, ...]
+    donate_argnums: tuple[int, ...]
+    in_specs: Any
+    allow_partial: bool
+    pipeline_stages: int | str | None
+    microbatches: int | None
+    pipeline_schedule: str | None
+    virtual_stages: int  # chunks of layers per stage (the interleaved schedule), else 1
+    given_plan: Plan | None
+    precision: str | None
+    grad_accumulation: int | None
+    remat: str | None
+    time_limit: float | None = None  # seconds; then the best plan found so far
+    cache_dir: Any = None  # the plan cache's directory (`compile.cache`), or None: off
+    progress: bool = True  # `compile.progress` around every search (`api.Parallelized`)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call's arguments as the driver reads them (`api.Parallelized` binds them)."""
+
+    args: tuple  # positional, then the keyword-only ones
+    static: tuple[int, ...]  # positions of the static ones
+    donate: tuple[int, ...]  # flat positions of the donated leaves
+    in_specs: Any  # `in_specs=` for every non-static argument, or None
+
+    @property
+    def dyn(self) -> tuple:
+        return tuple(a for i, a in enumerate(self.args) if i not in self.static)
+
+    @property
+    def flat(self) -> list:
+        return jax.tree_util.tree_leaves(self.dyn)
+
+
+@dataclass
+class Compiled:
+    """One argument signature's plan and program: what `Parallelized` caches."""
+
+    graph: Graph
+    plan: Plan
+    problem: Problem | None
+    jitted: Any
+    mesh: Mesh | AbstractMesh
+    # some option (mesh shape, pipeline, engine) was turned away or reshaped by the
+    # memory budget: more rematerialization might let a faster one fit
+    memory_bound: bool = False
+    # `graph` is the user's step with its unrolled layers rolled into loops: how its
+    # inputs and outputs stand for the user's leaves (`autopar.lower.rolled`)
+    roll: Roll | None = None
+    io: Any = None  # its `autopar.lower.rolled.RolledIO`, made on the first call
