@@ -10,13 +10,15 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from autopar.sharding import hash_once
+
+T = TypeVar("T")
 
 
 @hash_once
@@ -107,6 +109,14 @@ class Graph:
             for v in dict.fromkeys(n.inputs):
                 out.setdefault(v, []).append(n.id)
         return {v: tuple(ns) for v, ns in out.items()}
+
+    def memo(self, fn: Callable[[Graph], T]) -> T:
+        """`fn(self)`, computed once per graph: `fn` must read nothing but the graph (a
+        mesh-shape search builds a problem of one graph per shape)."""
+        held = self.__dict__.setdefault("_memo", {})
+        if fn not in held:
+            held[fn] = fn(self)
+        return held[fn]
 
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -463,7 +463,7 @@ def _node_costs(
     ]
     pending = _output_partials(graph, strategies, n_in, carried, unsummed)
     outs = [tuple(graph.inputs[c : c + 1]) for c in range(n_in)] + [n.outputs for n in graph.nodes]
-    traffic = _hbm_traffic(graph)
+    traffic = graph.memo(_hbm_traffic)
     memo: dict = {}  # repeated layers: identical ops cost the same
     for c, strats in enumerate(strategies):
         moved = traffic[c - n_in] if c >= n_in else None

@@ -27,6 +27,11 @@ from autopar.strategies import Strategy
 
 
 def combinable_values(graph: Graph) -> frozenset[int]:
+    """`_combinable_values`, once per graph."""
+    return graph.memo(_combinable_values)
+
+
+def _combinable_values(graph: Graph) -> frozenset[int]:
     """Values no contraction depends on: what is left of the step after its last
     matmul (weight gradients, the optimizer's arithmetic on them, the loss). Their
     all-reduces have no collective of their own kind downstream to wait for, so the

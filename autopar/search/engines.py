@@ -244,11 +244,11 @@ def _drec_static(problem: Problem) -> _DRecStatic:
         if t is None:
             t = table_of[id(st)] = len(firsts)
             firsts.append({s.assignment: i for i, s in enumerate(st)}.get(none, 0))
-            rows = _candidate_rows(st, n_axes)  # [axes, S, 2, S]
+            count, cand = _candidates(st, n_axes)
             base.append(rows_so_far)
-            rows_so_far += rows.shape[0] * rows.shape[1] * 2
-            counts.append(rows.sum(-1).ravel())
-            cands.append(np.nonzero(rows.reshape(-1, len(st)))[1])
+            rows_so_far += len(count)
+            counts.append(count)
+            cands.append(cand)
         table[v], start[v] = t, firsts[t]
     penalty = _replication_penalty(problem)
     kinds: dict = {}
@@ -259,11 +259,7 @@ def _drec_static(problem: Problem) -> _DRecStatic:
         if key not in kinds:
             kinds[key] = len(kinds)
             size = widest if v < n_in else len(problem.strategies[v])  # inputs: all 0
-            pens.append(
-                np.zeros(n_axes * size)
-                if v < n_in
-                else np.array([penalty(v, i, ai) for ai in range(n_axes) for i in range(size)])
-            )
+            pens.append(np.zeros(n_axes * size) if v < n_in else penalty(v).ravel())
             pen_base.append(pen_so_far)
             pen_so_far += len(pens[-1])
         kind[v] = kinds[key]
@@ -292,6 +288,25 @@ def _drec_static(problem: Problem) -> _DRecStatic:
     )
     _DREC[problem] = static
     return static
+
+
+_CANDIDATES: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _candidates(strategies, n_axes: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_candidate_rows` as D-Rec's tables hold them: the candidate count of each row
+    and the candidates, row after row. They depend on the strategies' assignments
+    alone, so they are kept per assignment list for every mesh of as many axes (a
+    mesh-shape search builds the same tables for each shape)."""
+    key = (n_axes, tuple(s.assignment for s in strategies))
+    got = _CANDIDATES.get(key)
+    if got is None:
+        rows = _candidate_rows(strategies, n_axes)  # [axes, S, 2, S]
+        got = rows.sum(-1).ravel(), np.nonzero(rows.reshape(-1, len(strategies)))[1]
+        if len(_CANDIDATES) > 4096:
+            _CANDIDATES.clear()
+        _CANDIDATES[key] = got
+    return got
 
 
 def _candidate_rows(strategies, n_axes: int) -> np.ndarray:
@@ -367,25 +382,37 @@ def _penalty_kind(problem: Problem, v: int):
 
 def _replication_penalty(problem: Problem):
     """D-Rec's cut cost: bytes an op's inputs keep replicated along the axis (weights
-    discounted by PARAM_REPLICATION_WEIGHT), plus outputs left partial, in seconds."""
+    discounted by PARAM_REPLICATION_WEIGHT), plus outputs left partial, in seconds.
+    `penalty(v)`: node `v`'s [axis, strategy] table of them."""
     g, n_in, mesh, cost = problem.graph, problem.num_inputs, problem.mesh, problem.cost
-    bw = {a: cost.link((a,))[1] for a in mesh.axis_names}
+    names = mesh.axis_names
+    bw = np.array([cost.link((a,))[1] for a in names])
 
-    def penalty(v: int, i: int, ai: int) -> float:
-        if v < n_in:
-            return 0.0
-        axis = mesh.axis_names[ai]
+    def penalty(v: int) -> np.ndarray:
         node = g.nodes[v - n_in]
-        s = problem.strategies[v][i]
-        total = 0.0
-        for x, spec in zip(node.inputs, s.in_specs):
-            if x in problem.source and axis not in spec.used_axes:
-                w = PARAM_REPLICATION_WEIGHT if problem.source[x][0] < n_in else 1.0
-                total += w * cost.local_bytes(g.values[x], spec)
-        for x, spec in zip(node.outputs, s.out_specs):
-            if axis in spec.partial:
-                total += cost.local_bytes(g.values[x], spec)
-        return total / bw[axis]
+        strategies = problem.strategies[v]
+        out = np.zeros((len(names), len(strategies)))
+        weights = [
+            (PARAM_REPLICATION_WEIGHT if problem.source[x][0] < n_in else 1.0)
+            if x in problem.source
+            else None
+            for x in node.inputs
+        ]
+        for i, s in enumerate(strategies):
+            for x, spec, w in zip(node.inputs, s.in_specs, weights):
+                if w is not None:
+                    b = w * cost.local_bytes(g.values[x], spec)
+                    used = spec.used_axes
+                    for ai, axis in enumerate(names):
+                        if axis not in used:
+                            out[ai, i] += b
+            for x, spec in zip(node.outputs, s.out_specs):
+                if spec.partial:
+                    b = cost.local_bytes(g.values[x], spec)
+                    for ai, axis in enumerate(names):
+                        if axis in spec.partial:
+                            out[ai, i] += b
+        return out / bw[:, None]
 
     return penalty
 
