@@ -37,39 +37,39 @@ def edge_collectives(
     where the program has one all-reduce. `settled`: `settle(problem, choice)`, when
     the caller has it."""
     g, n_in, strategies = problem.graph, problem.num_inputs, problem.strategies
+    source, values, reshard = problem.source, g.values, problem.cost.reshard
     out: list[tuple[int, int | None, Collective]] = []
     seen: set[tuple[int, Spec | None]] = set()
     targets, settled = settled or settle(problem, choice)
+    chosen = [strategies[i][c] for i, c in enumerate(choice)]
 
     def pay(x: int, src: Spec, dst: Spec, at: int | None) -> None:
         if (x, dst) in seen:
             return
         seen.add((x, dst))
-        u = problem.source[x][0]
+        u = source[x][0]
         stored = settled.get(x, src) if src.partial else src
         if stored != src:  # the sum, once
             if (x, None) not in seen:
                 seen.add((x, None))
-                sum_colls = problem.cost.reshard(g.values[x], src, stored).collectives
-                out.extend((u, at, c) for c in sum_colls)
+                out.extend((u, at, c) for c in reshard(values[x], src, stored).collectives)
             src = stored
-        out.extend((u, at, c) for c in problem.cost.reshard(g.values[x], src, dst).collectives)
+        out.extend((u, at, c) for c in reshard(values[x], src, dst).collectives)
 
     for node in g.nodes:
         v = n_in + node.id
+        wants = chosen[v].in_specs
         for j, x in enumerate(node.inputs):
-            if x in problem.source:
-                u, k = problem.source[x]
-                pay(
-                    x,
-                    strategies[u][choice[u]].out_specs[k],
-                    strategies[v][choice[v]].in_specs[j],
-                    v,
-                )
+            if x in source:
+                u, k = source[x]
+                src, dst = chosen[u].out_specs[k], wants[j]
+                if (src is dst or src == dst) and not src.partial:
+                    continue  # read as it is stored: nothing to pay
+                pay(x, src, dst, v)
     for x, target in zip(g.outputs, targets):
-        if x in problem.source:
-            u, k = problem.source[x]
-            pay(x, strategies[u][choice[u]].out_specs[k], target, None)
+        if x in source:
+            u, k = source[x]
+            pay(x, chosen[u].out_specs[k], target, None)
     return out
 
 
@@ -147,9 +147,21 @@ def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]
     (`build._hbm_traffic`, which also counts values read by several fused ops as
     never written). Counting those here as well made the prediction fall 8-30% below
     XLA's for float32 GPT, ViT and Wide-ResNet steps; XLA materializes many of them."""
+    out: set[int] = set()
+    for v, c, positions in g.memo(_fusable):
+        want = out_spec[v]
+        if all(strat[c].in_specs[j] == want for j in positions):
+            out.add(v)
+    return out
+
+
+def _fusable(g: Graph) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(value, its reader, the reader's operand positions that read it) of every value
+    `fused_away` may drop, whatever the plan: made by a FUSED_OPS op, read by one
+    FUSED_OPS op alone, not returned."""
     returned = set(g.outputs)
     fused = [n.op in FUSED_OPS for n in g.nodes]
-    out: set[int] = set()
+    out = []
     for n in g.nodes:
         if not fused[n.id]:
             continue
@@ -158,12 +170,7 @@ def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]
             if v in returned or len(readers) != 1 or not fused[readers[0]]:
                 continue
             c = readers[0]
-            if all(
-                strat[c].in_specs[j] == out_spec[v]
-                for j, x in enumerate(g.nodes[c].inputs)
-                if x == v
-            ):
-                out.add(v)
+            out.append((v, c, tuple(j for j, x in enumerate(g.nodes[c].inputs) if x == v)))
     return out
 
 
@@ -181,63 +188,71 @@ def peak_memory(
     as are the pipeline's own buffers (`Problem.buffers`).
     `settled`: `settle(problem, choice)`, when the caller has it."""
     g, n_in = problem.graph, problem.num_inputs
-    strat = [problem.strategies[n_in + n.id][choice[n_in + n.id]] for n in g.nodes]
+    nodes, values, strategies = g.nodes, g.values, problem.strategies
+    strat = [strategies[n_in + n.id][choice[n_in + n.id]] for n in nodes]
     settled = (settled or settle(problem, choice))[1]
     args = int(sum(problem.node_mem[i][choice[i]] for i in range(n_in)))
     made = {
-        v: settled.get(v, sp)
-        for n, s in zip(g.nodes, strat)
+        v: settled.get(v, sp) if sp.partial else sp
+        for n, s in zip(nodes, strat)
         for v, sp in zip(n.outputs, s.out_specs)
     }
-    stored = {v: problem.strategies[i][choice[i]].out_specs[0] for i, v in enumerate(g.inputs)}
+    stored = {v: strategies[i][choice[i]].out_specs[0] for i, v in enumerate(g.inputs)}
     stored.update(made)  # every value in the layout it is stored in
     virtual = fused_away(g, strat, made)
     # each op's span: itself, or its region's first and last op
-    start = list(range(len(g.nodes)))
-    end = list(range(len(g.nodes)))
+    n_ops = len(nodes)
+    start = list(range(n_ops))
+    end = list(range(n_ops))
     for region in problem.regions:
         lo, hi = min(region), max(region)
         for i in region:
             start[i], end[i] = lo, hi
     roots: dict[int, frozenset[int]] = {}
-    base = lambda x: roots[x] if x in virtual else (x,)
     last_use: dict[int, int] = {}
-    for node, s in zip(g.nodes, strat):
+    for node, s in zip(nodes, strat):
+        lo, hi = start[node.id], end[node.id]
         for x, want in zip(node.inputs, s.in_specs):
             # read as a copy, a value is needed only while the copy is made (a
             # region's: at its start); in its own layout, while the reader runs
-            copy = x in stored and want != stored[x]
-            for r in base(x):
-                last_use[r] = max(last_use.get(r, -1), (start if copy else end)[node.id])
+            held = stored.get(x)
+            at = lo if held is not None and want is not held and want != held else hi
+            for r in roots[x] if x in virtual else (x,):
+                if last_use.get(r, -1) < at:
+                    last_use[r] = at
         for v in node.outputs:
             if v in virtual:
-                roots[v] = frozenset(r for x in node.inputs for r in base(x))
+                roots[v] = frozenset(
+                    r for x in node.inputs for r in (roots[x] if x in virtual else (x,))
+                )
     for x in g.outputs:
-        last_use[x] = len(g.nodes)
-    made_at = np.zeros(len(g.nodes) + 1)  # bytes allocated at each op
-    free_at = np.zeros(len(g.nodes) + 1)  # bytes freed after each op
+        last_use[x] = n_ops
+    made_at = [0.0] * (n_ops + 1)  # bytes allocated at each op
+    free_at = [0.0] * (n_ops + 1)  # bytes freed after each op
     copied: set[tuple[int, int, Spec]] = set()  # (span's first op, value, layout)
-    for node, s in zip(g.nodes, strat):
-        at = start[node.id]
+    local_bytes, resident = problem.cost.local_bytes, problem.resident
+    for node, s in zip(nodes, strat):
+        at, hi = start[node.id], end[node.id]
         for x, want in zip(node.inputs, s.in_specs):  # copies, held while the op runs
-            if x in stored and want != stored[x] and (at, x, want) not in copied:
-                copied.add((at, x, want))  # one copy serves a whole region
-                b = problem.cost.local_bytes(g.values[x], want) * problem.resident.get(x, 1.0)
-                made_at[at] += b
-                free_at[end[node.id]] += b
+            held = stored.get(x)
+            if held is None or want is held or want == held or (at, x, want) in copied:
+                continue
+            copied.add((at, x, want))  # one copy serves a whole region
+            b = local_bytes(values[x], want) * resident.get(x, 1.0)
+            made_at[at] += b
+            free_at[hi] += b
         for v in node.outputs:
             if v in virtual:
                 continue
-            b = problem.cost.local_bytes(g.values[v], stored[v])
-            b *= problem.resident.get(v, 1.0)
+            b = local_bytes(values[v], stored[v]) * resident.get(v, 1.0)
             made_at[at] += b
-            free_at[max(last_use.get(v, node.id), end[node.id])] += b
-    for i, held in problem.buffers.items():  # a pipeline's own buffers, its whole region
-        b = float(held[choice[n_in + i]])
+            free_at[max(last_use.get(v, node.id), hi)] += b
+    for i, buffer in problem.buffers.items():  # a pipeline's own buffers, its whole region
+        b = float(buffer[choice[n_in + i]])
         made_at[start[i]] += b
         free_at[end[i]] += b
     live = np.cumsum(made_at) - np.concatenate(([0.0], np.cumsum(free_at)[:-1]))
-    return int(args + max(0.0, float(live[: len(g.nodes)].max(initial=0.0)))), args
+    return int(args + max(0.0, float(live[:n_ops].max(initial=0.0)))), args
 
 
 def memory_floor(graph: Graph, devices: int, resident: dict[int, float] | None = None) -> float:

@@ -31,6 +31,8 @@ def settle_partials(
     }
     wants: dict[int, Counter[Spec]] = {}
     for node, specs in zip(graph.nodes, op_in_specs):
+        if partial.isdisjoint(node.inputs):
+            continue
         # a value an op reads twice in one spec counts once (x * x)
         for v, sp in dict.fromkeys(zip(node.inputs, specs)):
             if v in partial:
