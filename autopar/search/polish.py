@@ -21,6 +21,7 @@ reach."""
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -70,6 +71,28 @@ def latency_bound_moves(problem: Problem, choice: Sequence[int]) -> Iterator[tup
                     yield m
 
 
+_USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _uses(problem: Problem) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[int]]]:
+    """({value: [(reader, input index)]}, {value: [function output index]}) of the
+    values ops make or arguments hold, once per problem (the polish of every engine's
+    plan reads them)."""
+    if problem not in _USES:
+        g, n_in = problem.graph, problem.num_inputs
+        reads: dict[int, list[tuple[int, int]]] = {}
+        for node in g.nodes:
+            for j, x in enumerate(node.inputs):
+                if x in problem.source:
+                    reads.setdefault(x, []).append((n_in + node.id, j))
+        outs: dict[int, list[int]] = {}
+        for o, x in enumerate(g.outputs):
+            if x in problem.source:
+                outs.setdefault(x, []).append(o)
+        _USES[problem] = reads, outs
+    return _USES[problem]
+
+
 def _stored(p: Problem, x: int, src: Spec, pick, reads, outs) -> Spec:
     """The spec value `x`, made in `src`, is read from (`settle_partials`, for one value):
     a partial sum made by an op is summed once, into `settle_spec` of its uses' specs."""
@@ -90,16 +113,7 @@ class _Local:
 
     def __init__(self, problem: Problem):
         self.p = problem
-        g, n_in = problem.graph, problem.num_inputs
-        self.reads: dict[int, list[tuple[int, int]]] = {}
-        for node in g.nodes:
-            for j, x in enumerate(node.inputs):
-                if x in problem.source:
-                    self.reads.setdefault(x, []).append((n_in + node.id, j))
-        self.outs: dict[int, list[int]] = {}
-        for o, x in enumerate(g.outputs):
-            if x in problem.source:
-                self.outs.setdefault(x, []).append(o)
+        self.reads, self.outs = _uses(problem)
 
     def _price(self, x: int, pick) -> tuple[float, float]:
         """(seconds, all-reduce latencies) of value `x`'s reshards when op v runs
@@ -294,15 +308,7 @@ class Pricing:
         self.choice = list(choice)
         self.n_in = n_in
         self.END = n_in + len(g.nodes)  # the position of the function's outputs
-        self.reads: dict[int, list[tuple[int, int]]] = {}  # value -> (reader, input index)
-        for node in g.nodes:
-            for j, x in enumerate(node.inputs):
-                if x in p.source:
-                    self.reads.setdefault(x, []).append((n_in + node.id, j))
-        self.outs: dict[int, list[int]] = {}  # value -> function output indices
-        for o, x in enumerate(g.outputs):
-            if x in p.source:
-                self.outs.setdefault(x, []).append(o)
+        self.reads, self.outs = _uses(p)
         self.node_compute = p.compute_time()
         self.compute = sum(float(self.node_compute[v][s]) for v, s in enumerate(self.choice))
         self.compute += p.wait_time(self.choice)
@@ -332,10 +338,13 @@ class Pricing:
         stored = _stored(p, x, src, pick, reads, outs)
         # a partial sum settled elsewhere is summed once, at its first use (as in
         # `edge_collectives`); every use reshards from the sum
-        first = list(p.cost.reshard(t, src, stored).collectives)
+        whole = not src.partial  # then stored is src, and a read of it pays nothing
+        first = [] if whole else list(p.cost.reshard(t, src, stored).collectives)
         out, seen = [], set()
         for v, j in reads:
             dst = p.strategies[v][pick(v)].in_specs[j]
+            if whole and (dst is src or dst == src):
+                continue
             if dst not in seen:
                 seen.add(dst)
                 colls = first + list(p.cost.reshard(t, stored, dst).collectives)
