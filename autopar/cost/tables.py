@@ -58,6 +58,16 @@ class _Steps:
             out.append(i)
         return np.array(out, dtype=np.int64)
 
+    def numbers(self, keys: np.ndarray) -> np.ndarray:
+        """The step sequence number of each pair key (src id << 32 | dst id)."""
+        get = self.pairs.get
+        seq = [get(k) for k in keys.tolist()]
+        if None in seq:
+            for n, k in enumerate(keys.tolist()):
+                if seq[n] is None:
+                    seq[n] = self.sequence(k)
+        return np.array(seq, dtype=np.int64)
+
     def sequence(self, key: int) -> int:
         """The number of pair `key`'s step sequence, made where new."""
         got = self.pairs.get(key)
@@ -84,8 +94,8 @@ class _Palette:
         self.index: dict[tuple, int] = {}  # (kind, axes, divisor) -> code
         self.steps: dict[tuple, int] = {}  # a `reshard_steps` step -> its code
         self.rows: list[tuple] = [("", 0.0, 1.0, 1.0, 1, 0.0)]
-        self.pairs: dict[int, int] = {}  # src id << 32 | dst id (`_Steps`) -> sequence
-        self.coded: dict[int, int] = {}  # a `_Steps` sequence number -> sequence
+        # a `_Steps` sequence number -> this mesh's sequence (-1: not coded yet)
+        self.coded = np.full(0, -1, dtype=np.int64)
         self.seqs: dict[tuple[int, ...], int] = {(): 0}
         self.arrays: tuple | None = None
         self.seq_codes: np.ndarray | None = None
@@ -109,26 +119,22 @@ class _Palette:
         return self._lookup(keys)[back]
 
     def _lookup(self, keys: np.ndarray) -> np.ndarray:
-        """The sequence of each pair key (src id << 32 | dst id), made where new."""
-        get = self.pairs.get
-        seq = [get(k) for k in keys.tolist()]
-        if None in seq:
-            for n, k in enumerate(keys.tolist()):
-                if seq[n] is None:
-                    seq[n] = self._sequence(k)
-        return np.array(seq, dtype=np.int64)
-
-    def _sequence(self, key: int) -> int:
-        got = self.pairs.get(key)
-        if got is None:
-            steps = self.all.sequence(key)
-            got = self.coded.get(steps)
-            if got is None:
-                codes = tuple(self._code(step) for step in self.all.by_seq[steps])
-                got = self.coded[steps] = self.seqs.setdefault(codes, len(self.seqs))
-                self.seq_codes = None
-            self.pairs[key] = got
-        return got
+        """The sequence of each pair key (src id << 32 | dst id): its steps' number
+        among all meshes' (`_Steps`), coded for this mesh where new."""
+        steps = self.all.numbers(keys)
+        if len(steps) and steps.max() >= len(self.coded):
+            grown = np.full(max(2 * len(self.coded), steps.max() + 1), -1, dtype=np.int64)
+            grown[: len(self.coded)] = self.coded
+            self.coded = grown
+        seq = self.coded[steps]
+        new = np.unique(steps[seq < 0])
+        if len(new):
+            for n in new.tolist():
+                codes = tuple(self._code(step) for step in self.all.by_seq[n])
+                self.coded[n] = self.seqs.setdefault(codes, len(self.seqs))
+            self.seq_codes = None
+            seq = self.coded[steps]
+        return seq
 
     def _code(self, step: tuple[str, tuple[str, ...], Spec]) -> int:
         code = self.steps.get(step)  # a step recurs in many pairs' sequences
@@ -180,8 +186,8 @@ class _Palette:
 
 # Palettes kept across builds, by (profile, mesh): the tries of one call (micro-batch
 # counts, remat policies) build problems on the same few meshes, and a palette's pair
-# codes depend on nothing else. At most MAX_PALETTES of them, of at most MAX_PAIRS pairs
-# (as the step sequences of all meshes, `_STEPS`, which starts afresh with them).
+# codes depend on nothing else. At most MAX_PALETTES of them; past MAX_PAIRS pairs the
+# step sequences of all meshes (`_STEPS`) start afresh, and so do the palettes.
 MAX_PALETTES = 8
 MAX_PAIRS = 1 << 20
 _PALETTES: collections.OrderedDict[tuple, _Palette] = collections.OrderedDict()
@@ -196,7 +202,7 @@ def _palette(cost: CostModel, memo: dict) -> _Palette:
             _STEPS = _Steps()
             _PALETTES.clear()
         pal = _PALETTES.get(key)
-        if pal is None or len(pal.pairs) > MAX_PAIRS:
+        if pal is None:
             pal = _PALETTES[key] = _Palette(cost, _STEPS)
         _PALETTES.move_to_end(key)
         while len(_PALETTES) > MAX_PALETTES:
