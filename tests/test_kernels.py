@@ -52,7 +52,16 @@ def _drec_reference(problem, pinned):
         (v for v in range(n) if heavy[v]),
         key=lambda v: (engines._TIER[g.nodes[v - n_in].op], -problem.flops[v], v),
     )
-    penalty = engines._replication_penalty(problem)
+    table = engines._replication_penalty(problem)  # [axis, strategy] per op
+    tables: dict[int, np.ndarray] = {}
+
+    def penalty(v, i, ai):
+        if v < n_in:
+            return 0.0
+        if v not in tables:
+            tables[v] = table(v)
+        return tables[v][ai, i]
+
     small = engines._latency_bound(problem)
 
     def candidates(v, ai):

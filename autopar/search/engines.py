@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autopar.cost.tables import reshard_table
-from autopar.ir.graph import BACKWARD, OTHER
+from autopar.ir.graph import BACKWARD, OTHER, Graph
 from autopar.search.build import Problem
 from autopar.search.edges import combinable_values
 from autopar.search.evaluate import total_time
@@ -349,35 +349,48 @@ def _latency_bound(problem: Problem) -> list[bool]:
     final `refine` may still split them where a neighbour makes it free). The
     cheapest collective a cut can add is a gradient's all-reduce, which pays only its
     bucket share of the latency (`search.edges`)."""
-    g, n_in, cost = problem.graph, problem.num_inputs, problem.cost
+    g, cost = problem.graph, problem.cost
     names = problem.mesh.axis_names
     if not names:  # one device (a stage of a pipeline on its own): nothing to cut
         return [False] * len(problem.strategies)
     latency = min(cost.link((a,))[0] for a in names) * problem.bucket_share
     bandwidth = max(cost.link((a,))[1] for a in names)
-    out = []
-    for v in range(len(problem.strategies)):
-        values = (
-            [g.inputs[v]] if v < n_in else [*g.nodes[v - n_in].inputs, *g.nodes[v - n_in].outputs]
-        )
-        biggest = max((g.values[x].nbytes for x in values), default=0)
-        out.append(biggest / bandwidth < latency)
-    return out
+    return (g.memo(_biggest) / bandwidth < latency).tolist()
+
+
+def _biggest(g: Graph) -> np.ndarray:
+    """Per cost-graph node (inputs, then ops), the bytes of its largest tensor."""
+    values = [[x] for x in g.inputs] + [[*n.inputs, *n.outputs] for n in g.nodes]
+    return np.array([max((g.values[x].nbytes for x in xs), default=0) for xs in values])
 
 
 def _penalty_kind(problem: Problem, v: int):
     """What `_replication_penalty` of node `v` depends on besides the strategy and axis:
     its strategy table, its inputs' types and whether each is priced (and as a weight),
     its outputs' types. Nodes of one kind (the same op in every layer) share penalties."""
-    g, n_in = problem.graph, problem.num_inputs
+    n_in = problem.num_inputs
     if v < n_in:
         return ("input",)
-    node = g.nodes[v - n_in]
-    ins = tuple(
-        (g.values[x], x in problem.source and problem.source[x][0] < n_in, x in problem.source)
-        for x in node.inputs
-    )
-    return (id(problem.strategies[v]), ins, tuple(g.values[x] for x in node.outputs))
+    return id(problem.strategies[v]), problem.graph.memo(_operand_kinds)[v - n_in]
+
+
+def _operand_kinds(g: Graph) -> list[int]:
+    """Per op, a number for its operands' types and whether each is an argument or made
+    by an op (else a constant), and its results' types: what `_penalty_kind` reads of
+    the graph (a problem's `source` holds the arguments and every op's results)."""
+    made = set(g.inputs) | set(g.producer)
+    args = set(g.inputs)
+    kinds: dict[tuple, int] = {}
+    return [
+        kinds.setdefault(
+            (
+                tuple((g.values[x], x in args, x in made) for x in n.inputs),
+                tuple(g.values[x] for x in n.outputs),
+            ),
+            len(kinds),
+        )
+        for n in g.nodes
+    ]
 
 
 def _replication_penalty(problem: Problem):

@@ -87,14 +87,25 @@ def _flatten(cost, edges) -> FlatGraph:
     padded = np.full((n, int(size.max())), np.inf)
     within = np.arange(len(nodes)) - np.repeat(node_off, size)
     padded[np.repeat(np.arange(n), size), within] = nodes
-    pairs = list(edges.items())
-    if any(u == v for (u, v), _ in pairs):
+    keys, mats = list(edges.keys()), list(edges.values())
+    if any(u == v for u, v in keys):
         raise ValueError("a cost graph's edge joins two distinct nodes")
-    e = len(pairs)
-    at = np.empty(2 * e, np.int64)
+    e = len(keys)
+    # each matrix object once (repeated layers share them), then each distinct value
+    # once: its entries and its transpose's are stored, at offsets both ways
+    index_of: dict[int, int] = {}  # a matrix object -> its number among `distinct`
+    distinct: list[np.ndarray] = []
+    which = []
+    for m in mats:
+        i = index_of.get(id(m))
+        if i is None:
+            i = index_of[id(m)] = len(distinct)
+            distinct.append(m)
+        which.append(i)
     chunks: list[np.ndarray] = []
-    by_id: dict[int, tuple[int, int]] = {}  # a matrix object -> its offsets both ways
     by_value: dict[tuple, list] = {}  # (shape, hash of bytes) -> [(matrix, offsets)]
+    offsets = np.empty((len(distinct), 2), np.int64)
+    widths = np.empty(len(distinct), np.int64)
     stored = 0
 
     def store(m: np.ndarray) -> int:
@@ -103,21 +114,21 @@ def _flatten(cost, edges) -> FlatGraph:
         stored += m.size
         return stored - m.size
 
-    for k, (_, m) in enumerate(pairs):
-        got = by_id.get(id(m))
+    for i, m in enumerate(distinct):
+        m = np.ascontiguousarray(m, dtype=np.float64)
+        same = by_value.setdefault((m.shape, hash(m.tobytes())), [])
+        got = next((o for held, o in same if np.array_equal(held, m)), None)
         if got is None:
-            m = np.ascontiguousarray(m, dtype=np.float64)
-            same = by_value.setdefault((m.shape, hash(m.tobytes())), [])
-            got = next((o for held, o in same if np.array_equal(held, m)), None)
-            if got is None:
-                got = (store(m), store(np.ascontiguousarray(m.T)))
-                same.append((m, got))
-            by_id[id(pairs[k][1])] = got
-        at[2 * k], at[2 * k + 1] = got
+            got = (store(m), store(np.ascontiguousarray(m.T)))
+            same.append((m, got))
+        offsets[i] = got
+        widths[i] = m.shape[1]
+    which = np.array(which, dtype=np.int64)
+    at = offsets[which].ravel() if e else np.empty(0, np.int64)
     flat = np.concatenate(chunks) if chunks else np.zeros(0)
-    u = np.array([p[0][0] for p in pairs], dtype=np.int64)
-    v = np.array([p[0][1] for p in pairs], dtype=np.int64)
-    width = np.array([np.shape(m)[1] for _, m in pairs], dtype=np.int64)
+    pair = np.array(keys, dtype=np.int64).reshape(e, 2)
+    u, v = pair[:, 0].copy(), pair[:, 1].copy()
+    width = widths[which] if e else np.empty(0, np.int64)
     src, dst = np.empty(2 * e, np.int64), np.empty(2 * e, np.int64)
     src[0::2], src[1::2], dst[0::2], dst[1::2] = u, v, v, u
     adj = np.argsort(src, kind="stable").astype(np.int64)  # by node, in the edges' order
