@@ -291,6 +291,7 @@ def _drec_static(problem: Problem) -> _DRecStatic:
 
 
 _CANDIDATES: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+_CANDIDATES_BYTES = [0]  # what they hold; past 256 MB they start afresh
 
 
 def _candidates(strategies, n_axes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -303,9 +304,12 @@ def _candidates(strategies, n_axes: int) -> tuple[np.ndarray, np.ndarray]:
     if got is None:
         rows = _candidate_rows(strategies, n_axes)  # [axes, S, 2, S]
         got = rows.sum(-1).ravel(), np.nonzero(rows.reshape(-1, len(strategies)))[1]
-        if len(_CANDIDATES) > 4096:
+        size = got[0].nbytes + got[1].nbytes  # a 247-strategy table's on 3 axes: ~3 MB
+        if _CANDIDATES_BYTES[0] + size > 256 << 20:
             _CANDIDATES.clear()
+            _CANDIDATES_BYTES[0] = 0
         _CANDIDATES[key] = got
+        _CANDIDATES_BYTES[0] += size
     return got
 
 
