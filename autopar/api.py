@@ -44,7 +44,7 @@ from autopar.errors import (
 from autopar.frontends import Bound, bind, check_static_argnames, unwrap
 from autopar.ir.capture import abstractify_tree, fn_name
 from autopar.lower.rolled import RolledIO, abstract_inputs
-from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve
+from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve, staged_meshes
 from autopar.passes.pipeline import SCHEDULES
 from autopar.passes.precision import compute_dtype_of
 from autopar.passes.remat import POLICIES as REMAT_POLICIES
@@ -235,17 +235,29 @@ def _options(
     """`parallelize`'s options, checked and resolved (meshes, profile, a plan file,
     defaults from a given plan), in one place."""
     profile = cost_models.load(cluster)
-    if pipeline_stages == "auto":
-        meshes = _pipeline_meshes(mesh, profile.devices_per_node)
-    else:
-        meshes = resolve(mesh, profile.devices_per_node)
     if pipeline_stages not in (None, "auto") and (
-        not isinstance(pipeline_stages, int) or pipeline_stages < 1
+        not isinstance(pipeline_stages, int)
+        or isinstance(pipeline_stages, bool)
+        or pipeline_stages < 1
     ):
         raise PipelineError(
             f"pipeline_stages must be a positive int (the size of the mesh's 'stage' axis) "
             f"or 'auto', got {pipeline_stages!r}"
         )
+    if pipeline_stages == "auto":
+        meshes = _pipeline_meshes(mesh, profile.devices_per_node)
+    elif pipeline_stages is not None and pipeline_stages > 1 and _device_count(mesh) is not None:
+        n = _device_count(mesh)
+        if n % pipeline_stages:
+            raise PipelineError(
+                f"pipeline_stages={pipeline_stages} on mesh={mesh!r} ({n} devices): the devices "
+                f"do not split into {pipeline_stages} equal stages; pass a device count that "
+                f"{pipeline_stages} divides, or a mesh with a 'stage' axis"
+            )
+        shapes = staged_meshes(n, pipeline_stages, profile.devices_per_node)
+        meshes = [make_mesh(m) for m in shapes]
+    else:
+        meshes = resolve(mesh, profile.devices_per_node)
     if pipeline_schedule not in (None, *SCHEDULES):
         raise PipelineError(
             f"pipeline_schedule={pipeline_schedule!r}{did_you_mean(pipeline_schedule, SCHEDULES)}: "
@@ -332,6 +344,16 @@ def _options(
         cache_dir=_cache_dir(cache_dir),
         progress=_progress_enabled(progress),
     )
+
+
+def _device_count(mesh) -> int | None:
+    """The device count `mesh` asks autopar to shape (an int, or "auto": all local
+    devices); None for a mesh given with its axes."""
+    if mesh == "auto":
+        return len(jax.devices())
+    if isinstance(mesh, int | np.integer) and not isinstance(mesh, bool):
+        return int(mesh)
+    return None
 
 
 def _pipeline_meshes(mesh, devices_per_node: int) -> list:

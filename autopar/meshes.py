@@ -104,6 +104,17 @@ def pipeline_meshes(n: int, devices_per_node: int, axis: str = "stage") -> list[
     return [m or {"data": 1} for m in out]
 
 
+def staged_meshes(n: int, stages: int, devices_per_node: int) -> list[dict[str, int]]:
+    """Shapes to try for `pipeline_stages=stages` on a device count `n` (which `stages`
+    divides): a 'stage' axis of that size, outermost (across nodes, where stages pass
+    only activations), over each shape `mesh_candidates` gives the `n // stages`
+    devices of a stage."""
+    return [
+        {"stage": stages, **{k: v for k, v in shape.items() if v > 1}}
+        for shape in mesh_candidates(n // stages, devices_per_node)
+    ]
+
+
 def equivalent(a: MeshInfo, b: MeshInfo) -> bool:
     """Whether the cost model cannot tell meshes `a` and `b` apart: some relabeling of
     `a`'s axes as `b`'s keeps every axis size and, for every group of axes, whether its

@@ -14,7 +14,7 @@ import pytest
 from helpers import assert_trees_close, replay_from_file, run_steps
 
 import autopar
-from autopar.errors import MicrobatchError, PipelineError
+from autopar.errors import MemoryBudgetError, MicrobatchError, PipelineError
 from autopar.examples.models import gpt
 from autopar.plan.schedule import timeline
 
@@ -423,6 +423,26 @@ def test_microbatch_count_is_chosen_by_the_cost_model(monkeypatch):
     best = min(prices, key=prices.get)
     assert plan.pipeline["microbatches"] == best, (plan.pipeline["microbatches"], prices)
     assert plan.cost.step_s == pytest.approx(prices[best], rel=1e-9)
+
+
+def test_a_stage_count_on_a_device_count_shapes_the_stage_axis():
+    """`pipeline_stages=S` with `mesh=N` searches N devices as a 'stage' axis of S over
+    the shapes of N / S (it used to search no stage axis at all, and every shape failed
+    with a memory error that said "fits")."""
+    cfg = _cfg(layers=4, scan=False)
+    ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    plan = autopar.parallelize(ts.step, mesh=8, cluster=CLUSTER, pipeline_stages=2).plan(*args)
+    assert plan.mesh.shape["stage"] == 2 and math.prod(plan.mesh.shape.values()) == 8
+    assert plan.pipeline["stages"] == 2
+    with pytest.raises(PipelineError, match="do not split into 4 equal stages"):
+        autopar.parallelize(ts.step, mesh=6, pipeline_stages=4)
+    # every shape fails for a reason other than memory: that reason, not a memory error
+    three = _cfg(layers=3, scan=False)
+    step, three_args = gpt.make_train_step(three).step, gpt.abstract_args(three)
+    with pytest.raises(PipelineError, match="no mesh shape can run this step") as e:
+        autopar.parallelize(step, mesh=8, cluster=CLUSTER, pipeline_stages=2).plan(*three_args)
+    assert not isinstance(e.value, MemoryBudgetError)
+    assert "do not split into 2 equal stages" in str(e.value)
 
 
 def test_bad_pipeline_requests_say_what_to_do():

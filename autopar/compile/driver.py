@@ -52,6 +52,7 @@ from autopar.compile.screen import SCREEN_MARGIN, screen
 from autopar.compile.tries import ahead, firsts_ahead
 from autopar.cost.model import CostModel
 from autopar.errors import (
+    AutoparError,
     MemoryBudgetError,
     MeshError,
     MicrobatchError,
@@ -252,19 +253,21 @@ class _Driver(PipelineTries):
             )
         return self._first_that_fits(graph, found, notes, lead)
 
-    def _tries(self, graph: Graph) -> tuple[list, list[str]]:
-        """Every (mesh index, mesh, pipeline) to search, and why the meshes left out
-        have none. Raises the error of the only mesh when it has none."""
-        tries, failures = [], []
+    def _tries(self, graph: Graph) -> tuple[list, list[str], list[type]]:
+        """Every (mesh index, mesh, pipeline) to search, why the meshes left out have
+        none and the class of each such error. Raises the error of the only mesh when
+        it has none."""
+        tries, failures, kinds = [], [], []
         for k, mesh in enumerate(self.o.meshes):
             pipes = self._pipelines(graph, mesh)
             if isinstance(pipes, Infeasible):
                 if self.single:
                     raise pipes.error
                 failures.append(f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}: {pipes.why}")
+                kinds.append(type(pipes.error))
                 continue
             tries += [(k, mesh, p) for p in pipes]
-        return tries, failures
+        return tries, failures, kinds
 
     def _search(self, graph: Graph, reused: dict[int, Spec]) -> _Found | Infeasible:
         """Search every try, cheapest floor first (then cheapest screen, `_screen`); on an
@@ -275,7 +278,7 @@ class _Driver(PipelineTries):
         allows, the tries are searched side by side first (`compile.tries.ahead`); this
         walk then takes their results in its own order, to the same decisions."""
         o = self.o
-        tries, failures = self._tries(graph)
+        tries, failures, kinds = self._tries(graph)
         floors = [  # under the faster schedule a try may also be priced in (`_rescheduling`)
             step_floor(graph_of(graph, p), mesh.size, o.profile, self._rescheduling(p) or p)
             for _, mesh, p in tries
@@ -334,6 +337,7 @@ class _Driver(PipelineTries):
                         return result
                     raise result.error
                 failures.append(f"{self._info(mesh).shape}: {result.why.splitlines()[0]}")
+                kinds.append(type(result.error))
                 memory_bound |= result.memory
                 continue
             ranked += [
@@ -351,11 +355,14 @@ class _Driver(PipelineTries):
         if left:
             self.clock.skip(left_out(tries, left, self.remat_policy))
         if not ranked:
-            return Infeasible(
-                MemoryBudgetError(
-                    "no mesh shape gives a plan that fits:\n  " + "\n  ".join(failures)
+            why = "\n  ".join(failures)
+            if memory_bound:
+                return Infeasible(
+                    MemoryBudgetError("no mesh shape gives a plan that fits:\n  " + why)
                 )
-            )
+            # nothing was held back by memory: the meshes' own errors, of their one class
+            kind = kinds[0] if len(set(kinds)) == 1 else AutoparError
+            return Infeasible(kind(f"{self.name}: no mesh shape can run this step:\n  " + why))
         ranked.sort(key=lambda r: r[:3])
         screened = None
         if dropped or same:

@@ -206,6 +206,8 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
         driver = _Driver(options, call, policy, graph, clock, traces=traces)
         got = driver.compile()
         if isinstance(got, Infeasible):
+            if not got.memory:  # not memory: no policy changes it
+                raise got.error
             tried.append(f"remat={policy}: {got.why.splitlines()[0]}")
             continue
         tried.append(f"remat={policy}: {got.plan.cost.step_s * 1e3:.4g} ms")
