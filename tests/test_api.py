@@ -502,3 +502,34 @@ def test_the_summary_says_how_much_of_the_work_runs_split():
     )
     assert whole.replicated_share() == 1.0
     assert "work: 0% of the ops' compute split over devices, 100% replicated" in whole.summary()
+
+
+def test_the_work_line_counts_a_loop_by_its_body():
+    """A step that scans over micro-batches itself (gradient accumulation by hand) runs
+    its loop body split over the batch while the loop's results (the summed gradients)
+    are whole: the work line reads the body's ops (it said 100% replicated)."""
+
+    def step(w, xs):
+        def micro(g, x):
+            return g + jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w), None
+
+        g, _ = jax.lax.scan(micro, jnp.zeros_like(w), xs)
+        return w - 0.1 * g
+
+    from dataclasses import replace
+
+    from autopar.sharding import Spec
+
+    f = jnp.float32
+    w, xs = jax.ShapeDtypeStruct((64, 128), f), jax.ShapeDtypeStruct((4, 512, 64), f)
+    plan = autopar.parallelize(step, mesh={"data": 8}).plan(w, xs)
+    assert plan.replicated_share() < 0.2, plan.summary()
+    # the loop's results made whole (as the helper's accumulation step had them): the
+    # share is still its body's
+    whole = tuple(
+        replace(op, out_specs=tuple(Spec.replicated(len(sp.dims)) for sp in op.out_specs))
+        if op.body is not None
+        else op
+        for op in plan.ops
+    )
+    assert replace(plan, ops=whole).replicated_share() == pytest.approx(plan.replicated_share())

@@ -363,19 +363,38 @@ class Plan:
     def replicated_share(self) -> float | None:
         """The share of the ops' compute that runs replicated: ops whose result is
         neither split nor a partial sum over any mesh axis, each op weighted by its
-        whole work (its predicted time per device x the devices it is split over).
-        None when no op takes time. A plan can be mostly replicated and still the
-        fastest (a small model, where collectives cost more than the work they split):
-        the summary says so, rather than leave the user to find out."""
+        whole work (its predicted time per device x the devices it is split over). A
+        loop's or a cond's work is its body's (branches') ops', scaled to the loop's
+        time; a pipelined loop's ops are split over the stages too. None when no op
+        takes time. A plan can be mostly replicated and still the fastest (a small
+        model, where collectives cost more than the work they split): the summary says
+        so, rather than leave the user to find out."""
+        piped = {s["op"] for s in (self.pipeline or {}).get("scans", ())}
+        stages = int((self.pipeline or {}).get("stages", 1))
+        total, replicated = self._work(self.ops, piped, stages)
+        return replicated / total if total > 0 else None
+
+    def _work(self, ops, piped=frozenset(), stages: int = 1) -> tuple[float, float]:
+        """(whole work, replicated work) of `ops`, as `replicated_share` weighs them."""
         total = replicated = 0.0
-        for op in self.ops:
+        for op in ops:
+            inner = [op.body] if op.body is not None else list(op.branches or ())
+            if inner:
+                parts = [self._work(b.ops) for b in inner]
+                own = sum(b.cost.step_s for b in inner)  # a step's (a branch's) seconds
+                if own <= 0:
+                    continue
+                scale = op.compute_s / own * (stages if op.key in piped else 1)
+                total += scale * sum(t for t, _ in parts)
+                replicated += scale * sum(r for _, r in parts) if op.key not in piped else 0.0
+                continue
             if not op.out_specs:
                 continue
             spec = op.out_specs[0]
             split = math.prod(self.mesh.size(a) for a in {*spec.used_axes, *spec.partial})
             total += op.compute_s * split
             replicated += op.compute_s if split == 1 else 0.0
-        return replicated / total if total > 0 else None
+        return total, replicated
 
     def summary(self) -> str:
         c = self.cost
