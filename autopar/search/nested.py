@@ -145,41 +145,51 @@ def _cond_strategy(
     engine, the branch searched alone), every operand whole, and every operand with
     its largest dim over one mesh axis. For each, every branch is searched (`dp`) with
     its inputs pinned there; the results come out in the specs the costliest branch
-    leaves them in, and the other branches reshard theirs into them. A strategy is
-    priced at its costliest branch: the search does not know which one runs."""
+    leaves them in, and the other branches reshard theirs into them. The whole and
+    the one-axis operands are also tried with the results laid out the same way (the
+    ops that make them pinned so): a branch searched alone splits an elementwise
+    update it is handed whole, and the cond's results then need an all-gather each
+    (`optax.MultiSteps`' cond in a data-parallel step: one per parameter and moment).
+    A strategy is priced at its costliest branch: the search does not know which one
+    runs."""
     probs = tuple(build_problem(b, mesh, cost, nested=nested) for b in node.branches)
     p0, n = probs[0], len(node.inputs) - 1
     solve = functools.partial(_search_fitting, budget=cost.profile.hbm_bytes)
     spec_of = lambda p, choice: tuple(p.strategies[i][choice[i]].out_specs[0] for i in range(n))
-    tried: dict[tuple[Spec, ...], None] = {}
+    # operand specs -> the result specs wanted (None: the costliest branch's own)
+    tried: dict[tuple[tuple[Spec, ...], tuple[Spec, ...] | None], None] = {}
     for p in probs:
         for _, choice, _ in solve(p, "auto").ranked:
-            tried.setdefault(spec_of(p, choice))
+            tried.setdefault((spec_of(p, choice), None))
     whole = [
         next(k for k, st in enumerate(p0.strategies[i]) if not st.out_specs[0].used_axes)
         for i in range(n)
     ]
-    tried.setdefault(spec_of(p0, whole))
+    results_of = [p0.graph.values[v] for v in p0.graph.outputs]
+    tried.setdefault((spec_of(p0, whole), None))
+    tried.setdefault((spec_of(p0, whole), tuple(Spec.replicated(t.rank) for t in results_of)))
     for axis, size in zip(mesh.axis_names, mesh.axis_sizes):
         split = [largest_dim_over(p0, i, axis) for i in range(n)]
         if size > 1 and any(k is not None for k in split):
-            tried.setdefault(spec_of(p0, [w if k is None else k for k, w in zip(split, whole)]))
+            ins = spec_of(p0, [w if k is None else k for k, w in zip(split, whole)])
+            tried.setdefault((ins, None))
+            tried.setdefault((ins, tuple(_largest_dim_spec(t, axis, size) for t in results_of)))
     index = [{st.out_specs[0]: k for k, st in enumerate(p0.strategies[i])} for i in range(n)]
     head = Spec.replicated(0)  # the branch index, a scalar
     strategies, per_strategy, seen = [], [], set()
-    for ins in tried:
+    for ins, want in tried:
         pins = {i: index[i][sp] for i, sp in enumerate(ins)}
-        results = tuple(solve(p, "dp", pins=pins) for p in probs)
+        results = tuple(solve(p, "dp", pins={**pins, **_making(p, want)}) for p in probs)
         worst = max(range(len(probs)), key=lambda k: results[k].cost.step_s)
-        outs = tuple(output_specs(probs[worst], results[worst].choice))
+        outs = want or tuple(output_specs(probs[worst], results[worst].choice))
         if (ins, outs) in seen:
             continue
         seen.add((ins, outs))
         seconds = max(
             r.cost.step_s
             + sum(
-                cost.reshard(p.graph.values[v], have, want).seconds
-                for v, have, want in zip(p.graph.outputs, output_specs(p, r.choice), outs)
+                cost.reshard(p.graph.values[v], have, into).seconds
+                for v, have, into in zip(p.graph.outputs, output_specs(p, r.choice), outs)
             )
             for p, r in zip(probs, results)
         )
@@ -196,6 +206,30 @@ def _cond_strategy(
         probs,
         tuple(per_strategy),
     )
+
+
+def _largest_dim_spec(t, axis: str, size: int) -> Spec:
+    """`t` split on its largest dim over `axis` where `size` divides it, else whole."""
+    if t.rank:
+        d = max(range(t.rank), key=lambda k: (t.shape[k], -k))
+        if t.shape[d] % size == 0:
+            return Spec(tuple((axis,) if k == d else () for k in range(t.rank)))
+    return Spec.replicated(t.rank)
+
+
+def _making(problem: Problem, want: tuple[Spec, ...] | None) -> dict[int, int]:
+    """Pins that make each result of a branch in the spec `want` has for it: its
+    producing op's strategy that makes it so, where the op has one (a result that is
+    an operand passed through keeps the operand's pin)."""
+    pins: dict[int, int] = {}
+    for v, sp in zip(problem.graph.outputs, want or ()):
+        u, k = problem.source.get(v, (None, 0))
+        if u is None or u < problem.num_inputs or u in pins:
+            continue
+        s = next((j for j, st in enumerate(problem.strategies[u]) if st.out_specs[k] == sp), None)
+        if s is not None:
+            pins[u] = s
+    return pins
 
 
 def _batch_first(problem: Problem, i: int) -> int:
