@@ -90,13 +90,15 @@ class RematReport:
                 f"{_which(self.layers, self.stack_layers)} recomputes "
                 f"{self.layers[-1].recomputed} residuals a "
                 f"layer (keeps {self.layers[-1].stored}), {format_bytes(saved)} less kept "
-                f"between the passes for {flops:.3g} more FLOPs a call",
+                f"between the passes (whole tensors, before sharding; the peak is per "
+                f"device) for {flops:.3g} more FLOPs a call",
             )
         return unrolled + tuple(
             f"remat ({self.policy}): the backward loop at {p.backward} recomputes "
             f"{p.residuals_before - p.residuals_after} of {p.residuals_before} residuals of "
             f"{p.forward}: stored {format_bytes(p.bytes_after)} instead of "
-            f"{format_bytes(p.bytes_before)} ({format_bytes(p.bytes_per_layer_after)} a layer "
+            f"{format_bytes(p.bytes_before)} (whole tensors, before sharding; "
+            f"{format_bytes(p.bytes_per_layer_after)} a layer "
             f"instead of {format_bytes(p.bytes_per_layer_before)}, {p.layers} layers) for "
             f"{p.recompute_flops:.3g} more FLOPs a call"
             for p in self.pairs
