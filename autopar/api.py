@@ -244,6 +244,13 @@ def _options(
             f"pipeline_stages must be a positive int (the size of the mesh's 'stage' axis) "
             f"or 'auto', got {pipeline_stages!r}"
         )
+    if pipeline_stages == 1:  # e.g. a sweep over stage counts starting at 1
+        warnings.warn(
+            "autopar: pipeline_stages=1 is a single stage, no pipeline: planned without one "
+            "(grad_accumulation= splits the batch into micro-batches)",
+            stacklevel=user_level(),
+        )
+        pipeline_stages = None
     if pipeline_stages == "auto":
         meshes = _pipeline_meshes(mesh, profile.devices_per_node)
     elif pipeline_stages is not None and pipeline_stages > 1 and _device_count(mesh) is not None:

@@ -436,6 +436,9 @@ def test_a_stage_count_on_a_device_count_shapes_the_stage_axis():
     assert plan.pipeline["stages"] == 2
     with pytest.raises(PipelineError, match="do not split into 4 equal stages"):
         autopar.parallelize(ts.step, mesh=6, pipeline_stages=4)
+    with pytest.warns(UserWarning, match="pipeline_stages=1 is a single stage"):
+        one = autopar.parallelize(ts.step, mesh=8, cluster=CLUSTER, pipeline_stages=1)
+    assert one.plan(*args).pipeline is None
     # every shape fails for a reason other than memory: that reason, not a memory error
     three = _cfg(layers=3, scan=False)
     step, three_args = gpt.make_train_step(three).step, gpt.abstract_args(three)
