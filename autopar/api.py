@@ -234,7 +234,10 @@ def _options(
 ) -> Options:
     """`parallelize`'s options, checked and resolved (meshes, profile, a plan file,
     defaults from a given plan), in one place."""
-    profile = cost_models.load(cluster)
+    try:
+        profile = cost_models.load(cluster)
+    except (ValueError, TypeError, OSError) as e:  # cost_models knows nothing of autopar
+        raise AutoparError(f"cluster={cluster!r}: {e}") from None
     if pipeline_stages not in (None, "auto") and (
         not isinstance(pipeline_stages, int)
         or isinstance(pipeline_stages, bool)

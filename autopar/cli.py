@@ -38,7 +38,7 @@ import re
 import sys
 import time
 
-from autopar.errors import AutoparError, UsageError
+from autopar.errors import AutoparError, UsageError, did_you_mean
 from autopar.passes.pipeline import SCHEDULES
 from autopar.tools.verify import one_line
 
@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--mesh",
         required=True,
-        help="data=8,model=8 | 8x8 (data, model) | 2x2x2 (data, model, expert) | 64 (one data axis)",
+        help="data=8,model=8 | 8x8 (data, model) | 2x2x2 (data, model, expert) | 64 (a device "
+        "count: the mesh shape is searched too)",
     )
     s.add_argument(
         "--cluster",
@@ -358,7 +359,8 @@ def cmd_search(args) -> int:
 
     if args.engine != "auto" and args.engine not in ENGINES:
         raise UsageError(
-            f"unknown engine {args.engine!r}; choose one of: auto, {', '.join(ENGINES)}"
+            f"unknown engine {args.engine!r}{did_you_mean(args.engine, ('auto', *ENGINES))}; "
+            f"choose one of: auto, {', '.join(ENGINES)}"
         )
     from autopar.tools.workload import load_target
 

@@ -500,3 +500,26 @@ def test_reusing_a_donated_argument_is_a_clear_error():
     )
     assert r.returncode == 0, f"exit {r.returncode} (-11 = segfault): {r.stderr[-2000:]}"
     assert "ERROR" in r.stdout and "state/w" in r.stdout and "donat" in r.stdout, r.stdout
+
+
+def test_in_specs_mistakes_say_what_is_wrong():
+    """`in_specs` as a list (as jax.jit takes in_shardings) pins as a tuple does; one
+    entry too few, an axis named twice and an unknown cluster each say so (they read as
+    JAX's tree-prefix internals, a divisibility problem and a bare ValueError)."""
+    from autopar.errors import AutoparError, MeshError
+
+    def f(x, y):
+        return (x * y).sum()
+
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    mesh = {"data": 2, "model": 4}
+    P = PartitionSpec
+    plan = autopar.parallelize(f, mesh=mesh, in_specs=[P("data"), None]).plan(x, x)
+    assert plan.in_specs[0] == P("data", None)
+    with pytest.raises(MeshError, match="in_specs has 1 entries but the function takes 2"):
+        autopar.parallelize(f, mesh=mesh, in_specs=(P("data"),)).plan(x, x)
+    with pytest.raises(MeshError, match="names mesh axis 'data' more than once"):
+        autopar.parallelize(f, mesh=mesh, in_specs=(P(("data", "data")), None)).plan(x, x)
+    with pytest.raises(AutoparError, match="did you mean 'h100-sxm'") as e:
+        autopar.parallelize(f, mesh=mesh, cluster="h100-sxn")
+    assert "troubleshooting" in str(e.value)

@@ -496,6 +496,7 @@ def test_plan_for_another_function(plans):
 def test_bad_options():
     bad_input(run("search", MLP, "--mesh", "2", "--memory-budget", "lots"), "bad memory budget")
     bad_input(run("search", MLP, "--mesh", "2", "--engine", "magic"), "unknown engine")
+    bad_input(run("search", MLP, "--mesh", "2", "--engine", "recursve"), "did you mean 'recursive'")
     bad_input(run("search", MLP, "--mesh", "2", "--cluster", "tpu-v9"), "unknown cost profile")
     bad_input(run("inspect", "x.json", "--format", "pdf"), "invalid choice")
 

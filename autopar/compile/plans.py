@@ -27,10 +27,21 @@ def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int
     from jax.sharding import PartitionSpec
 
     is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
+    if isinstance(in_specs, list):  # one per argument, as jax.jit reads in_shardings
+        in_specs = tuple(in_specs)
+    if isinstance(in_specs, tuple) and len(in_specs) != len(dyn_args):
+        return MeshError(
+            f"in_specs has {len(in_specs)} entries but the function takes {len(dyn_args)} "
+            "(non-static) arguments: give one PartitionSpec (or a pytree of them, or None) "
+            "per argument"
+        )
     try:
         flat = broadcast_prefix(in_specs, dyn_args, is_leaf=is_leaf)
     except ValueError as e:  # jax's tree matching says why the structures differ
-        return MeshError(f"in_specs does not match the structure of the arguments: {e}")
+        return MeshError(
+            "in_specs does not match the structure of the arguments (a PartitionSpec, "
+            f"None or a pytree of them per argument): {e}"
+        )
     g, mesh = problem.graph, problem.mesh
     pins: dict[int, int] = {}
     for i, pspec in enumerate(flat):
@@ -53,6 +64,13 @@ def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int
                     if unknown
                     else f"has more entries than the array has dims ({t.rank})"
                 )
+            )
+        named = [a for d in pspec if d for a in ((d,) if isinstance(d, str) else d)]
+        twice = sorted({a for a in named if named.count(a) > 1})
+        if twice:
+            return MeshError(
+                f"in_specs for {g.input_paths[i]} {t}: {pspec} names mesh axis "
+                f"{twice[0]!r} more than once; a mesh axis shards at most one dim, once"
             )
         spec = Spec.from_pspec(pspec, t.rank).without_trivial_axes(mesh)
         match = [k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0] == spec]

@@ -353,13 +353,18 @@ def explain(
     every alternative strategy priced against the planned neighbours."""
     hits = find_ops(plan, query)
     if len(hits) > MAX_EXPLAINED:
-        keys = [plan.ops[i].key for i in hits]
+        # a model's line makes an op per layer, forward and backward: the costliest one
+        # is explained, the others named
+        top = max(hits, key=lambda i: (plan.ops[i].compute_s, -i))
+        keys = [plan.ops[i].key for i in hits if i != top]
         shown = "\n  ".join(keys[:MAX_EXPLAINED])
         more = f"\n  ... and {len(keys) - MAX_EXPLAINED} more" if len(keys) > MAX_EXPLAINED else ""
-        raise PlanError(
-            f"{query!r} matches {len(hits)} ops; give one of their keys (or see "
-            f"`autopar inspect {plan_path} --by op`):\n  {shown}{more}"
+        print(
+            f"{query!r} matches {len(hits)} ops; explaining the costliest, "
+            f"{plan.ops[top].key} (give another's key to explain it; `autopar inspect "
+            f"{plan_path} --by op` lists them all):\n  {shown}{more}\n"
         )
+        hits = [top]
     dirs = [os.getcwd()]
     problem = None
     if target:
