@@ -237,7 +237,7 @@ def _options(
     try:
         profile = cost_models.load(cluster)
     except (ValueError, TypeError, OSError) as e:  # cost_models knows nothing of autopar
-        raise AutoparError(f"cluster={cluster!r}: {e}") from None
+        raise AutoparError(str(e)) from None  # it names the profile asked for
     if pipeline_stages not in (None, "auto") and (
         not isinstance(pipeline_stages, int)
         or isinstance(pipeline_stages, bool)

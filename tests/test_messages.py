@@ -181,7 +181,7 @@ def test_did_you_mean_helper():
     ids=["engine", "remat", "schedule", "precision", "cluster"],
 )
 def test_option_values_did_you_mean(kw, message):
-    with pytest.raises((autopar.AutoparError, ValueError)) as e:
+    with pytest.raises(autopar.AutoparError) as e:
         autopar.parallelize(lambda x: x, mesh=MESH, **kw)
     assert str(e.value).startswith(message), str(e.value)
 
