@@ -479,3 +479,17 @@ def test_collapsed_layers_list_the_ones_that_differ():
     assert notes == [
         "h.* ×4: 4 layers with the same arrays, specs and strategies; except h.2 (listed)"
     ]
+
+
+def _bad_loss(w, x):
+    h = x @ w
+    return jnp.mean(h - x)  # (16, 32) - (16, 64): no broadcast
+
+
+def test_a_failed_trace_names_the_users_line():
+    """The error names the line of the user's code that raised, not only the step (it
+    was in the chained traceback alone)."""
+    msg = _capture_error(lambda w, x: jax.grad(_bad_loss)(w, x), W, X)
+    assert (
+        "\n  raised at test_messages.py:" in msg and " in _bad_loss: return jnp.mean(h - x)" in msg
+    ), msg

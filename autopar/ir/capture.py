@@ -29,6 +29,7 @@ from autopar.ir.trace_errors import (
     fn_name,
     is_library_file,
     trace_hint,
+    user_line,
 )
 
 Site = tuple[str, str]  # (user source, library source or "") of an op, `file.py:LINE`
@@ -126,9 +127,11 @@ def capture(
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_args)
     except Exception as e:  # noqa: BLE001 - re-raised with the user's function named
         shapes = ", ".join(_describe(a) for a in dyn_args)
+        where = user_line(e)
         raise CaptureError(
             f"autopar could not trace {fn_name(fn)} on arguments ({shapes}):\n"
             f"  {type(e).__name__}: {first_lines(e, fn, [names[i] for i in dyn_idx])}\n"
+            + (f"  raised at {where}\n" if where else "")
             + trace_hint(fn, e, [args[i] for i in dyn_idx], [names[i] for i in dyn_idx])
         ) from e
 

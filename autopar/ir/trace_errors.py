@@ -92,6 +92,26 @@ _CONCRETE = (
 _ARG_RE = re.compile(r"(?:argument|at path) dyn\[(\d+)\]((?:\[[^\]]*\]|\.\w+)*)")
 
 
+def user_line(e: BaseException) -> str | None:
+    """Where in the user's code `e` was raised: `file:line in function: the line` of the
+    innermost frame of its traceback outside the libraries (`is_library_file`), or
+    None when it has none (the error came from JAX checking the arguments)."""
+    import linecache
+    import os
+
+    tb, found = e.__traceback__, None
+    while tb is not None:
+        if not is_library_file(tb.tb_frame.f_code.co_filename):
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return None
+    code = found.tb_frame.f_code
+    text = linecache.getline(code.co_filename, found.tb_lineno).strip()
+    where = f"{os.path.basename(code.co_filename)}:{found.tb_lineno} in {code.co_name}"
+    return where + (f": {text}" if text else "")
+
+
 def first_lines(e: BaseException, fn: Callable, names: Sequence[str]) -> str:
     """JAX's message without the sentences about autopar's own wrapper (`flat_fn`), the
     arguments named as the user named them."""
