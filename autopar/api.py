@@ -256,8 +256,7 @@ def _options(
         pipeline_stages = None
     if pipeline_stages == "auto":
         meshes = _pipeline_meshes(mesh, profile.devices_per_node)
-    elif pipeline_stages is not None and pipeline_stages > 1 and _device_count(mesh) is not None:
-        n = _device_count(mesh)
+    elif pipeline_stages is not None and (n := _device_count(mesh)) is not None:
         if n % pipeline_stages:
             raise PipelineError(
                 f"pipeline_stages={pipeline_stages} on mesh={mesh!r} ({n} devices): the devices "
@@ -368,14 +367,13 @@ def _device_count(mesh) -> int | None:
 
 def _pipeline_meshes(mesh, devices_per_node: int) -> list:
     """The meshes `pipeline_stages="auto"` tries (a device count, or "auto": all)."""
-    if mesh == "auto":
-        mesh = len(jax.devices())
-    if not isinstance(mesh, int) or isinstance(mesh, bool):
+    n = _device_count(mesh)
+    if n is None:
         raise PipelineError(
             f"pipeline_stages='auto' searches the mesh shape: pass mesh as a device count "
             f"(or 'auto'), not {mesh!r}; with a fixed mesh, pass pipeline_stages=<its 'stage' size>"
         )
-    return [make_mesh(m) for m in pipeline_meshes(mesh, devices_per_node)]
+    return [make_mesh(m) for m in pipeline_meshes(n, devices_per_node)]
 
 
 def _precision(name: str | None) -> str | None:

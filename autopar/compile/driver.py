@@ -195,9 +195,10 @@ class _Driver(PipelineTries):
         return graph, report.notes()
 
     def compile(self) -> Compiled | Infeasible:
-        """The fastest plan over the meshes and pipelines, compiled; Infeasible when
-        nothing fits the memory budget (more remat may help). Raises the user's other
-        errors, and any error of the only option there is."""
+        """The fastest plan over the meshes and pipelines, compiled; Infeasible when no
+        mesh gives a plan: nothing fits the memory budget (more remat may help), or
+        every mesh fails for another reason (`Infeasible.memory` tells them apart).
+        Raises the user's other errors, and any error of the only option there is."""
         o = self.o
         if self.graph is None:
             log.info("tracing %s", self.name)

@@ -48,13 +48,8 @@ def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int
         if pspec is None:
             continue
         t = g.values[g.inputs[i]]
-        unknown = [
-            a
-            for d in pspec
-            if d
-            for a in ((d,) if isinstance(d, str) else d)
-            if a not in mesh.axis_names
-        ]
+        named = [a for d in pspec if d for a in ((d,) if isinstance(d, str) else d)]
+        unknown = [a for a in named if a not in mesh.axis_names]
         if unknown or len(pspec) > t.rank:
             return MeshError(
                 f"in_specs for {g.input_paths[i]} {t}: {pspec} "
@@ -65,7 +60,6 @@ def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int
                     else f"has more entries than the array has dims ({t.rank})"
                 )
             )
-        named = [a for d in pspec if d for a in ((d,) if isinstance(d, str) else d)]
         twice = sorted({a for a in named if named.count(a) > 1})
         if twice:
             return MeshError(

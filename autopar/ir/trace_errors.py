@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import linecache
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -96,9 +98,6 @@ def user_line(e: BaseException) -> str | None:
     """Where in the user's code `e` was raised: `file:line in function: the line` of the
     innermost frame of its traceback outside the libraries (`is_library_file`), or
     None when it has none (the error came from JAX checking the arguments)."""
-    import linecache
-    import os
-
     tb, found = e.__traceback__, None
     while tb is not None:
         if not is_library_file(tb.tb_frame.f_code.co_filename):

@@ -58,13 +58,19 @@ def _max_sharded(problem: Problem, i: int) -> int:
     return max(range(len(problem.strategies[i])), key=key)
 
 
+def largest_dim(t) -> int | None:
+    """The dim of tensor type `t` with the most entries (the first of equals); None for a
+    scalar."""
+    return max(range(t.rank), key=lambda k: (t.shape[k], -k)) if t.rank else None
+
+
 def largest_dim_over(problem: Problem, i: int, axis: str) -> int | None:
     """Input i's strategy splitting its largest dim over `axis` alone (None if no
     strategy does, e.g. the dim does not divide)."""
     t = problem.graph.values[problem.graph.inputs[i]]
-    if not t.rank:
+    d = largest_dim(t)
+    if d is None:
         return None
-    d = max(range(t.rank), key=lambda k: (t.shape[k], -k))
     want = tuple((axis,) if k == d else () for k in range(t.rank))
     return next(
         (k for k, s in enumerate(problem.strategies[i]) if s.out_specs[0].dims == want), None

@@ -26,7 +26,7 @@ from autopar.search.build import (
     build_problem,
 )
 from autopar.search.evaluate import output_specs
-from autopar.search.layouts import batch_spec, largest_dim_over
+from autopar.search.layouts import batch_spec, largest_dim, largest_dim_over
 from autopar.search.result import SearchResult
 from autopar.sharding import MeshInfo, Spec
 from autopar.strategies import Fixed, NodeStrategies, fixed_strategy
@@ -210,11 +210,10 @@ def _cond_strategy(
 
 def _largest_dim_spec(t, axis: str, size: int) -> Spec:
     """`t` split on its largest dim over `axis` where `size` divides it, else whole."""
-    if t.rank:
-        d = max(range(t.rank), key=lambda k: (t.shape[k], -k))
-        if t.shape[d] % size == 0:
-            return Spec(tuple((axis,) if k == d else () for k in range(t.rank)))
-    return Spec.replicated(t.rank)
+    d = largest_dim(t)
+    if d is None or t.shape[d] % size:
+        return Spec.replicated(t.rank)
+    return Spec(tuple((axis,) if k == d else () for k in range(t.rank)))
 
 
 def _making(problem: Problem, want: tuple[Spec, ...] | None) -> dict[int, int]:

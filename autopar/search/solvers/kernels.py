@@ -124,11 +124,11 @@ def _flatten(cost, edges) -> FlatGraph:
         offsets[i] = got
         widths[i] = m.shape[1]
     which = np.array(which, dtype=np.int64)
-    at = offsets[which].ravel() if e else np.empty(0, np.int64)
+    at = offsets[which].ravel()
     flat = np.concatenate(chunks) if chunks else np.zeros(0)
     pair = np.array(keys, dtype=np.int64).reshape(e, 2)
     u, v = pair[:, 0].copy(), pair[:, 1].copy()
-    width = widths[which] if e else np.empty(0, np.int64)
+    width = widths[which]
     src, dst = np.empty(2 * e, np.int64), np.empty(2 * e, np.int64)
     src[0::2], src[1::2], dst[0::2], dst[1::2] = u, v, v, u
     adj = np.argsort(src, kind="stable").astype(np.int64)  # by node, in the edges' order
