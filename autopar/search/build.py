@@ -234,8 +234,9 @@ def build_problem(
         source[v] = (i, 0)
     bodies: dict[int, ScanBody] = {}
     conds: dict[int, CondBranches] = {}
+    keys, node_flops_of = graph.memo(_node_facts)
     for node in graph.nodes:
-        key = _node_key(node, graph) if node.body is None else None
+        key = keys[node.id]
         ns = cache.get(key) if key is not None else None
         if node.id in piped:
             sub = sub_mesh(mesh, pipelined.pipe.axis)
@@ -270,10 +271,8 @@ def build_problem(
         strategies.append(ns.strategies)
         for k, v in enumerate(node.outputs):
             source[v] = (n_in + node.id, k)
-        flops[n_in + node.id] = (
-            _run_flops(node, graph) if node.branches is not None else node_flops(node, graph)
-        )
 
+    flops[n_in:] = node_flops_of
     combinable = combinable_values(graph)
     after = chained(graph, strategies, combinable)
     share = bucket_share(graph, tuple(strategies), combinable, after)
@@ -363,6 +362,11 @@ def _run_flops(node, graph: Graph) -> float:
     return node_flops(node, graph)
 
 
+def _flops_each(graph: Graph) -> list[float]:
+    """`_run_flops` of each node, once per graph."""
+    return [_run_flops(node, graph) for node in graph.nodes]
+
+
 def step_floor(
     graph: Graph, devices: int, profile, pipelined: PipelinedScans | None = None
 ) -> float:
@@ -379,6 +383,7 @@ def step_floor(
         else set()
     )
     total = 0.0
+    each = graph.memo(_flops_each)
     for node in graph.nodes:
         if node.id in piped:  # the body at the micro-batch size, in every slot
             pipe = pipelined.pipe
@@ -388,7 +393,7 @@ def step_floor(
             if node.id in deferred:  # ZB-H1: no weight gradients in the ramp up's slots
                 total += _deferral_flops(micro, pipe)
         else:
-            total += _run_flops(node, graph)
+            total += each[node.id]
     return total / (max(profile.peak_flops.values()) * profile.compute_efficiency * devices)
 
 
@@ -416,6 +421,21 @@ def batch_like_body_inputs(node) -> list[int]:
     if not carry or not carry[0].rank:
         return []
     return [i for i, v in enumerate(b.inputs) if b.values[v].shape[:1] == carry[0].shape[:1]]
+
+
+def _node_facts(graph: Graph) -> tuple[list, np.ndarray]:
+    """Per node, once per graph (the shapes of a mesh-shape search share them): its
+    `_node_key` (None for a loop, whose strategies come from its body's search) and its
+    FLOPs (a cond's costliest branch)."""
+    keys = [_node_key(n, graph) if n.body is None else None for n in graph.nodes]
+    flops = np.array(
+        [
+            _run_flops(n, graph) if n.branches is not None else node_flops(n, graph)
+            for n in graph.nodes
+        ],
+        dtype=np.float64,
+    )
+    return keys, flops
 
 
 def _node_key(node, graph):
@@ -448,15 +468,10 @@ def _node_costs(
     n_in = len(graph.inputs)
     combinable = combinable_values(graph) if share is not None else frozenset()
     times, mems, comms = [], [], []
-    out_types = [[graph.values[v]] for v in graph.inputs] + [
-        [graph.values[v] for v in n.outputs] for n in graph.nodes
-    ]
+    in_types, out_types, kind = graph.memo(_operand_kinds)
     resident = resident or {}
     fractions = [(1.0,) for _ in graph.inputs] + [
         tuple(resident.get(v, 1.0) for v in n.outputs) for n in graph.nodes
-    ]
-    in_types = [[] for _ in graph.inputs] + [
-        [graph.values[v] for v in n.inputs] for n in graph.nodes
     ]
     dtypes = [graph.values[v].dtype for v in graph.inputs] + [
         rate_dtype(n, graph, cost.profile) for n in graph.nodes
@@ -469,12 +484,9 @@ def _node_costs(
         moved = traffic[c - n_in] if c >= n_in else None
         key = (
             id(strats),
-            tuple(in_types[c]),
-            tuple(out_types[c]),
+            kind[c],  # its operand and result types, its HBM traffic, argument or op
             flops[c],
             tuple(pending.get(c, ())),
-            c < n_in,
-            moved,
             dtypes[c],
             fractions[c],
             tuple(outs[c][k] in combinable for k in pending.get(c, ())),
@@ -497,6 +509,26 @@ def _node_costs(
         mems.append(memo[key][1])
         comms.append(memo[key][2])
     return tuple(times), tuple(mems), tuple(comms)
+
+
+def _operand_kinds(graph: Graph) -> tuple[list, list, list[int]]:
+    """Per cost-graph node (arguments first), once per graph: its operand types, its
+    result types, and a number shared by the nodes alike in both, in their HBM traffic
+    (`_hbm_traffic`) and in being an argument or an op."""
+    n_in = len(graph.inputs)
+    ins = [()] * n_in + [tuple(graph.values[v] for v in n.inputs) for n in graph.nodes]
+    outs = [(graph.values[v],) for v in graph.inputs] + [
+        tuple(graph.values[v] for v in n.outputs) for n in graph.nodes
+    ]
+    traffic = graph.memo(_hbm_traffic)
+    number: dict = {}
+    kind = [
+        number.setdefault(
+            (ins[c], outs[c], c < n_in, traffic[c - n_in] if c >= n_in else None), len(number)
+        )
+        for c in range(len(ins))
+    ]
+    return ins, outs, kind
 
 
 def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]] | None]:

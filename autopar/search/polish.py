@@ -313,9 +313,12 @@ class Pricing:
         self.compute = sum(float(self.node_compute[v][s]) for v, s in enumerate(self.choice))
         self.compute += p.wait_time(self.choice)
         self.paid: dict[int, tuple] = {}  # value -> ((position, Collective), ...)
+        # value -> what the combiner reads of its pays (`_combined`), in paid's order
+        self.reduces: dict[int, tuple] = {}
         self.comm = 0.0
         for x in self.reads.keys() | self.outs.keys():
             self.paid[x] = self._pays(x)
+            self.reduces[x] = self._reduces(x, self.paid[x])
             self.comm += sum(c.seconds for _, c in self.paid[x])
         self.saved = self._combined()
         self.initial = self.price  # the choice's price before any change
@@ -397,6 +400,7 @@ class Pricing:
             if old_pays == new_pays:
                 continue
             self._set(self.paid, v, new_pays)
+            self._set(self.reduces, v, self._reduces(v, new_pays))
             comm += sum(c.seconds for _, c in new_pays) - sum(c.seconds for _, c in old_pays)
             combined = combined or any(
                 c.kind in COMBINABLE and c.seconds > 0 for _, c in (*old_pays, *new_pays)
@@ -406,18 +410,20 @@ class Pricing:
             self._set_scalar("saved", self._combined())
         return self.price - before
 
-    def _combined(self) -> float:
-        """`combiner.combined_latency` of the collectives the plan pays now."""
-        source = self.p.source
-        return combined_latency(
-            self.p,
-            [  # only what it combines (in the same order): all-reduces that take time
-                (source[x][0], None if pos[0] == self.END else pos[0], c)
-                for x, pays in self.paid.items()
-                for pos, c in pays
-                if c.kind in COMBINABLE and c.seconds > 0
-            ],
+    def _reduces(self, x: int, pays: tuple) -> tuple:
+        """Of value `x`'s `pays`, what the combiner combines: (producer, reader or None
+        for an output, Collective) of each all-reduce that takes time."""
+        u = self.p.source[x][0]
+        return tuple(
+            (u, None if pos[0] == self.END else pos[0], c)
+            for pos, c in pays
+            if c.kind in COMBINABLE and c.seconds > 0
         )
+
+    def _combined(self) -> float:
+        """`combiner.combined_latency` of the collectives the plan pays now (in the
+        order `evaluate.edge_collectives` lists them)."""
+        return combined_latency(self.p, [r for rs in self.reduces.values() for r in rs])
 
     def _set_scalar(self, name: str, value: float) -> None:
         self.log.append((self, name, getattr(self, name)))
