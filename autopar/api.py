@@ -68,6 +68,16 @@ class Parallelized:
         self._filtered = target.filtered
         if target.static_argnums:
             options["static_argnums"] = (*options.get("static_argnums", ()), *target.static_argnums)
+        if target.donate_argnums:  # jax.jit's donation stands: autopar is the jit now
+            given = options.get("donate_argnums", ())
+            given = (given,) if isinstance(given, int) else tuple(given)
+            options["donate_argnums"] = tuple(dict.fromkeys((*given, *target.donate_argnums)))
+        if target.dropped:
+            warnings.warn(
+                f"autopar: {fn_name(target.fn)}: {target.dropped} are not carried over (autopar "
+                "replaces the jit); pass donate_argnums= to autopar.parallelize instead",
+                stacklevel=user_level(),
+            )
         self.options = _options(target.fn, **options)
         names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         self.static_argnames = check_static_argnames(target.fn, (*names, *target.static_argnames))

@@ -50,14 +50,19 @@ class Unwrapped:
     static_argnums: tuple[int, ...] = ()
     static_argnames: tuple[str, ...] = ()
     filtered: bool = False
+    donate_argnums: tuple[int, ...] = ()  # a `jax.jit`'s (its argnames resolved)
+    dropped: str = ""  # a wrapper's option not carried over, named for a warning
 
 
 def unwrap(fn: Callable) -> Unwrapped:
     """`fn` without its `jax.jit` / `nnx.jit` / `eqx.filter_jit` wrappers (autopar is
-    the jit), keeping the static arguments they were given. Other `functools.wraps`
+    the jit), keeping the static arguments they were given and `jax.jit`'s donated
+    ones. Other `functools.wraps`
     decorators are kept: they may do work of their own."""
     argnums: tuple[int, ...] = ()
     argnames: tuple[str, ...] = ()
+    donated: tuple[int, ...] = ()
+    dropped = ""
     filtered = False
     as_tuple = lambda x: () if x is None else (x,) if isinstance(x, int | str) else tuple(x)
     for _ in range(16):
@@ -67,20 +72,29 @@ def unwrap(fn: Callable) -> Unwrapped:
             info = getattr(fn, "_jit_info", None)  # jax.jit's own record of its options
             argnums += as_tuple(getattr(info, "static_argnums", None))
             argnames += as_tuple(getattr(info, "static_argnames", None))
+            donated += as_tuple(getattr(info, "donate_argnums", None))
             fn = fn.__wrapped__
         elif module.startswith("flax.nnx") and kind.__name__.endswith("JitWrapped"):
             argnums += as_tuple(getattr(fn, "static_argnums", None))
             jitted = getattr(fn, "jitted_fn", None)
-            argnames += as_tuple(
-                getattr(getattr(jitted, "_jit_info", None), "static_argnames", None)
-            )
+            info = getattr(jitted, "_jit_info", None)
+            argnames += as_tuple(getattr(info, "static_argnames", None))
+            if as_tuple(getattr(info, "donate_argnums", None)):
+                dropped = "nnx.jit's donate_argnums"
             fn = getattr(fn, "fun", None) or fn.__wrapped__
         elif module.startswith("equinox") and kind.__name__ == "_JitWrapper":
             filtered = True
             fn = fn.__wrapped__
         else:
             break
-    return Unwrapped(fn, tuple(dict.fromkeys(argnums)), tuple(dict.fromkeys(argnames)), filtered)
+    return Unwrapped(
+        fn,
+        tuple(dict.fromkeys(argnums)),
+        tuple(dict.fromkeys(argnames)),
+        filtered,
+        tuple(dict.fromkeys(donated)),
+        dropped,
+    )
 
 
 def check_static_argnames(fn: Callable, names: Sequence[str]) -> tuple[str, ...]:

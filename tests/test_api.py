@@ -378,6 +378,39 @@ def _affine(x):
     return x * 2.0 + 1.0
 
 
+def test_jax_jit_donation_carried_over():
+    """A step already under `jax.jit(..., donate_argnums=0)` keeps its donation when
+    autopar replaces the jit (it was dropped without a word)."""
+    f = autopar.parallelize(jax.jit(_affine, donate_argnums=0), mesh=MESH)
+    assert f.donate_argnums == (0,)
+    w, x = _w_x()
+    x = jax.device_put(jnp.copy(x), f.plan(x).in_shardings[0])
+    f(x)
+    assert x.is_deleted()
+
+
+def test_bare_array_state_keeps_its_layout():
+    """A step whose state is a bare array beside another bare array (`step(w, x) ->
+    (w - g, loss)`) returns the new `w` in `w`'s layout, so it is not resharded every
+    call and its donation is used (both arguments' paths are bare: the new `w` matches
+    `w`, the one of its type)."""
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    w = jnp.arange(256 * 256, dtype=jnp.float32).reshape(256, 256) / 65536.0
+    x = jnp.cos(jnp.arange(16 * 256, dtype=jnp.float32)).reshape(16, 256)
+    f = autopar.parallelize(step, mesh=MESH, donate_argnums=0)
+    plan = f.plan(w, x)
+    assert plan.in_specs[0] == plan.out_specs[0], str(plan)
+    placed = jax.device_put(jnp.copy(w), plan.in_shardings[0])
+    new_w, loss = f(placed, x)
+    assert placed.is_deleted()
+    ref_w, ref_loss = jax.jit(step)(w, x)
+    assert_trees_close((new_w, loss), (ref_w, ref_loss))
+
+
 def test_static_argnums(monkeypatch):
     def scaled(w, power, x):
         assert isinstance(power, int)

@@ -225,7 +225,9 @@ def find_aliases(graph: Graph) -> dict[int, int]:
     """Outputs that are updated versions of inputs: the same path below the argument
     name (`state/params/w` ~ `out/0/params/w`, `out/params/w`, or NNX's `out/1/0/w` for
     the first node's new state) and the same type: the longest tail of the output's
-    path that some input's path below its argument name equals. Unique matches only."""
+    path that some input's path below its argument name equals, of those the one input
+    of the output's type (`step(w, x) -> (w - g, loss)`: both arguments are bare
+    arrays, `w` alone has the new `w`'s type). Unique matches only."""
     by_rest: dict[str, list[int]] = {}
     for i, p in enumerate(graph.input_paths):
         by_rest.setdefault(p.partition("/")[2], []).append(i)
@@ -239,11 +241,8 @@ def find_aliases(graph: Graph) -> dict[int, int]:
             cands = by_rest.get(tail, [])
             if cands:
                 break
-        if len(cands) == 1:
-            i = cands[0]
-            if (
-                graph.values[graph.inputs[i]] == graph.values[graph.outputs[o]]
-                and i not in aliases.values()
-            ):
-                aliases[o] = i
+        t = graph.values[graph.outputs[o]]
+        cands = [i for i in cands if graph.values[graph.inputs[i]] == t]
+        if len(cands) == 1 and cands[0] not in aliases.values():
+            aliases[o] = cands[0]
     return aliases
