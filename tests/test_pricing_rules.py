@@ -474,11 +474,11 @@ def test_embedding_stays_data_parallel_when_its_all_to_alls_cost_more():
 
 def _reads_of(fn, args, arg: int) -> int:
     """How many ops of `fn`'s graph the compute model charges for reading input `arg`."""
-    from autopar.search.build import _hbm_traffic
+    from autopar.search.facts import hbm_traffic
 
     g = capture(fn, args)
     v = g.inputs[arg]
-    traffic = _hbm_traffic(g)
+    traffic = hbm_traffic(g)
     return sum(
         r
         for n, t in zip(g.nodes, traffic)

@@ -566,9 +566,13 @@ def test_auto_ranks_zero3_as_a_speed_candidate():
     case = builder(cfg)
     plan = autopar.parallelize(case.step, mesh=mesh).plan(*case.args(concrete=False))
     assert AUTO_ZERO3 in plan.candidates
-    assert plan.engine == AUTO_ZERO3
-    assert plan.cost.step_s < min(c.step_s for k, c in plan.candidates.items() if k != AUTO_ZERO3)
-    kinds = {k.split("@")[0] for k in plan.cost.comm_bytes}
+    zero3 = plan.candidates[AUTO_ZERO3]
+    # the cheapest of the engines' plans; the 1-D mesh's plan (`compile.merged`), a hybrid
+    # 0.1% cheaper compiled (benchmarks/results/user_models.md), may still rank first
+    engines = {k: c for k, c in plan.candidates.items() if "@" not in k}
+    assert zero3.step_s < min(c.step_s for k, c in engines.items() if k != AUTO_ZERO3)
+    assert plan.engine in (AUTO_ZERO3, "dp@data*model") and plan.cost.step_s <= zero3.step_s
+    kinds = {k.split("@")[0] for k in zero3.comm_bytes}
     assert "all-to-all" not in kinds and "all-gather" in kinds
 
 

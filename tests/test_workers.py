@@ -161,9 +161,11 @@ def test_zero_retries_of_plans_over_budget_run_side_by_side_to_the_same_plan(mon
 
     monkeypatch.setattr(workers, "run_all", counted)
     side = plan(monkeypatch, 2, memory_budget=budget)
-    # (plain SGD: no optimizer state, so no ZeRO-1; recursive+zero3 ran in the first batch)
+    # (plain SGD: no optimizer state, so no ZeRO-1; recursive+zero3 ran in the first
+    # batch, with the plan of the mesh's axes merged, `compile.merged`)
     assert "dp+zero3" in inline.candidates, inline.candidates
-    assert batches == [["data", "dp", "recursive", "recursive+zero3"], ["dp+zero3"]], batches
+    first = ["data", "dp", "dp@data*model", "recursive", "recursive+zero3"]
+    assert batches == [first, ["dp+zero3"]], batches
     assert side.to_json() == inline.to_json()
 
 

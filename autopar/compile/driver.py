@@ -25,6 +25,7 @@ from jax.sharding import AbstractMesh, Mesh
 from autopar.compile.calls import Call, Compiled, Options
 from autopar.compile.clock import Clock, left_out, try_name
 from autopar.compile.lowering import compiled_memory, info_str, lowered
+from autopar.compile.merged import merged_seed
 from autopar.compile.notes import (
     no_pipeline_why,
     offline_warning,
@@ -111,13 +112,14 @@ def _searched(
     clock,
     checked: bool,
     first: dict | None = None,
+    seeds: dict | None = None,
 ):
     """`search`, or the MemoryBudgetError it raises when no plan fits, as a value.
     `checked`: plans near the budget will be compiled to check their memory, so the
     search keeps leaner ones behind them."""
     sure_fit = COMPILE_CHECK_FRACTION if checked else 1.0
     try:
-        return search(problem, engine, budget, pins, clock, sure_fit, first)
+        return search(problem, engine, budget, pins, clock, sure_fit, first, seeds)
     except MemoryBudgetError as e:
         return Infeasible(e)
 
@@ -395,7 +397,12 @@ class _Driver(PipelineTries):
             return problem, Infeasible(pins), ()
         checked = isinstance(mesh, Mesh)
         first = self._first.get(i)
-        result = _searched(problem, o.engine, o.memory_budget, pins, self.clock, checked, first)
+        # one mesh given: its plans with the axes merged are candidates too (`merged`)
+        seed = merged_seed(g, problem) if len(tries) == 1 and o.engine == "auto" else None
+        seeds = dict([seed]) if seed is not None and not pins and pipelined is None else None
+        result = _searched(
+            problem, o.engine, o.memory_budget, pins, self.clock, checked, first, seeds
+        )
         return problem, result, self._other_schedule(problem, pipelined, result)
 
     def _memory_floor(self, g: Graph, devices: int, pipelined) -> float:

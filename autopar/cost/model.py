@@ -199,7 +199,7 @@ def reshard_steps(src: Spec, dst: Spec) -> tuple[tuple[str, Axes, Spec], ...]:
 
 
 # Ops XLA fuses with their neighbours into one kernel: elementwise math and the shape
-# ops around it (see `search.problem._hbm_traffic` for how their HBM traffic is priced).
+# ops around it (see `search.facts.hbm_traffic` for how their HBM traffic is priced).
 FUSED_OPS = frozenset(ELEMENTWISE) | {
     "broadcast_in_dim",
     "reshape",

@@ -229,6 +229,24 @@ class _Runner:
         """`run` for `workers.run_all`: its plan and the solver's info."""
         return lambda: (self.run(name, pins, key), self.info[key])
 
+    def seeded(self, seed: Seed, pins: Mapping[int, int], key: str):
+        """A seed's plan (`search`'s `seeds`) polished, leaner and priced as an engine's,
+        and the seed's info; None where the seed has no plan."""
+        self.info[key] = {}
+        with self.clock.phase("seed"):
+            choice = seed(self.info[key])
+        if choice is None:
+            return None
+        choice, cost, saved = self.polished(list(choice), pins, key)
+        if saved:
+            self.info[key]["polished_s"] = saved
+        return self.leaner(choice, cost, pins, key), self.info[key]
+
+
+# A plan made outside the engines (`compile.merged`: the plan of the mesh with its axes
+# merged, as a plan of this mesh): given the info to fill, the plan or None.
+Seed = Callable[[SolverInfo], Sequence[int] | None]
+
 
 def _zero_pins(problem: Problem, pinned: Mapping[int, int]) -> dict[int, int]:
     """ZeRO-3's pins of the arguments a step updates (`layouts.fsdp_pins`), but the
@@ -281,6 +299,7 @@ def search(
     clock: Any = None,
     sure_fit: float = 1.0,
     first: Mapping[str, Any] | None = None,
+    seeds: Mapping[str, Seed] | None = None,
 ) -> SearchResult:
     """Run `engine` ("auto": `AUTO_ENGINES`, then `fsdp` if no plan fits); if its plan
     does not fit `memory_budget`,
@@ -299,7 +318,11 @@ def search(
     stay candidates behind it.
 
     `first`: the results of `first_tasks`, run elsewhere (side by side with the
-    searches of other problems); a task missing from it was stopped at the time limit."""
+    searches of other problems); a task missing from it was stopped at the time limit.
+
+    `seeds`: plans made outside the engines ({name: `Seed`}), polished and priced as
+    theirs and ranked with them (after them at equal price); a seed with no plan is
+    left out."""
     clock = clock or _NoClock()
     if engine != "auto" and engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of: auto, {', '.join(ENGINES)}")
@@ -334,26 +357,32 @@ def search(
     # they run side by side (`search.workers`), then the ZeRO retries of those over
     # budget; the loops below take their results
     early = first_searches(problem, engine, pinned)
-    n_workers = workers.usable(len(problem.strategies), len(early))
+    seeds = dict(seeds or {})
+    n_workers = workers.usable(len(problem.strategies), len(early) + len(seeds))
     done: dict[str, tuple[tuple[list[int], Cost], SolverInfo]] = dict(first or {})
 
-    def side_by_side(batch: dict[str, tuple[str, Mapping[int, int]]]) -> None:
+    def side_by_side(batch: dict[str, tuple[str, Mapping[int, int]]], more=None) -> None:
         log.info(
             "mesh %s: searching with %s side by side (%d workers)",
             problem.mesh.shape,
-            ", ".join(batch),
+            ", ".join([*batch, *(more or {})]),
             n_workers,
         )
-        done.update(
-            workers.run_all(
-                {key: runner.task(n, p, key) for key, (n, p) in batch.items()},
-                n_workers,
-                clock,
-                enough=lambda got: any(
-                    r[0][1].peak_memory_bytes <= memory_budget for r in got.values()
-                ),
-            )
+        got = workers.run_all(
+            {
+                **{key: runner.task(n, p, key) for key, (n, p) in batch.items()},
+                **{
+                    key: lambda f=f, k=key: runner.seeded(f, pinned, k)
+                    for key, f in (more or {}).items()
+                },
+            },
+            n_workers,
+            clock,
+            enough=lambda got: any(
+                r is not None and r[0][1].peak_memory_bytes <= memory_budget for r in got.values()
+            ),
         )
+        done.update({k: r for k, r in got.items() if r is not None})
 
     def over(key: str) -> bool:  # a plan that gets the ZeRO retries
         return key in done and done[key][0][1].peak_memory_bytes > memory_budget * sure_fit
@@ -371,7 +400,7 @@ def search(
     batches = [early]
     if n_workers > 1 or first is not None:
         if first is None:
-            side_by_side(early)
+            side_by_side(early, seeds)
         batches.append(
             {
                 f"{n}+{stage}": (n, {**pins, **pinned})
@@ -437,6 +466,10 @@ def search(
             if AUTO_ZERO3 not in done:
                 log.info("mesh %s: searching with %s", problem.mesh.shape, AUTO_ZERO3)
             candidates[AUTO_ZERO3] = take("recursive", {**zero_pins, **pinned}, AUTO_ZERO3)
+    for key, seed in seeds.items():  # side by side, a seed not done had no plan or was stopped
+        got = done.pop(key, None) if side else runner.seeded(seed, pinned, key)
+        if got is not None:
+            (candidates[key], info[key]) = got
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
         best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)

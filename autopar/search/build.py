@@ -20,10 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import jax.numpy as jnp
-import networkx as nx
 import numpy as np
 
-from autopar.cost.model import FUSED_OPS, CostModel, node_flops, rate_dtype
+from autopar.cost.model import CostModel, node_flops, rate_dtype
 from autopar.ir.graph import Graph, Node, TensorType, find_aliases
 from autopar.passes.pipeline import SUM, PipelinedScans, sub_mesh
 from autopar.passes.zero_bubble import split_weight_grads
@@ -35,6 +34,13 @@ from autopar.search.edges import (
     combinable_values,
     reshard_matrix,
     reshard_seconds,
+)
+from autopar.search.facts import (
+    flops_each,
+    hbm_traffic,
+    node_facts,
+    node_kinds,
+    run_flops,
 )
 from autopar.search.piped import alternating_waits, loop_times, pipeline_buffers, residency
 from autopar.search.result import SearchResult
@@ -234,7 +240,7 @@ def build_problem(
         source[v] = (i, 0)
     bodies: dict[int, ScanBody] = {}
     conds: dict[int, CondBranches] = {}
-    keys, node_flops_of = graph.memo(_node_facts)
+    keys, node_flops_of = graph.memo(node_facts)
     for node in graph.nodes:
         key = keys[node.id]
         ns = cache.get(key) if key is not None else None
@@ -349,24 +355,6 @@ def build_problem(
     )
 
 
-def graph_flops(graph: Graph) -> float:
-    """All FLOPs of one run of `graph`, loops at their length."""
-    return sum(_run_flops(node, graph) for node in graph.nodes)
-
-
-def _run_flops(node, graph: Graph) -> float:
-    if node.body is not None:
-        return node.params["length"] * graph_flops(node.body)
-    if node.branches is not None:  # the costliest branch
-        return max(graph_flops(b) for b in node.branches)
-    return node_flops(node, graph)
-
-
-def _flops_each(graph: Graph) -> list[float]:
-    """`_run_flops` of each node, once per graph."""
-    return [_run_flops(node, graph) for node in graph.nodes]
-
-
 def step_floor(
     graph: Graph, devices: int, profile, pipelined: PipelinedScans | None = None
 ) -> float:
@@ -383,13 +371,13 @@ def step_floor(
         else set()
     )
     total = 0.0
-    each = graph.memo(_flops_each)
+    each = graph.memo(flops_each)
     for node in graph.nodes:
         if node.id in piped:  # the body at the micro-batch size, in every slot
             pipe = pipelined.pipe
             micro = replace(node, body=piped[node.id][0])
             # `M + S - 1` slots of a stage's layers, or `M v + S - 1` of a chunk's
-            total += pipe.ticks() / pipe.virtual * _run_flops(micro, graph)
+            total += pipe.ticks() / pipe.virtual * run_flops(micro, graph)
             if node.id in deferred:  # ZB-H1: no weight gradients in the ramp up's slots
                 total += _deferral_flops(micro, pipe)
         else:
@@ -423,35 +411,6 @@ def batch_like_body_inputs(node) -> list[int]:
     return [i for i, v in enumerate(b.inputs) if b.values[v].shape[:1] == carry[0].shape[:1]]
 
 
-def _node_facts(graph: Graph) -> tuple[list, np.ndarray]:
-    """Per node, once per graph (the shapes of a mesh-shape search share them): its
-    `_node_key` (None for a loop, whose strategies come from its body's search) and its
-    FLOPs (a cond's costliest branch)."""
-    keys = [_node_key(n, graph) if n.body is None else None for n in graph.nodes]
-    flops = np.array(
-        [
-            _run_flops(n, graph) if n.branches is not None else node_flops(n, graph)
-            for n in graph.nodes
-        ],
-        dtype=np.float64,
-    )
-    return keys, flops
-
-
-def _node_key(node, graph):
-    try:
-        key = (
-            node.op,
-            tuple(graph.values[v] for v in node.inputs),
-            tuple(graph.values[v] for v in node.outputs),
-            tuple(sorted(node.params.items())),
-        )
-        hash(key)
-        return key
-    except TypeError:
-        return None
-
-
 def _node_costs(
     graph,
     mesh,
@@ -468,7 +427,7 @@ def _node_costs(
     n_in = len(graph.inputs)
     combinable = combinable_values(graph) if share is not None else frozenset()
     times, mems, comms = [], [], []
-    in_types, out_types, kind = graph.memo(_operand_kinds)
+    in_types, out_types, kind = graph.memo(node_kinds)
     resident = resident or {}
     fractions = [(1.0,) for _ in graph.inputs] + [
         tuple(resident.get(v, 1.0) for v in n.outputs) for n in graph.nodes
@@ -478,7 +437,7 @@ def _node_costs(
     ]
     pending = _output_partials(graph, strategies, n_in, carried, unsummed)
     outs = [tuple(graph.inputs[c : c + 1]) for c in range(n_in)] + [n.outputs for n in graph.nodes]
-    traffic = graph.memo(_hbm_traffic)
+    traffic = graph.memo(hbm_traffic)
     memo: dict = {}  # repeated layers: identical ops cost the same
     for c, strats in enumerate(strategies):
         moved = traffic[c - n_in] if c >= n_in else None
@@ -509,69 +468,6 @@ def _node_costs(
         mems.append(memo[key][1])
         comms.append(memo[key][2])
     return tuple(times), tuple(mems), tuple(comms)
-
-
-def _operand_kinds(graph: Graph) -> tuple[list, list, list[int]]:
-    """Per cost-graph node (arguments first), once per graph: its operand types, its
-    result types, and a number shared by the nodes alike in both, in their HBM traffic
-    (`_hbm_traffic`) and in being an argument or an op."""
-    n_in = len(graph.inputs)
-    ins = [()] * n_in + [tuple(graph.values[v] for v in n.inputs) for n in graph.nodes]
-    outs = [(graph.values[v],) for v in graph.inputs] + [
-        tuple(graph.values[v] for v in n.outputs) for n in graph.nodes
-    ]
-    traffic = graph.memo(_hbm_traffic)
-    number: dict = {}
-    kind = [
-        number.setdefault(
-            (ins[c], outs[c], c < n_in, traffic[c - n_in] if c >= n_in else None), len(number)
-        )
-        for c in range(len(ins))
-    ]
-    return ins, outs, kind
-
-
-def _hbm_traffic(graph: Graph) -> list[tuple[tuple[bool, ...], tuple[bool, ...]] | None]:
-    """Per node, which operands it reads from and which results it writes to HBM:
-    None for all of them. XLA fuses chains of elementwise and shape ops (FUSED_OPS)
-    into one kernel, so such an op reads only operands made outside its chain (by a
-    heavy op, or arguments) and writes only results that leave it (read by a heavy
-    op, or returned); values passed along the chain never touch HBM. A value that
-    several ops of one chain read is read once (by the first of them): an optimizer
-    update reads a parameter's gradient in its first- and second-moment terms, and
-    XLA's multi-output fusion loads it once. Chains are the fused ops joined by the
-    values they pass, except scalars, whose producers XLA copies into every consumer's
-    kernel (an Adam step's bias corrections would otherwise join every parameter's
-    update into one chain)."""
-    fused = [n.op in FUSED_OPS for n in graph.nodes]
-    producer, consumers = graph.producer, graph.consumers
-    returned = set(graph.outputs)
-    chains = nx.utils.UnionFind()
-    for n in graph.nodes:
-        if fused[n.id]:
-            chains[n.id]  # noqa: B018 - every fused op is a chain of its own at first
-            for v in n.inputs:
-                p = producer.get(v)
-                if p is not None and fused[p] and graph.values[v].rank:
-                    chains.union(p, n.id)
-    loaded: set[tuple[int, int]] = set()  # (chain, value) read from HBM already
-    out: list = []
-    for n in graph.nodes:
-        if not fused[n.id]:
-            out.append(None)
-            continue
-        chain = chains[n.id]
-        reads = []
-        for v in n.inputs:
-            outside = not (v in producer and fused[producer[v]])
-            reads.append(outside and (chain, v) not in loaded)
-            if outside:
-                loaded.add((chain, v))
-        writes = tuple(
-            v in returned or any(not fused[c] for c in consumers.get(v, ())) for v in n.outputs
-        )
-        out.append((tuple(reads), writes))
-    return out
 
 
 def _strategy_costs(

@@ -144,7 +144,7 @@ def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]
     """Values XLA never writes to memory: made by an elementwise or shape op (FUSED_OPS)
     for exactly one such op to read, in the layout it is made in, and not returned. They
     live inside one fused kernel; the compute model already prices them so
-    (`build._hbm_traffic`, which also counts values read by several fused ops as
+    (`facts.hbm_traffic`, which also counts values read by several fused ops as
     never written). Counting those here as well made the prediction fall 8-30% below
     XLA's for float32 GPT, ViT and Wide-ResNet steps; XLA materializes many of them."""
     out: set[int] = set()

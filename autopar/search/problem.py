@@ -17,11 +17,11 @@ from autopar.search.build import (
     Problem,
     batch_like_body_inputs,
     find_aliases,
-    graph_flops,
     input_strategies,
     residency,
     step_floor,
 )
+from autopar.search.facts import graph_flops
 from autopar.search.nested import search_nested
 from autopar.sharding import MeshInfo
 
