@@ -493,3 +493,27 @@ def test_a_failed_trace_names_the_users_line():
     assert (
         "\n  raised at test_messages.py:" in msg and " in _bad_loss: return jnp.mean(h - x)" in msg
     ), msg
+
+
+def _tanh_layer(x, w):
+    return jnp.tanh(x @ w)
+
+
+def test_a_mesh_nothing_divides_warns():
+    """On `{"data": 3}` a step whose dims (5, 7, 11) none divides by 3 runs whole on every
+    device: correct, but a `UserWarning` says so (and what to change), and the plan
+    records it; where a dim divides (6), nothing is said."""
+    x = jnp.cos(jnp.arange(35.0)).reshape(5, 7)
+    w = jnp.sin(jnp.arange(77.0)).reshape(7, 11)
+    f = autopar.parallelize(_tanh_layer, mesh={"data": 3})
+    with pytest.warns(
+        UserWarning, match=r"nothing in _tanh_layer \(.*\) can be split on the mesh data=3"
+    ):
+        plan = f.plan(x, w)
+    assert any(n.startswith("nothing in _tanh_layer") for n in plan.warnings)
+    assert jnp.allclose(f(x, w), _tanh_layer(x, w), atol=1e-6)
+    x6 = jnp.cos(jnp.arange(42.0)).reshape(6, 7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autopar.parallelize(_tanh_layer, mesh={"data": 3}).plan(x6, w)
+    assert not [c for c in caught if "can be split" in str(c.message)]

@@ -33,6 +33,7 @@ from autopar.compile.notes import (
     pipeline_tries,
     screen_note,
     unbranched,
+    unsplittable,
 )
 from autopar.compile.pipelines import (
     Infeasible,
@@ -483,6 +484,10 @@ class _Driver(PipelineTries):
                 )
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
+                whole = unsplittable(problem, self.name)
+                if whole:
+                    warnings.warn(f"autopar: {whole}", stacklevel=user_level())
+                    plan = replace(plan, warnings=(*plan.warnings, whole))
                 if pipelined is not None:
                     for why in (random_per_microbatch(pipelined), unbranched(pipelined, mesh)):
                         if why:

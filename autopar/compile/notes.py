@@ -117,3 +117,22 @@ def no_layer_loop() -> str:
         "found (layers are told apart by their parameters' paths: `h_0`, `layers/3`, ...; "
         "a loop is flax.linen.scan, nnx.scan or jax.lax.scan over stacked weights)"
     )
+
+
+def unsplittable(problem, name: str) -> str | None:
+    """The plan warning of a mesh of several devices on which no op of the step can be
+    split (no dim of any array divides by an axis's size): every device runs the whole
+    step. None where something can be split."""
+    mesh = problem.mesh
+    if mesh.num_devices <= 1:
+        return None
+    tables = {id(t): t for t in problem.strategies}.values()  # repeated layers share theirs
+    if any(sp.used_axes or sp.partial for t in tables for st in t for sp in st.out_specs):
+        return None
+    sizes = " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.axis_sizes))
+    return (
+        f"nothing in {name} can be split on the mesh {sizes}: no dimension of its arrays "
+        "divides by a mesh axis's size, so every device runs the whole step (correct, and "
+        "no faster than one device); give the mesh axis sizes that divide the batch or "
+        "the hidden sizes"
+    )
