@@ -263,13 +263,21 @@ def plan_mismatch(plan: Plan, graph: Graph, mesh: MeshInfo) -> str | None:
             if diffs
             else f"same arguments but a different computation ({len(plan.ops)} ops in the plan, {len(graph.nodes)} traced)"
         )
-        problems.append(f"the plan was made for a different function: {detail}")
+        # the same function (by name) and arguments, called with new shapes
+        reshaped = bool(diffs) and have.keys() == want.keys() and plan.function == graph.name
+        what = "other argument shapes" if reshaped else "a different function"
+        problems.append(f"the plan was made for {what}: {detail}")
     if not problems:
         return None
+    fix = ". Search a new plan (omit plan=) for this function."
+    if plan.fingerprint != fingerprint(graph) and reshaped:
+        fix = (
+            ". A plan holds for the shapes it was made for (as `jax.jit` compiles for them): "
+            "search a new plan (omit plan=), or pass allow_partial=True to keep the specs of "
+            "the arguments that still match and search the rest."
+        )
     return (
-        f"plan for {plan.function or '?'} does not match {graph.name}: "
-        + "; ".join(problems)
-        + ". Search a new plan (omit plan=) for this function."
+        f"plan for {plan.function or '?'} does not match {graph.name}: " + "; ".join(problems) + fix
     )
 
 
