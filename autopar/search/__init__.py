@@ -467,6 +467,11 @@ def search(
                 log.info("mesh %s: searching with %s", problem.mesh.shape, AUTO_ZERO3)
             candidates[AUTO_ZERO3] = take("recursive", {**zero_pins, **pinned}, AUTO_ZERO3)
     for key, seed in seeds.items():  # side by side, a seed not done had no plan or was stopped
+        if not side and fits_any() and clock.out_of_time():
+            clock.skip(f"{key} on {problem.mesh.shape} (the time limit)")
+            continue
+        if not side:
+            log.info("mesh %s: searching with %s", problem.mesh.shape, key)
         got = done.pop(key, None) if side else runner.seeded(seed, pinned, key)
         if got is not None:
             (candidates[key], info[key]) = got
