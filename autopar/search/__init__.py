@@ -398,9 +398,11 @@ def search(
                 yield stage, pins
 
     batches = [early]
+    handed: set[str] = set()
     if n_workers > 1 or first is not None:
         if first is None:
             side_by_side(early, seeds)
+            handed = set(seeds)  # to the workers: their results (or none) are in `done`
         batches.append(
             {
                 f"{n}+{stage}": (n, {**pins, **pinned})
@@ -466,15 +468,15 @@ def search(
             if AUTO_ZERO3 not in done:
                 log.info("mesh %s: searching with %s", problem.mesh.shape, AUTO_ZERO3)
             candidates[AUTO_ZERO3] = take("recursive", {**zero_pins, **pinned}, AUTO_ZERO3)
-    for key, seed in seeds.items():  # side by side, a seed not done had no plan or was stopped
-        if not side and fits_any() and clock.out_of_time():
+    for key, seed in seeds.items():  # handed out and not done: no plan, or stopped
+        if key not in handed and fits_any() and clock.out_of_time():
             clock.skip(f"{key} on {problem.mesh.shape} (the time limit)")
             continue
-        if not side:
+        if key not in handed:
             log.info("mesh %s: searching with %s", problem.mesh.shape, key)
-        got = done.pop(key, None) if side else runner.seeded(seed, pinned, key)
+        got = done.pop(key, None) if key in handed else runner.seeded(seed, pinned, key)
         if got is not None:
-            (candidates[key], info[key]) = got
+            candidates[key], info[key] = got
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
         best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)
