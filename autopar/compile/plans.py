@@ -243,6 +243,7 @@ def plan_mismatch(plan: Plan, graph: Graph, mesh: MeshInfo) -> str | None:
     """Why a loaded plan does not fit the traced function on `mesh` (the message of
     the PlanError `bind_plan` raises), or None when it does."""
     problems = []
+    reshaped = False  # the same function (by name) and arguments, called with new shapes
     if (plan.mesh.axis_names, plan.mesh.axis_sizes) != (mesh.axis_names, mesh.axis_sizes):
         problems.append(
             f"the plan is for mesh {plan.mesh.shape}, the function runs on {mesh.shape}"
@@ -263,14 +264,13 @@ def plan_mismatch(plan: Plan, graph: Graph, mesh: MeshInfo) -> str | None:
             if diffs
             else f"same arguments but a different computation ({len(plan.ops)} ops in the plan, {len(graph.nodes)} traced)"
         )
-        # the same function (by name) and arguments, called with new shapes
         reshaped = bool(diffs) and have.keys() == want.keys() and plan.function == graph.name
         what = "other argument shapes" if reshaped else "a different function"
         problems.append(f"the plan was made for {what}: {detail}")
     if not problems:
         return None
     fix = ". Search a new plan (omit plan=) for this function."
-    if plan.fingerprint != fingerprint(graph) and reshaped:
+    if reshaped:
         fix = (
             ". A plan holds for the shapes it was made for (as `jax.jit` compiles for them): "
             "search a new plan (omit plan=), or pass allow_partial=True to keep the specs of "
