@@ -77,10 +77,14 @@ def test_batch_no_axis_divides(mesh):
 
 
 def test_no_dim_divides_runs_replicated():
+    """Nothing divides by 8: the step runs whole on every device, and says so (a
+    `UserWarning` and the plan's one warning)."""
     w, x = _values((9, 5)), _values((7, 9))
     step = autopar.parallelize(_tanh_matmul, mesh={"data": 8})
-    plan = step.plan(w, x)
-    assert not _sharded_somewhere(plan) and plan.warnings == ()
+    with pytest.warns(UserWarning, match="can be split on the mesh data=8"):
+        plan = step.plan(w, x)
+    assert not _sharded_somewhere(plan)
+    assert len(plan.warnings) == 1 and plan.warnings[0].startswith("nothing in _tanh_matmul")
     assert_trees_close(step(w, x), jax.jit(_tanh_matmul)(w, x))
 
 
