@@ -17,6 +17,7 @@ from autopar.cost.model import Cost
 from autopar.errors import PlanError, format_bytes
 from autopar.ir.graph import Graph
 from autopar.ir.ops import CONTRACTIONS
+from autopar.passes.roll import SCOPE as ROLL_SCOPE
 from autopar.plan.schedule import schedule_line, timeline
 from autopar.sharding import MeshInfo, Spec
 
@@ -463,8 +464,7 @@ class Plan:
                 f"  pipeline: {p['stages']} stages over '{p['axis']}', {p['microbatches']} micro-batches, "
                 f"{p['schedule']}"
                 + "".join(
-                    f" ({f['forward']} and {f['backward']} interleaved, {len(f['head'])} head "
-                    "ops on the last stage)"
+                    f" ({_loop_pair(f)} interleaved, {len(f['head'])} head ops on the last stage)"
                     for f in p.get("fused", ())
                 )
                 + "; "
@@ -561,3 +561,12 @@ def _op_lines(ops, indent: str) -> list[str]:
                 )
                 lines += _op_lines(b.ops, indent + "  ")
     return lines
+
+
+def _loop_pair(fused: dict) -> str:
+    """The forward and backward loops a 1F1B pipeline interleaves, as the summary names
+    them: the user's `scan`s by their keys, the loops autopar rolled an unrolled layer
+    stack into as such (their keys name autopar's own scope)."""
+    if all(fused[k].startswith(ROLL_SCOPE + "/") for k in ("forward", "backward")):
+        return "the rolled layers' forward and backward loops"
+    return f"{fused['forward']} and {fused['backward']}"
