@@ -69,9 +69,8 @@ class Parallelized:
         if target.static_argnums:
             options["static_argnums"] = (*options.get("static_argnums", ()), *target.static_argnums)
         if target.donate_argnums:  # jax.jit's donation stands: autopar is the jit now
-            given = options.get("donate_argnums", ())
-            given = (given,) if isinstance(given, int) else tuple(given)
-            options["donate_argnums"] = tuple(dict.fromkeys((*given, *target.donate_argnums)))
+            given = (*options.get("donate_argnums", ()), *target.donate_argnums)
+            options["donate_argnums"] = tuple(dict.fromkeys(given))
         if target.dropped:
             warnings.warn(
                 f"autopar: {fn_name(target.fn)}: {target.dropped} are not carried over (autopar "

@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, Mesh
 from autopar.compile.calls import Call, Compiled, Options
 from autopar.compile.clock import Clock, left_out, try_name
 from autopar.compile.lowering import compiled_memory, info_str, lowered
-from autopar.compile.merged import merged_seed
+from autopar.compile.merged import merged_seeds
 from autopar.compile.notes import (
     no_pipeline_why,
     offline_warning,
@@ -399,8 +399,8 @@ class _Driver(PipelineTries):
         checked = isinstance(mesh, Mesh)
         first = self._first.get(i)
         # one mesh given: its plans with the axes merged are candidates too (`merged`)
-        seed = merged_seed(g, problem) if len(tries) == 1 and o.engine == "auto" else None
-        seeds = dict([seed]) if seed is not None and not pins and pipelined is None else None
+        one = len(tries) == 1 and o.engine == "auto" and not pins and pipelined is None
+        seeds = merged_seeds(g, problem) if one else None
         result = _searched(
             problem, o.engine, o.memory_budget, pins, self.clock, checked, first, seeds
         )
@@ -484,10 +484,6 @@ class _Driver(PipelineTries):
                 )
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
-                whole = unsplittable(problem, self.name)
-                if whole:
-                    warnings.warn(f"autopar: {whole}", stacklevel=user_level())
-                    plan = replace(plan, warnings=(*plan.warnings, whole))
                 if pipelined is not None:
                     for why in (random_per_microbatch(pipelined), unbranched(pipelined, mesh)):
                         if why:
@@ -521,6 +517,10 @@ class _Driver(PipelineTries):
                     + tuple(f"rejected after compiling: {r}" for r in rejected),
                 )
             plan = replace(plan, warnings=(*lead, *plan.warnings))
+            whole = unsplittable(problem, self.name)
+            if whole:  # of the plan returned, once
+                warnings.warn(f"autopar: {whole}", stacklevel=user_level())
+                plan = replace(plan, warnings=(*plan.warnings, whole))
             memory_bound = found.memory_bound or bool(rejected) or "+zero" in plan.engine
             return Compiled(g, plan, problem, jitted, mesh, memory_bound, rolled)
         return Infeasible(

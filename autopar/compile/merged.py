@@ -12,26 +12,26 @@ polished and priced on the user's mesh like the engines' plans (docs/features.md
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from autopar.cost.model import CostModel
 from autopar.errors import AutoparError
 from autopar.ir.graph import Graph
-from autopar.search import ENGINES
+from autopar.search import ENGINES, Seed
 from autopar.search.problem import Problem, build_problem
 from autopar.search.result import SolverInfo
 from autopar.sharding import MeshInfo, Spec
 
 
-def merged_seed(graph: Graph, problem: Problem) -> tuple[str, Callable] | None:
-    """(the seed's name, the `search.Seed` that makes `problem`'s plan from the merged
-    mesh's `dp` plan), or None where it does not apply: a mesh with fewer than two axes
-    of size > 1, a graph with loops or conds (their bodies would be searched again on the
+def merged_seeds(graph: Graph, problem: Problem) -> dict[str, Seed]:
+    """{the seed's name: the `search.Seed` that makes `problem`'s plan from the merged
+    mesh's `dp` plan}, or {} where it does not apply: a mesh with fewer than two axes of
+    size > 1, a graph with loops or conds (their bodies would be searched again on the
     merged mesh)."""
     mesh = problem.mesh
     run = tuple(a for a, n in zip(mesh.axis_names, mesh.axis_sizes) if n > 1)
     if len(run) < 2 or any(n.body is not None or n.branches is not None for n in graph.nodes):
-        return None
+        return {}
     name = "*".join(run)
     merged = MeshInfo.build((name,), (mesh.num_devices,), mesh.device_ids, mesh.devices_per_node)
 
@@ -44,7 +44,7 @@ def merged_seed(graph: Graph, problem: Problem) -> tuple[str, Callable] | None:
         choice = ENGINES["dp"](coarse, {}, {})
         return _spelled_out(coarse, choice, problem, {name: run}, info)
 
-    return f"dp@{name}", seed
+    return {f"dp@{name}": seed}
 
 
 def _spelled_out(

@@ -37,14 +37,9 @@ def node_facts(graph: Graph) -> tuple[list, np.ndarray]:
     `node_key` (None for a loop, whose strategies come from its body's search) and its
     FLOPs (a cond's costliest branch)."""
     keys = [node_key(n, graph) if n.body is None else None for n in graph.nodes]
-    flops = np.array(
-        [
-            run_flops(n, graph) if n.branches is not None else node_flops(n, graph)
-            for n in graph.nodes
-        ],
-        dtype=np.float64,
-    )
-    return keys, flops
+    each = graph.memo(flops_each)  # `run_flops`: a loop's differs, its own op's is kept
+    flops = [node_flops(n, graph) if n.body is not None else f for n, f in zip(graph.nodes, each)]
+    return keys, np.array(flops, dtype=np.float64)
 
 
 def node_key(node, graph):
