@@ -5,6 +5,7 @@ meshes, with pins), as `forest_descent` and `minplus` do in `test_solvers.py`.""
 
 from __future__ import annotations
 
+import platform
 from collections import deque
 
 import jax
@@ -191,3 +192,26 @@ def test_flat_graph_stores_equal_matrices_once_and_reads_every_entry_both_ways()
             at = g.at[2 * k + d]
             got = g.flat[at : at + want.size].reshape(g.size[x], g.size[y])
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 machine code")
+def test_min_plus_loops_store_every_lane():
+    """The running minima of the min-plus loops (`minplus`, a forest round's folds) are
+    written as `np.minimum`, which LLVM vectorizes as compare-and-blend; a select or a
+    branch there vectorizes with masked stores (`vmaskmov`), microcoded on AMD Zen,
+    where they made those loops ~4x slower (`solvers._compiled`, `_MIN`). Compiled
+    afresh here: numba cannot show the machine code of a cached function."""
+    import numba
+
+    from autopar.search.solvers import _compiled, kernels
+
+    minplus = numba.njit(_compiled.minplus.py_func)
+    a = np.ones((4, 3), np.float32)
+    minplus(a, a.T.copy(), np.empty((4, 4), np.float32))
+    g = kernels.flat_graph([np.zeros(2), np.zeros(2)], {(0, 1): np.eye(2)})
+    fold = numba.njit(_compiled.round_forest.py_func)
+    c = np.zeros(2, np.int64)
+    fold(np.arange(2), c, c.copy(), g.adj_ptr, g.adj, g.dst, g.at, g.flat, g.cost, g.size)
+    for f in (minplus, fold):
+        (asm,) = f.inspect_asm().values()
+        assert "vmaskmov" not in asm, f.py_func.__name__

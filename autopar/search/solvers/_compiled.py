@@ -10,6 +10,13 @@ _jit = numba.njit(cache=True, nogil=True)
 # negative indices made every load a gather (start's sign is unknown). On the 7B
 # step's 3-axis quotient a forest round took 4.75 -> 2.78 ms (its min-plus folds, 7.2 M
 # entries, ~1.7 -> ~3.6 G entries/s), the same plans.
+# `_MIN`: a running minimum kept in an array is written `x[k] = np.minimum(x[k], t)`, not
+# `if t < x[k]: x[k] = t` nor `x[k] = t if t < x[k] else x[k]`: LLVM vectorizes the
+# latter two with masked stores (`vmaskmovps`), microcoded and slow on AMD Zen, where the
+# min-plus loops then ran at ~1.7 G entries/s; `np.minimum` stores every lane (a compare
+# and blend), ~8 G/s in float32 and ~4 G/s in float64 there. The same minimum for every
+# value the search makes (costs are never NaN; `np.minimum` would keep a NaN, the select
+# dropped it).
 
 
 @_jit
@@ -108,9 +115,7 @@ def minplus(a, b, out):
         for j in range(1, m):
             aij = a[i, j]
             for k in range(p):
-                t = aij + b[j, k]
-                if t < out[i, k]:
-                    out[i, k] = t
+                out[i, k] = np.minimum(out[i, k], aij + b[j, k])  # (`_MIN`)
 
 
 @_jit
@@ -231,9 +236,7 @@ def round_forest(order, choice, trial, adj_ptr, adj, dst, at, flat, cost, size):
             row = flat[at[d] + i * size[u] :]
             h = held[x, i]
             for j in range(size[u]):
-                c = row[j] + h
-                g = gain[j]
-                gain[j] = c if c < g else g  # a select (as the branch: NaN keeps g)
+                gain[j] = np.minimum(gain[j], row[j] + h)  # (`_MIN`)
         for j in range(size[u]):
             held[u, j] += gain[j]
         deg[x] = 0
