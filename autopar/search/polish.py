@@ -45,6 +45,7 @@ def latency_bound_moves(problem: Problem, choice: Sequence[int]) -> Iterator[tup
     leaves alone and whose time is mostly latency: the reader's strategies that read
     the value as made, the producer's that make it as read."""
     g, n_in, strategies = problem.graph, problem.num_inputs, problem.strategies
+    index = _SPECS.setdefault(problem, {})
     seen: set[tuple[int, int]] = set()
     for node in g.nodes:
         v = n_in + node.id
@@ -62,9 +63,9 @@ def latency_bound_moves(problem: Problem, choice: Sequence[int]) -> Iterator[tup
                 for c in colls
             ):
                 continue
-            moves = [(v, s) for s, st in enumerate(strategies[v]) if st.in_specs[j] == src]
+            moves = [(v, s) for s in _with_spec(index, strategies[v], "in_specs", j, src)]
             if u >= n_in:
-                moves += [(u, s) for s, st in enumerate(strategies[u]) if st.out_specs[k] == dst]
+                moves += [(u, s) for s in _with_spec(index, strategies[u], "out_specs", k, dst)]
             for m in moves:
                 if m not in seen:
                     seen.add(m)
@@ -72,6 +73,20 @@ def latency_bound_moves(problem: Problem, choice: Sequence[int]) -> Iterator[tup
 
 
 _USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _with_spec(index: dict, table, side: str, j: int, spec: Spec) -> tuple[int, ...]:
+    """The strategies of `table` whose operand (`side` "in_specs") or result
+    ("out_specs") `j` is `spec`, in order; each table's specs indexed once per problem
+    in `index` (repeated layers share their tables; the polish asks every round)."""
+    key = (id(table), side, j)
+    by = index.get(key)
+    if by is None:
+        by = index[key] = {}
+        for s, st in enumerate(table):
+            by.setdefault(getattr(st, side)[j], []).append(s)
+    return by.get(spec, ())
 
 
 def _uses(problem: Problem) -> tuple[dict[int, list[tuple[int, int]]], dict[int, list[int]]]:
