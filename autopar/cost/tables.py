@@ -38,12 +38,15 @@ class _Steps:
     """The step sequence (`reshard_steps`) of every spec pair met so far, numbered, for
     every mesh: it depends on the two specs alone, not on the mesh's sizes, so the
     shapes of a mesh-shape search that share their axis names share it (what a step
-    costs is each mesh's, `_Palette`). Specs are numbered too, for int pair keys."""
+    costs is each mesh's, `_Palette`). Specs are numbered too (a few hundred on a
+    3-axis mesh), and the pairs' sequence numbers kept in a dense [src, dst] table,
+    read with one gather per strategy-table pair: a 3-axis build looks up ~0.7 M
+    pairs, which a dict read one by one in ~0.3 s."""
 
     def __init__(self):
         self.specs: dict[Spec, int] = {}  # spec -> id
         self.by_id: list[Spec] = []
-        self.pairs: dict[int, int] = {}  # src id << 32 | dst id -> sequence number
+        self.table = np.full((0, 0), -1, dtype=np.int32)  # [src id, dst id] -> sequence
         self.seqs: dict[tuple, int] = {}  # a `reshard_steps` sequence -> its number
         self.by_seq: list[tuple] = []
 
@@ -56,28 +59,31 @@ class _Steps:
                 i = self.specs[s] = len(by_id)
                 by_id.append(s)
             out.append(i)
+        if len(by_id) > len(self.table):  # room for the new ids, doubling
+            n = max(2 * len(self.table), len(by_id), 64)
+            grown = np.full((n, n), -1, dtype=np.int32)
+            grown[: len(self.table), : len(self.table)] = self.table
+            self.table = grown
         return np.array(out, dtype=np.int64)
 
-    def numbers(self, keys: np.ndarray) -> np.ndarray:
-        """The step sequence number of each pair key (src id << 32 | dst id)."""
-        get = self.pairs.get
-        seq = [get(k) for k in keys.tolist()]
-        if None in seq:
-            for n, k in enumerate(keys.tolist()):
-                if seq[n] is None:
-                    seq[n] = self.sequence(k)
-        return np.array(seq, dtype=np.int64)
+    def numbers(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The step sequence number of each pair (src[i], dst[i]) of spec ids, made
+        where new (in the pairs' order)."""
+        seq = self.table[src, dst].astype(np.int64)
+        for n in np.flatnonzero(seq < 0).tolist():
+            seq[n] = self.sequence(int(src[n]), int(dst[n]))
+        return seq
 
-    def sequence(self, key: int) -> int:
-        """The number of pair `key`'s step sequence, made where new."""
-        got = self.pairs.get(key)
-        if got is None:
-            steps = reshard_steps(self.by_id[key >> 32], self.by_id[key & 0xFFFFFFFF])
+    def sequence(self, a: int, b: int) -> int:
+        """The number of the step sequence from spec id `a` to `b`, made where new."""
+        got = int(self.table[a, b])
+        if got < 0:
+            steps = reshard_steps(self.by_id[a], self.by_id[b])
             got = self.seqs.get(steps)
             if got is None:
                 got = self.seqs[steps] = len(self.by_seq)
                 self.by_seq.append(steps)
-            self.pairs[key] = got
+            self.table[a, b] = got
         return got
 
 
@@ -113,15 +119,16 @@ class _Palette:
         if cross:
             ua, ra = np.unique(ia, return_inverse=True)
             ub, rb = np.unique(ib, return_inverse=True)
-            seq = self._lookup(((ua[:, None] << 32) | ub[None, :]).ravel())
+            src, dst = np.repeat(ua, len(ub)), np.tile(ub, len(ua))
+            seq = self._lookup(src, dst)
             return seq.reshape(len(ua), len(ub))[ra[:, None], rb[None, :]].ravel()
         keys, back = np.unique((ia << 32) | ib, return_inverse=True)
-        return self._lookup(keys)[back]
+        return self._lookup(keys >> 32, keys & 0xFFFFFFFF)[back]
 
-    def _lookup(self, keys: np.ndarray) -> np.ndarray:
-        """The sequence of each pair key (src id << 32 | dst id): its steps' number
+    def _lookup(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """The sequence of each pair of spec ids (src[i], dst[i]): its steps' number
         among all meshes' (`_Steps`), coded for this mesh where new."""
-        steps = self.all.numbers(keys)
+        steps = self.all.numbers(src, dst)
         if len(steps) and steps.max() >= len(self.coded):
             grown = np.full(max(2 * len(self.coded), steps.max() + 1), -1, dtype=np.int64)
             grown[: len(self.coded)] = self.coded
@@ -186,10 +193,11 @@ class _Palette:
 
 # Palettes kept across builds, by (profile, mesh): the tries of one call (micro-batch
 # counts, remat policies) build problems on the same few meshes, and a palette's pair
-# codes depend on nothing else. At most MAX_PALETTES of them; past MAX_PAIRS pairs the
-# step sequences of all meshes (`_STEPS`) start afresh, and so do the palettes.
+# codes depend on nothing else. At most MAX_PALETTES of them; past MAX_SPECS specs (its
+# table then holds 64 MiB) the step sequences of all meshes (`_STEPS`) start afresh, and
+# so do the palettes.
 MAX_PALETTES = 8
-MAX_PAIRS = 1 << 20
+MAX_SPECS = 4096
 _PALETTES: collections.OrderedDict[tuple, _Palette] = collections.OrderedDict()
 
 
@@ -198,7 +206,7 @@ def _palette(cost: CostModel, memo: dict) -> _Palette:
     pal = memo.get("palette")
     if pal is None or memo.get("palette_for") is not cost:
         key = (cost.profile, cost.mesh)
-        if len(_STEPS.pairs) > MAX_PAIRS:  # its spec ids go: so do the palettes' pairs
+        if len(_STEPS.by_id) > MAX_SPECS:  # its spec ids go: so do the palettes' pairs
             _STEPS = _Steps()
             _PALETTES.clear()
         pal = _PALETTES.get(key)
