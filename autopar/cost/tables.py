@@ -70,21 +70,20 @@ class _Steps:
         """The step sequence number of each pair (src[i], dst[i]) of spec ids, made
         where new (in the pairs' order)."""
         seq = self.table[src, dst].astype(np.int64)
-        for n in np.flatnonzero(seq < 0).tolist():
-            seq[n] = self.sequence(int(src[n]), int(dst[n]))
+        new = np.flatnonzero(seq < 0)
+        if len(new):
+            by_id, seqs, by_seq = self.by_id, self.seqs, self.by_seq
+            made = []
+            for a, b in zip(src[new].tolist(), dst[new].tolist()):
+                steps = reshard_steps(by_id[a], by_id[b])
+                n = seqs.get(steps)
+                if n is None:
+                    n = seqs[steps] = len(by_seq)
+                    by_seq.append(steps)
+                made.append(n)
+            seq[new] = made
+            self.table[src[new], dst[new]] = made
         return seq
-
-    def sequence(self, a: int, b: int) -> int:
-        """The number of the step sequence from spec id `a` to `b`, made where new."""
-        got = int(self.table[a, b])
-        if got < 0:
-            steps = reshard_steps(self.by_id[a], self.by_id[b])
-            got = self.seqs.get(steps)
-            if got is None:
-                got = self.seqs[steps] = len(self.by_seq)
-                self.by_seq.append(steps)
-            self.table[a, b] = got
-        return got
 
 
 _STEPS = _Steps()
