@@ -90,7 +90,13 @@ class Spec:
         return got
 
     def without_partial(self) -> Spec:
-        return Spec(self.dims)
+        if not self.partial:
+            return self
+        got = self.__dict__.get("_whole")  # a memo: reshard pricing asks ~10^5 times
+        if got is None:
+            got = Spec(self.dims)
+            object.__setattr__(self, "_whole", got)
+        return got
 
     def axis_dims(self) -> dict[str, int]:
         """The dim each used axis shards (one dict per spec, kept: not to be changed)."""

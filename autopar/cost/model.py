@@ -166,7 +166,7 @@ def reshard_steps(src: Spec, dst: Spec) -> tuple[tuple[str, Axes, Spec], ...]:
         used = src.used_axes
         scatter = tuple(a for a in src.partial if a in dst_axis_dim and a not in used)
         reduce = tuple(a for a in src.partial if a not in scatter)
-        cur = Spec(dims)
+        cur = src.without_partial()
         if reduce:
             steps.append(("all-reduce", reduce, cur))
         if scatter:
