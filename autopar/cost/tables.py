@@ -59,8 +59,8 @@ class _Steps:
                 i = self.specs[s] = len(by_id)
                 by_id.append(s)
             out.append(i)
-        if len(by_id) > len(self.table):  # room for the new ids, doubling
-            n = max(2 * len(self.table), len(by_id), 64)
+        if len(by_id) > len(self.table):  # room for the new ids, half as many again
+            n = max(len(self.table) * 3 // 2, len(by_id), 64)
             grown = np.full((n, n), -1, dtype=np.int32)
             grown[: len(self.table), : len(self.table)] = self.table
             self.table = grown
@@ -193,10 +193,10 @@ class _Palette:
 # Palettes kept across builds, by (profile, mesh): the tries of one call (micro-batch
 # counts, remat policies) build problems on the same few meshes, and a palette's pair
 # codes depend on nothing else. At most MAX_PALETTES of them; past MAX_SPECS specs (its
-# table then holds 64 MiB) the step sequences of all meshes (`_STEPS`) start afresh, and
-# so do the palettes.
+# [src, dst] table then holds 16-36 MiB; the 7B step's three 3-axis shapes use 456) the
+# step sequences of all meshes (`_STEPS`) start afresh, and so do the palettes.
 MAX_PALETTES = 8
-MAX_SPECS = 4096
+MAX_SPECS = 2048
 _PALETTES: collections.OrderedDict[tuple, _Palette] = collections.OrderedDict()
 
 

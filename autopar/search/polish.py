@@ -76,7 +76,7 @@ _USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _with_spec(index: dict, table, side: str, j: int, spec: Spec) -> tuple[int, ...]:
+def _with_spec(index: dict, table, side: str, j: int, spec: Spec) -> Sequence[int]:
     """The strategies of `table` whose operand (`side` "in_specs") or result
     ("out_specs") `j` is `spec`, in order; each table's specs indexed once per problem
     in `index` (repeated layers share their tables; the polish asks every round)."""
