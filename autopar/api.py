@@ -218,6 +218,21 @@ class Parallelized:
         return self._cache[key]
 
 
+def _warn_idle(fn, meshes: Sequence) -> None:
+    """A warning where the mesh takes fewer devices than this process has (as
+    `jax.make_mesh`, it takes the first ones without a word): the rest stay idle."""
+    have = len(jax.devices())
+    sizes = [m.size for m in meshes if isinstance(m, Mesh)]
+    if sizes and max(sizes) < have:
+        k = max(sizes)
+        warnings.warn(
+            f"autopar: {fn_name(fn)}: the mesh takes {k} of the {have} devices here (the first "
+            f"{k}), leaving {have - k} idle. Give a mesh whose axis sizes multiply to {have} "
+            f"(or mesh={have} to search its shape) to use them all",
+            stacklevel=user_level(),
+        )
+
+
 def _options(
     fn,
     *,
@@ -276,6 +291,7 @@ def _options(
         meshes = [make_mesh(m) for m in shapes]
     else:
         meshes = resolve(mesh, profile.devices_per_node)
+    _warn_idle(fn, meshes)
     if pipeline_schedule not in (None, *SCHEDULES):
         raise PipelineError(
             f"pipeline_schedule={pipeline_schedule!r}{did_you_mean(pipeline_schedule, SCHEDULES)}: "

@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import jax
@@ -86,6 +87,34 @@ def test_no_dim_divides_runs_replicated():
     assert not _sharded_somewhere(plan)
     assert len(plan.warnings) == 1 and plan.warnings[0].startswith("nothing in _tanh_matmul")
     assert_trees_close(step(w, x), jax.jit(_tanh_matmul)(w, x))
+
+
+def _mean_matmul(w, x):
+    return jnp.mean(x @ w)
+
+
+def test_nothing_divides_though_sums_could_stay_pending():
+    """A sum's strategies include pending sums of whole values (`+P[data]`), which split
+    nothing: a step nothing divides by 7 still warns that it runs whole everywhere."""
+    w, x = _values((9, 5)), _values((10, 9))
+    step = autopar.parallelize(_mean_matmul, mesh={"data": 7}, progress=False)
+    with pytest.warns(UserWarning, match="can be split on the mesh data=7"):
+        plan = step.plan(w, x)
+    assert not _sharded_somewhere(plan)
+    assert_trees_close(step(w, x), jax.jit(_mean_matmul)(w, x))
+
+
+def test_a_mesh_of_fewer_devices_says_the_rest_stay_idle():
+    """A mesh of 4 of the 8 devices runs on the first 4, as `jax.make_mesh` would, and
+    says so; a mesh of all 8 says nothing of the kind."""
+    w, x = _values((64, 32)), _values((16, 64))
+    with pytest.warns(UserWarning, match="takes 4 of the 8 devices here .*leaving 4 idle"):
+        step = autopar.parallelize(_tanh_matmul, mesh={"data": 2, "model": 2}, progress=False)
+    assert len(step(w, x).sharding.device_set) == 4
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*idle")
+        autopar.parallelize(_tanh_matmul, mesh=8, progress=False)
+        autopar.parallelize(_tanh_matmul, mesh={"data": 16}, progress=False)  # offline
 
 
 def test_train_step_with_odd_batch():

@@ -127,7 +127,8 @@ def unsplittable(problem, name: str) -> str | None:
     if mesh.num_devices <= 1:
         return None
     tables = {id(t): t for t in problem.strategies}.values()  # repeated layers share theirs
-    if any(sp.used_axes or sp.partial for t in tables for st in t for sp in st.out_specs):
+    # a pending sum alone splits nothing: summands of a whole value are whole-sized
+    if any(sp.used_axes for t in tables for st in t for sp in st.out_specs):
         return None
     sizes = " x ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.axis_sizes))
     return (

@@ -347,8 +347,9 @@ def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
             for r in rows
         ]
         t.notes.append(
-            "split: one bar per dimension; █ = every device holds it whole, "
-            "▓░░░ = split 4 ways (▓ is one device's share). R = replicated, S[axes] = sharded."
+            "split: one bar per dimension; █ = every device holds it whole, a bar of k "
+            "cells = split k ways (▓ is one device's share: ▓░░░ is 4 ways, ▓░░░░░░░ 8). "
+            "R = replicated, S[axes] = sharded."
         )
         tables.append(t)
     elif by == "layer":
