@@ -468,6 +468,33 @@ def test_function_using_jax_random(key):
     assert_trees_close(step(key(), x), jax.jit(dropout)(key(), x))
 
 
+def test_typed_key_argument_is_listed_with_its_key_dtype(tmp_path):
+    """A typed PRNG key (`jax.random.key`, what `nnx.Rngs` holds) is priced as its
+    uint32 words, but the plan lists it as the user passed it, not as a uint32 scalar;
+    a raw `PRNGKey` stays the uint32[2] it is."""
+    from autopar.tools import inspect as insp
+    from autopar.tools.inspect.format import full_bytes
+
+    def dropout(k, x):
+        return jnp.where(jax.random.bernoulli(k, 0.5, x.shape), x, 0.0)
+
+    _, x = _w_x()
+    step = autopar.parallelize(dropout, mesh=MESH)
+    plan = step.plan(jax.random.key(0), x)
+    assert (plan.inputs[0].dtype, plan.inputs[0].shape) == ("key<fry>", ())
+    assert "key<fry>[]" in str(plan) and "uint32" not in str(plan), str(plan)
+    plan.save(tmp_path / "p.json")
+    loaded = autopar.Plan.load(tmp_path / "p.json")
+    assert loaded.inputs[0].dtype == "key<fry>"
+    assert full_bytes(loaded.inputs[0]) == jax.random.key(0).dtype.itemsize
+    assert "key<fry>" in insp.render_inspect(loaded, "table", "param")
+    # the plan file replays on the key it was made for
+    again = autopar.parallelize(dropout, mesh=MESH, plan=tmp_path / "p.json")
+    assert_trees_close(again(jax.random.key(0), x), jax.jit(dropout)(jax.random.key(0), x))
+    raw = step.plan(jax.random.PRNGKey(0), x).inputs[0]
+    assert (raw.dtype, raw.shape) == ("uint32", (2,))
+
+
 def test_negative_static_argnums():
     def rows(x, n):
         return x.reshape(n, -1) * 2.0

@@ -541,3 +541,57 @@ def test_dropout_in_a_pipeline_warns_that_masks_differ_from_jit():
     with pytest.warns(UserWarning, match=r"drawn per micro-batch .*test_pipeline_unrolled.py"):
         plan = _parallel(step).plan(params, _batch(0), jax.random.key(1))
     assert any("dropout masks are a different" in w for w in plan.warnings)
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_inspect_by_layer_counts_the_rolled_loops_ops_per_layer_slot(kind, tmp_path, capsys):
+    """`autopar inspect --by layer` of a pipelined list of 4 blocks unrolled in Python:
+    the blocks' ops live in the rolled loops' bodies (the optimizer's under the slots'
+    scope); each layer slot's row counts them (by the layer the body ops name: linen's
+    modules name theirs, NNX's name none, and the loops' row keeps those), every op is
+    counted once, and a module's row left at 0 ops is explained in a note."""
+    from autopar import cli
+    from autopar.tools.inspect.report import layer_rows
+
+    if kind == "linen":
+        step, *state = _linen(GPT2())
+        sub = ("ln_1", "ln_2", "c_attn")  # a block's modules, not layers of their own
+    else:
+        model = NNXModel(nnx.Rngs(0))
+        opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=EPS), wrt=nnx.Param)
+        state = [model, opt]
+        sub = ("norm", "up", "down")
+
+        def step(model, opt, ids):
+            loss, grads = nnx.value_and_grad(lambda m: _loss(m(ids), ids))(model)
+            opt.update(model, grads)
+            return loss
+
+    plan = autopar.parallelize(step, mesh=MESH, pipeline_stages=2).plan(*state, _batch(0))
+    rows = {d["layer"]: d for d in layer_rows(plan)}
+    slots = [n for n in rows if n.endswith(("<0,2>", "<1,3>"))]
+    assert len(slots) == 2 and not set(sub) & set(rows), sorted(rows)
+    loops = [o for o in plan.ops if o.body is not None]
+    body_ops = sum(len(o.body.ops) for o in loops)
+    assert loops and body_ops
+    for n in slots:
+        # the slot's arrays (its layers' parameters and Adam moments) and their ops
+        assert rows[n]["arrays"] >= 18 and rows[n]["sharded_arrays"], rows[n]
+        assert rows[n]["ops"] > 50 and rows[n]["compute_s"] > 0, rows[n]
+        if kind == "linen":  # the forward and backward bodies' ops, by the layer they name
+            assert rows[n]["ops"] > body_ops // 2 and rows[n]["contraction_strategies"]
+    # every op counted once: the top-level ones and the loops' bodies'
+    assert sum(d["ops"] for d in rows.values()) == len(plan.ops) + body_ops
+
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert cli.main(["inspect", str(path), "--by", "layer"]) == 0
+    layers = capsys.readouterr().out.split("== layers")[1].split("\n== ")[0]
+    assert "the layer slots" in layers, layers
+    # a model's module listed with arrays and 0 ops is explained, not left as if its
+    # arrays were read by nothing
+    table = [line.split() for line in layers.splitlines()]
+    silent = [r[0] for r in table if len(r) >= 6 and r[1] not in ("0", "arrays") and r[5] == "0"]
+    notes = [line for line in layers.splitlines() if "0 ops listed" in line]
+    assert silent and notes, layers
+    assert all(n.startswith("(") or n in notes[0] for n in silent), layers

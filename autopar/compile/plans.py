@@ -84,7 +84,7 @@ def reusable_specs(plan: Plan, graph: Graph, mesh: MeshInfo) -> dict[int, Spec]:
     out: dict[int, Spec] = {}
     for i, (path, v) in enumerate(zip(graph.input_paths, graph.inputs)):
         r, t = saved.get(path), graph.values[v]
-        if r is None or (tuple(r.shape), r.dtype) != (t.shape, t.dtype.name):
+        if r is None or (tuple(r.shape), r.dtype) != (t.shape, t.dtype_name):
             continue
         if all(a in mesh.axis_names for a in r.spec.used_axes):
             out[i] = r.spec.without_trivial_axes(mesh)
@@ -193,11 +193,11 @@ def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
     g, n_in = problem.graph, problem.num_inputs
     strat = lambda v: problem.strategies[v][choice[v]]
     inputs = tuple(
-        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, strat(i).out_specs[0])
+        TensorRecord(p, g.values[v].shape, g.values[v].dtype_name, strat(i).out_specs[0])
         for i, (p, v) in enumerate(zip(g.input_paths, g.inputs))
     )
     outputs = tuple(
-        TensorRecord(p, g.values[v].shape, g.values[v].dtype.name, spec)
+        TensorRecord(p, g.values[v].shape, g.values[v].dtype_name, spec)
         for p, v, spec in zip(g.output_paths, g.outputs, output_specs(problem, choice))
     )
 
@@ -251,7 +251,7 @@ def plan_mismatch(plan: Plan, graph: Graph, mesh: MeshInfo) -> str | None:
     if plan.fingerprint != fingerprint(graph):
         have = {r.path: (r.shape, r.dtype) for r in plan.inputs}
         want = {
-            p: (graph.values[v].shape, graph.values[v].dtype.name)
+            p: (graph.values[v].shape, graph.values[v].dtype_name)
             for p, v in zip(graph.input_paths, graph.inputs)
         }
         diffs = [

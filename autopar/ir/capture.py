@@ -173,7 +173,7 @@ def _tensor_type(shape: tuple, dtype: Any) -> TensorType:
     try:
         dt = np.dtype(np.float32 if dtype is None else dtype)
     except TypeError:  # extended dtypes (PRNG keys): priced as their uint32 words
-        dt = np.dtype(np.uint32)
+        return TensorType(tuple(int(d) for d in shape), np.dtype(np.uint32), str(dtype))
     return TensorType(tuple(int(d) for d in shape), dt)
 
 

@@ -25,7 +25,15 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class TensorType:
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: np.dtype  # what the value is priced and, where rebuilt, made as
+    # the name of a JAX extended dtype (a typed PRNG key's `key<fry>`) the value has,
+    # whose words `dtype` prices; "" for numpy dtypes
+    extended: str = ""
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as the user's program has it: `float32`, ..., `key<fry>`."""
+        return self.extended or self.dtype.name
 
     @property
     def rank(self) -> int:

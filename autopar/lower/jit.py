@@ -320,7 +320,7 @@ def split_records(
             # a partial sum is summed before it leaves `B` (the buffer holds whole
             # values; `W` takes a summand back where an op of it reads one)
             spec = settled.get(v, made[v]).without_partial()
-            bnd.append(TensorRecord(f"boundary/{v}", t.shape, str(t.dtype), spec))
+            bnd.append(TensorRecord(f"boundary/{v}", t.shape, t.dtype_name, spec))
     b = replace(
         rec,
         outputs=(*rec.outputs[:num_carry], *bnd),

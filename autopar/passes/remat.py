@@ -256,7 +256,7 @@ def _rewrite_pair(graph: Graph, f_id: int, b_id: int, policy: str) -> Graph:
     for v, s in frontier.items():
         if s.kind == "stored" and v not in stored_at:
             t = fb.values[v]
-            values.append(TensorType((int(f.params["length"]), *t.shape), t.dtype))
+            values.append(TensorType((int(f.params["length"]), *t.shape), t.dtype, t.extended))
             stored_at[v] = len(values) - 1
             new_ys.append(v)
     new_fb = without_dead(

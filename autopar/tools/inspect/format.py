@@ -4,6 +4,7 @@ and the one-line picture of how an array is split."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -11,13 +12,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from autopar.errors import format_bytes
-from autopar.plan.plan import TensorRecord
+from autopar.passes.roll import SCOPE as ROLL_SCOPE
+from autopar.plan.plan import OpRecord, Plan, TensorRecord
 from autopar.sharding import MeshInfo, Spec
 
 # Path components that hold a model's arrays rather than name a part of the model.
 _CONTAINERS = {"params", "opt_state", "batch_stats", "mu", "nu", "count", "state", "inner_state"}
 # A numbered layer's name: `h_3`, `layers/3` (transformers, NNX lists), `h.3` (dotted).
 LAYER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)*?(?:_?|[./])\d+$")
+# A group of layers rolled into a pipeline's loops (`autopar.passes.roll`): `h_<0,2>`
+# as one part, or `<0,2>` after the name of the collection (`layers/<0,2>`).
+_GROUP_RE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9_.]*)?<\d+(?:,\d+)*>$")
 _PICTURE_CELLS = 16
 
 
@@ -47,9 +52,23 @@ def itemsize(dtype: str) -> int:
     try:
         return np.dtype(dtype).itemsize
     except TypeError:
+        if dtype.startswith("key<"):
+            return _key_itemsize(dtype)
         import jax.numpy as jnp
 
         return jnp.dtype(dtype).itemsize
+
+
+@functools.cache
+def _key_itemsize(dtype: str) -> int:
+    """Bytes of one typed PRNG key of dtype `key<fry>`, `key<rbg>`, ... (its words)."""
+    import jax
+
+    for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+        dt = jax.eval_shape(lambda impl=impl: jax.random.key(0, impl=impl)).dtype
+        if str(dt) == dtype:
+            return dt.itemsize
+    return np.dtype(np.uint32).itemsize  # a key of another impl: one word, as the planner prices it
 
 
 def comm_key(key: str) -> tuple[str, tuple[str, ...]]:
@@ -68,6 +87,8 @@ def _numbered(parts: Sequence[str], first: int = 1) -> str | None:
     for i, p in enumerate(parts):
         if "(" in p:
             continue
+        if _GROUP_RE.match(p):
+            return p if p[0] != "<" or i == 0 else f"{parts[i - 1]}/{p}"
         if LAYER_RE.match(p):
             return p
         if p.isdigit() and i >= first and i > 0:
@@ -114,6 +135,45 @@ def layer_of_op(key: str) -> str:
     if named and inner != "":
         return named[0]
     return inner or "(top level)"
+
+
+def rolled_slots(pipeline: dict | None) -> dict[str, str]:
+    """For a plan whose layers unrolled in Python run rolled into loops over stages
+    (`autopar.passes.roll`; `pipeline["rolled"]`): the layer names its ops go by -> the
+    name of their layer slot's row, as the slot's grouped arrays spell it. Slot `j` holds
+    layers `j, k + j, ...` (one per stage); the loops' bodies name it after layer `j`
+    (`h_0` -> `h_<0,2>`, `layers/0` -> `layers/<0,2>`), the optimizer's update of its
+    arrays `rolled_layers_slot<j>`. Empty for other plans."""
+    rolled = (pipeline or {}).get("rolled")
+    if not rolled:
+        return {}
+    parts = rolled["template"].split("/")
+    tail = "/".join(parts[-2:]) if parts[-1] == "<i>" and len(parts) > 1 else parts[-1]
+    stages, layers = int(rolled["stages"]), int(rolled["layers"])
+    k = layers // max(stages, 1)
+    out = {}
+    for j in range(k):
+        group = tail.replace("<i>", "<" + ",".join(str(s * k + j) for s in range(stages)) + ">")
+        out[tail.replace("<i>", str(j))] = group
+        out[f"{ROLL_SCOPE}_slot{j}"] = group
+    return out
+
+
+def op_layers(plan: Plan) -> list[tuple[str, OpRecord]]:
+    """Each op of `plan` with its layer (`layer_of_op`). In a plan whose unrolled layers
+    were rolled into loops, the loops' body ops too (one run of the body), each under
+    its layer slot (`rolled_slots`), as the optimizer's ops on the slot's arrays; the
+    loops themselves stay under their own scope (`rolled_layers`)."""
+    slots = rolled_slots(plan.pipeline)
+    out = []
+    for o in plan.ops:
+        name = layer_of_op(o.key)
+        out.append((slots.get(name, name), o))
+        if slots and o.body is not None and o.key.startswith(ROLL_SCOPE + "/"):
+            for b in o.body.ops:
+                inner = layer_of_op(b.key)
+                out.append((slots.get(inner, name), b))
+    return out
 
 
 def layer_family(name: str) -> str | None:

@@ -8,6 +8,7 @@ from collections import Counter
 
 from autopar.errors import format_bytes
 from autopar.ir.ops import CONTRACTIONS
+from autopar.passes.roll import SCOPE as ROLL_SCOPE
 from autopar.plan.plan import Plan, is_note
 from autopar.plan.schedule import schedule_line, timeline
 from autopar.tools.inspect.format import (
@@ -21,7 +22,9 @@ from autopar.tools.inspect.format import (
     layer_order,
     local_bytes,
     local_shape,
+    op_layers,
     phase_of_op,
+    rolled_slots,
     shape_text,
     split_picture,
 )
@@ -90,14 +93,61 @@ def layer_rows(plan: Plan) -> list[dict]:
         d["sharded_arrays"] += bool(r.spec.used_axes)
         d["bytes"] += full_bytes(r)
         d["local_bytes"] += local_bytes(r, plan.mesh)
-    for o in plan.ops:
-        d = row(layer_of_op(o.key))
+    for name, o in op_layers(plan):
+        d = row(name)
         d["ops"] += 1
         d["compute_s"] += o.compute_s
         if o.op in CONTRACTIONS:
             c = d["contraction_strategies"]
             c[o.strategy] = c.get(o.strategy, 0) + 1
     return list(rows.values())
+
+
+def rolled_layer_notes(plan: Plan, rows: list[dict]) -> list[str]:
+    """What the layer rows of a plan whose unrolled layers were rolled into loops
+    (`autopar.passes.roll`) count: the slots' rows hold the loops' body ops that name
+    their layer, and the ops outside the layers, replayed by autopar, name no module."""
+    slots = sorted(set(rolled_slots(plan.pipeline).values()), key=layer_order)
+    if not slots:
+        return []
+    rolled = plan.pipeline["rolled"]
+    k = rolled["layers"] // max(rolled["stages"], 1)
+    loops = [o for o in plan.ops if o.body is not None and o.key.startswith(ROLL_SCOPE + "/")]
+    unnamed = sum(
+        name == ROLL_SCOPE and o.body is None and not o.key.startswith(ROLL_SCOPE + "/")
+        for name, o in op_layers(plan)
+    )
+    notes = [
+        f"{', '.join(slots)}: the layer slots {rolled['template']} was rolled into "
+        f"(slot j holds layers j, {k}+j, ..., one per stage); their ops are the rolled "
+        "loops' body ops that name their layer (one run of the body: one layer, one "
+        f"micro-batch) and the optimizer's on the slot's arrays; {ROLL_SCOPE}: the "
+        f"{len(loops)} loops themselves, their compute the pipelined loops' whole time "
+        "(the bodies' included)"
+        + (
+            f", and the {unnamed} body ops that name no layer (the model's modules add no "
+            "name scopes, as NNX's), which run the slots' layers"
+            if unnamed
+            else ""
+        )
+    ]
+    top = next((d["ops"] for d in rows if d["layer"] == "(top level)"), 0)
+    silent = sorted(
+        (
+            d["layer"]
+            for d in rows
+            if d["arrays"] and not d["ops"] and d["layer"] not in slots and d["layer"][0] != "("
+        ),
+        key=layer_order,
+    )
+    if silent and top:
+        notes.append(
+            f"{', '.join(silent)}: 0 ops listed, yet ops outside the layers read them: "
+            "autopar replays the step's ops outside the rolled layers (embedding, head, "
+            "loss, optimizer) to roll the layers, and those ops name no module; they are "
+            f"among the {top} ops under (top level)"
+        )
+    return notes
 
 
 def _layer_signatures(plan: Plan) -> dict[str, tuple]:
@@ -108,8 +158,7 @@ def _layer_signatures(plan: Plan) -> dict[str, tuple]:
         name = layer_of_path(r.path)
         rel = r.path.split(name, 1)[-1]
         sig.setdefault(name, []).append((rel, r.shape, r.dtype, r.spec.to_json()))
-    for o in plan.ops:
-        name = layer_of_op(o.key)
+    for name, o in op_layers(plan):
         rel = re.sub(r"#\d+$", "", o.key.split(name, 1)[-1])
         sig.setdefault(name, []).append((rel, o.strategy, o.in_specs, o.out_specs))
     return {k: tuple(sorted(map(repr, v))) for k, v in sig.items()}
@@ -384,6 +433,7 @@ def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
                 ]
             )
         t.rows, t.notes = collapse_layers(rows, _layer_signatures(plan))
+        t.notes += rolled_layer_notes(plan, layer_rows(plan))
         tables.append(t)
     elif by == "op":
         rows = op_rows(plan)

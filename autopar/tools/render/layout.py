@@ -14,9 +14,9 @@ from autopar.sharding import Spec
 from autopar.tools.inspect.format import (
     LAYER_RE,
     full_bytes,
-    layer_of_op,
     layer_of_path,
     local_bytes,
+    op_layers,
 )
 
 MAX_BOXES = 40  # merge similar layers beyond this many boxes
@@ -130,8 +130,7 @@ def _layer_data(plan: Plan):
             d.state_bytes += b
             d.state_local_bytes += local_bytes(r, plan.mesh)
             state_split[name][_split_class(r.spec, axes)] += b
-    for i, o in enumerate(plan.ops):
-        name = layer_of_op(o.key)
+    for i, (name, o) in enumerate(op_layers(plan)):
         d = g(name)
         first_op.setdefault(name, i)
         d.ops += 1
