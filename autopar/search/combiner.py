@@ -48,6 +48,7 @@ class _Walk:
 
 
 _WALKS: weakref.WeakKeyDictionary[Problem, _Walk] = weakref.WeakKeyDictionary()
+_KEYS: dict[tuple, int] = {}  # (kind, device group axes) -> a number, for every problem
 
 
 def _walk(problem: Problem) -> _Walk:
@@ -115,33 +116,49 @@ def combined_latency(
         return 0.0
     walk = _walk(problem)
     n = len(walk.preds)
+    when, ids = walk.when, _KEYS
+    rows = np.array(
+        [
+            (
+                when.get((u, v), 0),
+                u,
+                n if v is None else v,
+                ids.setdefault((c.kind, c.axes), len(ids)),
+                c.bytes,
+            )
+            for u, v, c in ars
+        ],
+        np.int64,
+    )
+    step, prod, reader, key, size = rows.T
+    order = np.lexsort((np.arange(len(ars)), step))  # by walk step, then list order
+    # the runs, one per (kind, device group), numbered in the order they open
+    keys, first = np.unique(key[order], return_index=True)
+    opened = keys[np.argsort(first)]
+    number = np.zeros(len(ids), np.int64)
+    number[opened] = np.arange(len(opened))
+    run = number[key]
+    read = np.flatnonzero(reader < n)  # the all-reduces a node reads (not outputs)
     at = np.zeros((n, (len(ars) + 63) // 64), np.uint64)
-    readers = [v for _, v, _ in ars if v is not None]
-    for i, (_, v, _) in enumerate(ars):
-        if v is not None:
-            at[v, i >> 6] |= np.uint64(1 << (i & 63))
-    order = sorted(range(len(ars)), key=lambda i: (walk.when.get(ars[i][:2], 0), i))
-    keys: dict[tuple, int] = {}  # (kind, axes) -> run, in the order runs open
-    for i in order:
-        keys.setdefault((ars[i][2].kind, ars[i][2].axes), len(keys))
-    run = np.array([keys[(c.kind, c.axes)] for _, _, c in ars], np.int64)
-    prod = np.array([u for u, _, _ in ars], np.int64)
+    bits = np.left_shift(np.uint64(1), (read & 63).astype(np.uint64))
+    np.bitwise_or.at(at, (reader[read], read >> 6), bits)
     closed = kernels.combiner_runs(
         walk.ptr,
         walk.flat,
         at,
-        min(readers, default=n),
+        int(reader[read].min()) if len(read) else n,
         int(prod.max()),
-        np.array(order, np.int64),
+        order.astype(np.int64),
         run,
-        prod,
-        np.array([c.bytes for _, _, c in ars], np.int64),
+        np.ascontiguousarray(prod),
+        np.ascontiguousarray(size),
         COMBINE_THRESHOLD_BYTES,
         COMBINE_THRESHOLD_COUNT,
-        len(keys),
+        len(opened),
     )
-    members = np.bincount(run, minlength=len(keys))
+    members = np.bincount(run, minlength=len(opened))
     saved = 0.0
-    for (_, axes), r in keys.items():
-        saved += int(members[r] - closed[r] - 1) * problem.cost.link(axes)[0]
+    axes_of = list(ids)
+    for r, k in enumerate(opened.tolist()):
+        saved += int(members[r] - closed[r] - 1) * problem.cost.link(axes_of[k][1])[0]
     return saved

@@ -9,6 +9,7 @@ import numpy as np
 
 from autopar.cost.model import FUSED_OPS, Collective, Cost
 from autopar.ir.graph import Graph
+from autopar.search import memory
 from autopar.search.build import Problem
 from autopar.search.combiner import combined_latency
 from autopar.sharding import Spec
@@ -136,129 +137,22 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
         compute, comm = compute - seconds, comm + seconds
         for key, b in sent.items():
             by[key] = by.get(key, 0) + int(b)
-    peak, args = peak_memory(problem, choice, settled)
+    peak, args = memory.peak_memory(problem, choice, settled[1])
     return Cost(compute, comm, peak, args, by)
-
-
-def fused_away(g: Graph, strat: Sequence, out_spec: dict[int, Spec]) -> set[int]:
-    """Values XLA never writes to memory: made by an elementwise or shape op (FUSED_OPS)
-    for exactly one such op to read, in the layout it is made in, and not returned. They
-    live inside one fused kernel; the compute model already prices them so
-    (`facts.hbm_traffic`, which also counts values read by several fused ops as
-    never written). Counting those here as well made the prediction fall 8-30% below
-    XLA's for float32 GPT, ViT and Wide-ResNet steps; XLA materializes many of them."""
-    out: set[int] = set()
-    for v, c, positions in g.memo(_fusable):
-        want = out_spec[v]
-        if all(strat[c].in_specs[j] == want for j in positions):
-            out.add(v)
-    return out
-
-
-def _fusable(g: Graph) -> list[tuple[int, int, tuple[int, ...]]]:
-    """(value, its reader, the reader's operand positions that read it) of every value
-    `fused_away` may drop, whatever the plan: made by a FUSED_OPS op, read by one
-    FUSED_OPS op alone, not returned."""
-    returned = set(g.outputs)
-    fused = [n.op in FUSED_OPS for n in g.nodes]
-    out = []
-    for n in g.nodes:
-        if not fused[n.id]:
-            continue
-        for v in n.outputs:
-            readers = g.consumers.get(v, ())
-            if v in returned or len(readers) != 1 or not fused[readers[0]]:
-                continue
-            c = readers[0]
-            out.append((v, c, tuple(j for j, x in enumerate(g.nodes[c].inputs) if x == v)))
-    return out
 
 
 def peak_memory(
     problem: Problem, choice: Sequence[int], settled: Settled | None = None
 ) -> tuple[int, int]:
-    """(peak, argument) bytes per device: arguments stay live throughout; each
-    intermediate lives from its producer to its last consumer (outputs to the end),
-    at the size of its settled spec (`settle_partials`). A value fused away
-    (`fused_away`) takes no memory; its reads keep its own operands alive instead. An
-    op that reads a value in another layout than it is stored in (an all-gathered
-    weight, a loop's stacked weights gathered for the whole loop) holds that copy
-    while it runs. A 1F1B region (`Problem.regions`) runs as one loop: everything its
-    ops make is alive, and every copy they read held, from its first op to its last,
-    as are the pipeline's own buffers (`Problem.buffers`).
+    """(peak, argument) bytes per device of the plan (`memory.peak_memory`).
     `settled`: `settle(problem, choice)`, when the caller has it."""
-    g, n_in = problem.graph, problem.num_inputs
-    nodes, values, strategies = g.nodes, g.values, problem.strategies
-    strat = [strategies[n_in + n.id][choice[n_in + n.id]] for n in nodes]
-    settled = (settled or settle(problem, choice))[1]
-    args = int(sum(problem.node_mem[i][choice[i]] for i in range(n_in)))
-    made = {
-        v: settled.get(v, sp) if sp.partial else sp
-        for n, s in zip(nodes, strat)
-        for v, sp in zip(n.outputs, s.out_specs)
-    }
-    stored = {v: strategies[i][choice[i]].out_specs[0] for i, v in enumerate(g.inputs)}
-    stored.update(made)  # every value in the layout it is stored in
-    virtual = fused_away(g, strat, made)
-    # each op's span: itself, or its region's first and last op
-    n_ops = len(nodes)
-    start = list(range(n_ops))
-    end = list(range(n_ops))
-    for region in problem.regions:
-        lo, hi = min(region), max(region)
-        for i in region:
-            start[i], end[i] = lo, hi
-    roots: dict[int, frozenset[int]] = {}
-    last_use: dict[int, int] = {}
-    for node, s in zip(nodes, strat):
-        lo, hi = start[node.id], end[node.id]
-        for x, want in zip(node.inputs, s.in_specs):
-            # read as a copy, a value is needed only while the copy is made (a
-            # region's: at its start); in its own layout, while the reader runs
-            held = stored.get(x)
-            at = lo if held is not None and want is not held and want != held else hi
-            for r in roots[x] if x in virtual else (x,):
-                if last_use.get(r, -1) < at:
-                    last_use[r] = at
-        for v in node.outputs:
-            if v in virtual:
-                roots[v] = frozenset(
-                    r for x in node.inputs for r in (roots[x] if x in virtual else (x,))
-                )
-    for x in g.outputs:
-        last_use[x] = n_ops
-    made_at = [0.0] * (n_ops + 1)  # bytes allocated at each op
-    free_at = [0.0] * (n_ops + 1)  # bytes freed after each op
-    copied: set[tuple[int, int, Spec]] = set()  # (span's first op, value, layout)
-    local_bytes, resident = problem.cost.local_bytes, problem.resident
-    for node, s in zip(nodes, strat):
-        at, hi = start[node.id], end[node.id]
-        for x, want in zip(node.inputs, s.in_specs):  # copies, held while the op runs
-            held = stored.get(x)
-            if held is None or want is held or want == held or (at, x, want) in copied:
-                continue
-            copied.add((at, x, want))  # one copy serves a whole region
-            b = local_bytes(values[x], want) * resident.get(x, 1.0)
-            made_at[at] += b
-            free_at[hi] += b
-        for v in node.outputs:
-            if v in virtual:
-                continue
-            b = local_bytes(values[v], stored[v]) * resident.get(v, 1.0)
-            made_at[at] += b
-            free_at[max(last_use.get(v, node.id), hi)] += b
-    for i, buffer in problem.buffers.items():  # a pipeline's own buffers, its whole region
-        b = float(buffer[choice[n_in + i]])
-        made_at[start[i]] += b
-        free_at[end[i]] += b
-    live = np.cumsum(made_at) - np.concatenate(([0.0], np.cumsum(free_at)[:-1]))
-    return int(args + max(0.0, float(live[:n_ops].max(initial=0.0)))), args
+    return memory.peak_memory(problem, choice, (settled or settle(problem, choice))[1])
 
 
 def memory_floor(graph: Graph, devices: int, resident: dict[int, float] | None = None) -> float:
     """A floor under `peak_memory` of every plan of `graph` on `devices` devices (a
     pipelined graph's: `resident`, its `Problem.resident`): the arguments, and at each
-    op the values made before it that no plan fuses away (`fused_away` needs a
+    op the values made before it that no plan fuses away (`memory.peak_memory` fuses away a
     FUSED_OPS value read once, by a FUSED_OPS op, and not returned), alive from their
     producer to their last direct reader, each split over every device. A plan stores
     each at least that long (a fused reader keeps it longer) and at least that size

@@ -129,6 +129,8 @@ class _Local:
     def __init__(self, problem: Problem):
         self.p = problem
         self.reads, self.outs = _uses(problem)
+        self.at: Sequence[int] | None = None  # the choice `before` holds prices under
+        self.before: dict[int, tuple[float, float]] = {}
 
     def _price(self, x: int, pick) -> tuple[float, float]:
         """(seconds, all-reduce latencies) of value `x`'s reshards when op v runs
@@ -163,10 +165,14 @@ class _Local:
             moved = [s if v == x else c for v, c in enumerate(choice)]
             delta += p.wait_time(moved, (x,)) - p.wait_time(choice, (x,))
         added = 0.0
+        if choice is not self.at:  # a value's price under `choice`, once per choice
+            self.at, self.before = choice, {}
         for v in values:
             if v not in p.source:
                 continue
-            before = self._price(v, lambda w: choice[w])
+            before = self.before.get(v)
+            if before is None:
+                before = self.before[v] = self._price(v, choice.__getitem__)
             after = self._price(v, lambda w: s if w == x else choice[w])
             delta += after[0] - before[0]
             added += after[1] - before[1]

@@ -27,13 +27,22 @@ __all__ = ["CostGraph", "Solution"]
 _SEPARABLE_RTOL = 1e-13
 
 
-def _frozen_array(x, ndim: int, what: str) -> np.ndarray:
+def _named(name: str, at: object) -> str:
+    return f"{name}[{', '.join(map(str, at)) if isinstance(at, tuple) else at}]"
+
+
+def _frozen_array(x, ndim: int, name: str, at: object) -> np.ndarray:
+    """`x` as a read-only float64 view (a copy only where it is not float64 already);
+    `name[at]` in the error where it cannot be one of `ndim` dimensions. (Graphs of
+    10k+ nodes are built several times per search: the message is made on error only.)"""
     try:
         a = np.asarray(x, dtype=np.float64).view()  # no copy of a float64 array
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{what} must be convertible to a float64 array: {e}") from None
+        raise ValueError(
+            f"{_named(name, at)} must be convertible to a float64 array: {e}"
+        ) from None
     if a.ndim != ndim:
-        raise ValueError(f"{what} must be {ndim}-D, got shape {a.shape}.")
+        raise ValueError(f"{_named(name, at)} must be {ndim}-D, got shape {a.shape}.")
     a.flags.writeable = False
     return a
 
@@ -60,12 +69,12 @@ class CostGraph:
     edges: Mapping[tuple[int, int], np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self):
-        cost = tuple(_frozen_array(c, 1, f"node_cost[{v}]") for v, c in enumerate(self.node_cost))
-        mem = tuple(_frozen_array(m, 1, f"node_mem[{v}]") for v, m in enumerate(self.node_mem))
+        cost = tuple(_frozen_array(c, 1, "node_cost", v) for v, c in enumerate(self.node_cost))
+        mem = tuple(_frozen_array(m, 1, "node_mem", v) for v, m in enumerate(self.node_mem))
         edges = {}
-        for key, m in self.edges.items():
-            u, v = (int(k) for k in key)
-            edges[u, v] = _frozen_array(m, 2, f"edges[{u}, {v}]")
+        for (u, v), m in self.edges.items():
+            u, v = int(u), int(v)
+            edges[u, v] = _frozen_array(m, 2, "edges", (u, v))
         object.__setattr__(self, "node_cost", cost)
         object.__setattr__(self, "node_mem", mem)
         object.__setattr__(self, "edges", edges)
