@@ -603,3 +603,36 @@ def test_planning_keeps_the_capture_out_of_garbage_collections_and_puts_it_back(
     with pytest.raises(RuntimeError, match="search failed"):
         plan(tmp_path, batch=32)
     assert gc.get_freeze_count() == before
+
+
+def test_remat_auto_rolls_an_unrolled_stack_once(monkeypatch):
+    """The remat policies' drivers share the roll of a stack unrolled in Python into
+    loops (`passes.roll`, a capture of the rolled step: seconds on a large model): one
+    full-size roll per stage count, not one per policy; each policy rematerializes it."""
+    from autopar.compile import pipelines
+    from autopar.errors import MemoryBudgetError
+    from autopar.examples.models import gpt
+
+    cfg = gpt.GPTConfig(
+        hidden=32, heads=2, seq=16, vocab=64, layers=2, batch_size=8, scan_layers=False
+    )
+    batches, real = [], pipelines.roll
+
+    def counting(graph, *rest, **kw):
+        batches.append(graph.values[graph.inputs[-1]].shape[0])  # the token batch
+        return real(graph, *rest, **kw)
+
+    monkeypatch.setattr(pipelines, "roll", counting)
+    par = autopar.parallelize(
+        gpt.make_train_step(cfg).step,
+        mesh={"stage": 2, "data": 2, "model": 2},
+        cluster="cpu",
+        pipeline_stages=2,
+        microbatches=2,
+        remat="auto",
+        memory_budget=1,  # nothing fits: every policy is tried
+        engine="recursive",
+    )
+    with pytest.raises(MemoryBudgetError, match="remat=full"):
+        par.plan(*gpt.abstract_args(cfg))
+    assert batches.count(8) == 1 and batches.count(4) == 1, batches

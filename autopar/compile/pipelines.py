@@ -69,7 +69,8 @@ class PipelineTries:
     """The pipeline half of `compile.driver._Driver` (which sets the attributes read
     here: options `o`, `call`, `name`, `clock`, the trace before remat `base`, the remat policy
     and layer count, `_rolled`/`_rolled_notes`, the rolled stacks per stage count, and
-    `traces`, the micro-batch traces every remat policy's driver of the call shares)."""
+    `traces`, the micro-batch traces and the full-size rolls every remat policy's driver
+    of the call shares)."""
 
     def _remat_rolled(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         """A rolled graph's loops rematerialized as scans are (`_looped`), and the notes."""
@@ -193,8 +194,12 @@ class PipelineTries:
                     )
                 )
             elif fits:
+                # the roll itself is the same for every remat policy: made once per call
+                shared = ("full-size roll", S)
                 with self.clock.phase("passes"):
-                    got = _applies(roll, base, fits[0], S, mesh)
+                    if shared not in self.traces:
+                        self.traces[shared] = _applies(roll, base, fits[0], S, mesh)
+                    got = self.traces[shared]
                     if not isinstance(got, Infeasible):
                         g, self._rolled_notes[S] = self._remat_rolled(got[0])
                         got = (g, got[1])
