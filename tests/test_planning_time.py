@@ -536,19 +536,24 @@ def test_remat_auto_traces_a_pipelines_micro_batch_once(monkeypatch):
     from autopar.examples.models import gpt
 
     ts, cfg, batches = _counting_traces(monkeypatch, layers=2)
-    par = autopar.parallelize(
-        ts.step,
+    with pytest.raises(MemoryBudgetError):
+        _every_remat_policy(ts.step).plan(*gpt.abstract_args(cfg))
+    assert batches.count(4) == 1, batches  # micro-batch traces (batch 8 / 2)
+
+
+def _every_remat_policy(step):
+    """`step` parallelized with `remat="auto"` on a 2-stage pipeline of 2 micro-batches
+    where nothing fits, so that every remat policy is tried."""
+    return autopar.parallelize(
+        step,
         mesh={"stage": 2, "data": 2, "model": 2},
         cluster="cpu",
         pipeline_stages=2,
         microbatches=2,
         remat="auto",
-        memory_budget=1,  # nothing fits: every policy is tried
+        memory_budget=1,
         engine="recursive",
     )
-    with pytest.raises(MemoryBudgetError):
-        par.plan(*gpt.abstract_args(cfg))
-    assert batches.count(4) == 1, batches  # micro-batch traces (batch 8 / 2)
 
 
 def test_pipeline_candidates_share_a_micro_batch_trace(monkeypatch):
@@ -623,16 +628,6 @@ def test_remat_auto_rolls_an_unrolled_stack_once(monkeypatch):
         return real(graph, *rest, **kw)
 
     monkeypatch.setattr(pipelines, "roll", counting)
-    par = autopar.parallelize(
-        gpt.make_train_step(cfg).step,
-        mesh={"stage": 2, "data": 2, "model": 2},
-        cluster="cpu",
-        pipeline_stages=2,
-        microbatches=2,
-        remat="auto",
-        memory_budget=1,  # nothing fits: every policy is tried
-        engine="recursive",
-    )
     with pytest.raises(MemoryBudgetError, match="remat=full"):
-        par.plan(*gpt.abstract_args(cfg))
+        _every_remat_policy(gpt.make_train_step(cfg).step).plan(*gpt.abstract_args(cfg))
     assert batches.count(8) == 1 and batches.count(4) == 1, batches

@@ -136,7 +136,7 @@ class _Driver(PipelineTries):
         graph: Graph | None = None,  # the function traced on the call's arguments
         clock: Clock | None = None,
         remat_layers: int | None = None,  # of an unrolled stack, remat only the first ones
-        traces: dict | None = None,  # micro-batch traces, full-size rolls: shared by the call's drivers
+        traces: dict | None = None,  # micro-batch traces, full-size rolls: the call's
     ):
         self.o, self.call, self.remat_policy = options, call, remat_policy
         given = options.given_plan
