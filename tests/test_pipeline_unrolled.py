@@ -296,8 +296,8 @@ def test_the_rolled_optimizer_slots_fold_into_one():
     problem = build_problem(rolled, info, CostModel(profile, info))
     (group,) = find_layers(problem).groups.values()
     # every slot runs its update as one op over the stages, slot 3 (layers 3 and 7) too,
-    # though layer 7 has five ops more than layer 3 (matched by place, `passes.roll.
-    # _placed`; by position in the sequence, the slot was left unrolled): all four fold
+    # though layer 7 has five ops more than layer 3 (matched by place, `passes.
+    # roll_units._placed`; by position in the sequence, the slot was left unrolled)
     assert group == {
         "layers": 4, "kept": [0], "representative": 0, "merged": 3,
         "nodes_per_layer": group["nodes_per_layer"],
@@ -322,7 +322,7 @@ def test_gpt2_unrolled_pipelines_like_jax_jit():
 def test_a_clipped_optimizer_updates_each_layer_slot_over_the_stages_at_once():
     """optax's `clip_by_global_norm` sums every layer's squared gradients in one chain
     through the layers. The rolled step still runs each layer slot's update as one op
-    over the stages (`passes.roll._per_layer_ops`), trains like `jax.jit`, and no op
+    over the stages (`passes.roll_units.per_layer_ops`), trains like `jax.jit`, and no op
     outside the loops reads a layer's row of a stage-split array (each such read, of
     the gradients, moments and parameters of every layer, gathered it across stages:
     XLA warned "Involuntary full rematerialization")."""
