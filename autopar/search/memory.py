@@ -2,9 +2,10 @@
 
 Every engine's plan, each polish and each screened mesh shape is priced, so the walk
 runs tens of times per `.plan()` over graphs of 10k+ ops. Its plan-independent part is
-done once per problem (`_Walk`): the ops' operands and results as flat arrays, and each
-strategy table's specs as small integers (equal specs, equal ids), so that a plan's
-walk is a few gathers and scatters over those arrays. The sums are made in the order
+done once per graph (`_GraphWalk`: the ops' operands and results as flat arrays, shared
+by a mesh search's shapes) and once per problem (`_Walk`: each strategy table's specs
+as small integers, equal specs equal ids), so that a plan's walk is a few gathers and
+scatters over those arrays. The sums are made in the order
 the op-by-op walk made them (`np.add.at` adds in index order), so the result is the
 same to the byte."""
 
@@ -76,13 +77,15 @@ class _GraphWalk:
 
 
 class _Walk:
-    """What `peak_memory` reads of `problem` whatever the plan.
+    """What `peak_memory` reads of `problem` whatever the plan, beside its graph's
+    `_GraphWalk` (`g`).
 
     Each distinct strategy table (repeated layers share theirs) is laid out once in
     `ins` / `outs`: strategy s's operand j of a table with `a` operands at
-    `base + s * a + j`, as a spec id. Per operand read ("edge": op, position, value),
-    per result made ("made": op, position, value), and per value its bytes, rank and
-    the fraction of it resident at once (`Problem.resident`)."""
+    `base + s * a + j`, as a spec id (`id`: equal specs, equal ids; `shards` per id).
+    Per operand read and per result made, where its table's entries start and how
+    many there are per strategy; each op's span (itself, or its 1F1B region's), and
+    per value the fraction of it resident at once (`Problem.resident`)."""
 
     def __init__(self, problem: Problem):
         g, n_in, strategies = problem.graph, problem.num_inputs, problem.strategies
@@ -181,6 +184,8 @@ def peak_memory(
     want = w.ins[w.e_at + c[n_in + w.e_op] * w.e_ar]
     stored = held[w.e_x]
     copy = (stored >= 0) & (want != stored)
+    # read as a copy, a value is needed only while the copy is made (a region's: at its
+    # start); in its own layout, while the reader runs
     at = np.where(copy, w.lo[w.e_op], w.hi[w.e_op])
     # fused away: every read of a candidate in the layout it is made in
     bad = gw.f_group[want[w.f_edge] != held[gw.f_v]]
