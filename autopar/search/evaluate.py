@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from autopar.cost.model import FUSED_OPS, Collective, Cost
+from autopar.cost.model import Collective, Cost
 from autopar.ir.graph import Graph
 from autopar.search import memory
 from autopar.search.build import Problem
@@ -165,14 +165,12 @@ def memory_floor(graph: Graph, devices: int, resident: dict[int, float] | None =
             last[x] = node.id
     for x in graph.outputs:
         last[x] = len(graph.nodes)
-    fused = [n.op in FUSED_OPS for n in graph.nodes]
-    returned = set(graph.outputs)
+    fusable = memory.fusable(graph)
     free_at = np.zeros(len(graph.nodes) + 1)
     live = peak = 0.0
     for node in graph.nodes:
         for v in node.outputs:
-            readers = graph.consumers.get(v, ())
-            if fused[node.id] and v not in returned and len(readers) == 1 and fused[readers[0]]:
+            if v in fusable:
                 continue  # a plan may keep it inside one fused kernel
             b = graph.values[v].nbytes * resident.get(v, 1.0)
             live += b

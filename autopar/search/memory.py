@@ -28,8 +28,8 @@ class _GraphWalk:
     """What `peak_memory` reads of a graph, for every problem of it (the shapes of a
     mesh-shape search share it): each operand read ("edge": op, position, value) and
     result made (op, position, value) as flat arrays, each value's bytes and rank, and
-    the values `fused_away` may drop whatever the plan: made by a FUSED_OPS op for
-    exactly one FUSED_OPS op to read, not returned (one row per position read)."""
+    the values a plan may fuse away (`cand_v`, from `_fusable`; `f_*`: one row per
+    position read)."""
 
     def __init__(self, g: Graph):
         nodes = g.nodes
@@ -53,27 +53,47 @@ class _GraphWalk:
         self.outputs = np.array(g.outputs, np.int64)
         self.nbytes = np.array([t.nbytes for t in g.values], np.int64)
         self.scalar = np.array([not t.rank for t in g.values], bool)
-        fused = [n.op in FUSED_OPS for n in nodes]
-        returned = set(g.outputs)
         f_v, f_edge, f_group, cand = [], [], [], []
         first = np.searchsorted(self.e_op, np.arange(n_ops)).tolist()  # each op's first edge
-        for n in nodes:
-            if not fused[n.id]:
-                continue
-            for v in n.outputs:
-                readers = g.consumers.get(v, ())
-                if v in returned or len(readers) != 1 or not fused[readers[0]]:
-                    continue
-                c = readers[0]
-                for j, x in enumerate(nodes[c].inputs):
-                    if x == v:
-                        f_v.append(v)
-                        f_edge.append(first[c] + j)
-                        f_group.append(len(cand))
-                cand.append(v)
+        for v, c, positions in g.memo(_fusable):
+            for j in positions:
+                f_v.append(v)
+                f_edge.append(first[c] + j)
+                f_group.append(len(cand))
+            cand.append(v)
         self.f_v, self.f_edge = np.array(f_v, np.int64), np.array(f_edge, np.int64)
         self.f_group, self.cand_v = np.array(f_group, np.int64), np.array(cand, np.int64)
         self.op_inputs = [np.array(n.inputs, np.int64) for n in nodes]
+
+
+def _fusable(g: Graph) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(value, its reader, the reader's operand positions that read it) of every value a
+    plan may keep inside one fused kernel: made by a FUSED_OPS op, read by one FUSED_OPS
+    op alone, not returned (`peak_memory` drops those its plan reads in the layout they
+    are made in)."""
+    returned = set(g.outputs)
+    fused = [n.op in FUSED_OPS for n in g.nodes]
+    out = []
+    for n in g.nodes:
+        if not fused[n.id]:
+            continue
+        for v in n.outputs:
+            readers = g.consumers.get(v, ())
+            if v in returned or len(readers) != 1 or not fused[readers[0]]:
+                continue
+            c = readers[0]
+            out.append((v, c, tuple(j for j, x in enumerate(g.nodes[c].inputs) if x == v)))
+    return out
+
+
+def fusable(g: Graph) -> frozenset[int]:
+    """The values of `g` some plan may fuse away (`_fusable`; `evaluate.memory_floor`
+    leaves them all out)."""
+    return g.memo(_fusable_values)
+
+
+def _fusable_values(g: Graph) -> frozenset[int]:
+    return frozenset(v for v, _, _ in g.memo(_fusable))
 
 
 class _Walk:
