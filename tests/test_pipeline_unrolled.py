@@ -181,9 +181,9 @@ def _linen(model, tx=None):
     return step, params, tx.init(params)
 
 
-def _parallel(step, schedule: str = "1f1b"):
+def _parallel(step, schedule: str = "1f1b", microbatches: int | None = M):
     return autopar.parallelize(
-        step, mesh=MESH, pipeline_stages=2, microbatches=M, pipeline_schedule=schedule
+        step, mesh=MESH, pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule
     )
 
 
@@ -192,9 +192,9 @@ def _on_stage(leaf, stage: int, mesh) -> bool:
     return leaf.sharding.device_set == devices
 
 
-def _check_linen(model, layer_path, schedule: str = "1f1b", tx=None):
+def _check_linen(model, layer_path, schedule: str = "1f1b", tx=None, microbatches: int | None = M):
     step, params, opt_state = _linen(model, tx)
-    par = _parallel(step, schedule)
+    par = _parallel(step, schedule, microbatches)
     ref = jax.jit(step)
     a, b = (params, opt_state), (params, opt_state)
     for i in range(3):
@@ -251,6 +251,30 @@ def test_llama_unrolled_pipelines_like_jax_jit():
     assert shapes, "no collective-permute in the compiled program"
     per_micro = (B // M) * T * D
     assert any(T in s and per_micro // 4 <= jnp.prod(jnp.array(s)) <= per_micro for s in shapes)
+
+
+def test_unrolled_pipeline_tries_are_priced_on_one_loop_over_the_layers(monkeypatch):
+    """With several tries to rank (here the micro-batch counts 2, 4 and 8), each is priced
+    on the stack rolled into one loop over its 4 layers (one-layer bodies, as under
+    `scan`: `compile.pipelines.proxied`); only the fastest is rolled into loops over the 2
+    stages and searched again, and that plan is the one that runs, like `jax.jit`."""
+    from autopar.compile import pipelines
+
+    rolled, real = [], pipelines.roll
+
+    def spy(graph, stack, stages, mesh=None):
+        rolled.append(stages)
+        return real(graph, stack, stages, mesh)
+
+    monkeypatch.setattr(pipelines, "roll", spy)
+    _, plan, *_ = _check_linen(
+        Llama(), lambda p, i: p["params"]["layers"][str(i)], microbatches=None
+    )
+    # the full-size trace and every micro-batch count's trace into one loop; the plan's
+    # try, twice (full size and its micro-batch size) into loops over the 2 stages
+    assert rolled.count(2) == 2 and rolled.count(LAYERS) >= 3, rolled
+    tried = next(w for w in plan.warnings if "as priced with its layers in one loop" in w)
+    assert f"M={plan.pipeline['microbatches']}:" in tried, tried
 
 
 def test_the_rolled_graph_holds_no_dead_ops():

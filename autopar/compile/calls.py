@@ -79,3 +79,24 @@ class Compiled:
     # inputs and outputs stand for the user's leaves (`autopar.lower.rolled`)
     roll: Roll | None = None
     io: Any = None  # its `autopar.lower.rolled.RolledIO`, made on the first call
+
+    @property
+    def step_s(self) -> float:
+        return self.plan.cost.step_s
+
+    @property
+    def remat(self) -> str | None:
+        return self.plan.remat
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """A remat policy's fastest plan as priced on the unrolled stack rolled into one
+    loop over all its layers (`compile.pipelines.proxied`), before any plan is made:
+    `realize()` rolls that try into loops over its stages, searches it again and gives
+    the `Compiled` that runs (or the `Infeasible` saying why none fits)."""
+
+    step_s: float
+    memory_bound: bool
+    remat: str | None
+    realize: Callable[[], Any]

@@ -17,12 +17,13 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TypeVar
 
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from autopar.compile.calls import Call, Compiled, Options
+from autopar.compile.calls import Call, Compiled, Options, Proxy
 from autopar.compile.clock import Clock, left_out, try_name
 from autopar.compile.lowering import compiled_memory, info_str, lowered
 from autopar.compile.merged import merged_seeds
@@ -39,6 +40,7 @@ from autopar.compile.pipelines import (
     Infeasible,
     PipelineTries,
     graph_of,
+    proxied,
     random_per_microbatch,
     roll_of,
 )
@@ -144,6 +146,7 @@ class _Driver(PipelineTries):
             remat_layers = given.remat_layers
         self.remat_layers = remat_layers
         self.stack_layers = 0  # depth of the unrolled stack remat found (`_prepare`)
+        self.unpipelined_fits = False  # a try without a pipeline gave a plan (`compile`)
         self.single = len(options.meshes) == 1
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
@@ -171,9 +174,17 @@ class _Driver(PipelineTries):
         graph, more = self._remat(graph)
         return graph, notes + more
 
+    def _stacks(self, graph: Graph) -> list:
+        """`find_stacks(graph)`, once per trace for all the call's drivers (about a second
+        on a 96-layer step, asked for by every stage count and remat policy)."""
+        key = ("stacks", id(graph))
+        if key not in self.traces:  # (the graph kept with them: its id stays its own)
+            self.traces[key] = (graph, find_stacks(graph))
+        return self.traces[key][1]
+
     def _precision(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         notes: tuple[str, ...] = tuple(
-            f"layer stack: {s.describe()} (unrolled in Python)" for s in find_stacks(graph)
+            f"layer stack: {s.describe()} (unrolled in Python)" for s in self._stacks(graph)
         )
         if self.o.precision is not None:
             notes += describe_precision(graph, self.o.precision).notes()
@@ -232,8 +243,12 @@ class _Driver(PipelineTries):
         found = self._search(graph, reused)
         if isinstance(found, Infeasible):
             return found
+        self.unpipelined_fits = any(r[6] is None for r in found.ranked)
         if o.pipeline_stages == "auto":
-            notes += (pipeline_tries(found.ranked, found.failures, o.pipeline_schedule is None),)
+            one = next((r[6].roll.layers for r in found.ranked if proxied(r[6])), 0)
+            notes += (
+                pipeline_tries(found.ranked, found.failures, o.pipeline_schedule is None, one),
+            )
             stage = [m for m in o.meshes if "stage" in m.axis_names]
             piped = any(r[6] is not None for r in found.ranked)
             if stage and not piped:  # no pipeline could be made: say why
@@ -344,17 +359,7 @@ class _Driver(PipelineTries):
                 kinds.append(type(result.error))
                 memory_bound |= result.memory
                 continue
-            ranked += [
-                (cost.step_s, k, name, mesh, problem, result, pipelined)
-                for name, _, cost in result.ranked
-            ]
-            if other:  # the same plans under ZB-H1 (`_other_schedule`)
-                zb = self._rescheduling(pipelined)
-                zb_problem = rescheduled(problem, zb) if problem is not None else None
-                ranked += [
-                    (cost.step_s, k, name, mesh, zb_problem, replace(result, ranked=other), zb)
-                    for name, _, cost in other
-                ]
+            ranked += self._entries(k, mesh, problem, result, pipelined, other)
             best = min([best] + [cost.step_s for _, _, cost in (*result.ranked, *other)])
         if left:
             self.clock.skip(left_out(tries, left, self.remat_policy))
@@ -393,18 +398,40 @@ class _Driver(PipelineTries):
             extra={"autopar_step": (step + 1, len(tries))},
         )
         problem = built.pop(i, None) or self._built(g, info, pipelined)
-        pins = self._pins(problem, g is not graph, reused)
+        return self._searched_try(problem, mesh, pipelined, reused, len(tries) == 1, i)
+
+    def _searched_try(
+        self, problem: Problem, mesh, pipelined, reused: dict, alone: bool, i: int | None = None
+    ) -> tuple:
+        """A try's built problem searched: (problem, the result or Infeasible, the plans
+        under the other schedule, `_other_schedule`). `alone`: the call's only try; `i`:
+        its index, for the first searches made side by side (`firsts_ahead`)."""
+        o = self.o
+        pins = self._pins(problem, problem.graph is not self.graph, reused)
         if isinstance(pins, MeshError):
             return problem, Infeasible(pins), ()
         checked = isinstance(mesh, Mesh)
-        first = self._first.get(i)
+        first = self._first.get(i) if i is not None else None
         # one mesh given: its plans with the axes merged are candidates too (`merged`)
-        one = len(tries) == 1 and o.engine == "auto" and not pins and pipelined is None
-        seeds = merged_seeds(g, problem) if one else None
+        one = alone and o.engine == "auto" and not pins and pipelined is None
+        seeds = merged_seeds(problem.graph, problem) if one else None
         result = _searched(
             problem, o.engine, o.memory_budget, pins, self.clock, checked, first, seeds
         )
         return problem, result, self._other_schedule(problem, pipelined, result)
+
+    def _entries(self, k: int, mesh, problem, result, pipelined, other) -> list[tuple]:
+        """A searched try's plans as `_Found.ranked` entries, with the same plans under
+        ZB-H1 (`other`, `_other_schedule`)."""
+        out = [
+            (c.step_s, k, name, mesh, problem, result, pipelined) for name, _, c in result.ranked
+        ]
+        if other:
+            zb = self._rescheduling(pipelined)
+            zb_problem = rescheduled(problem, zb) if problem is not None else None
+            zb_result = replace(result, ranked=other)
+            out += [(c.step_s, k, name, mesh, zb_problem, zb_result, zb) for name, _, c in other]
+        return out
 
     def _memory_floor(self, g: Graph, devices: int, pipelined) -> float:
         """`memory_floor` of a try's graph, once per (graph, device count, pipeline):
@@ -469,7 +496,12 @@ class _Driver(PipelineTries):
         close to the budget; the next one when XLA needs more than the budget."""
         o, call = self.o, self.call
         rejected = []
-        for _, _, name, mesh, problem, result, pipelined in found.ranked:
+        for n, (step_s, _, name, mesh, problem, result, pipelined) in enumerate(found.ranked):
+            if proxied(pipelined):  # priced on the one-loop roll: searched again as it runs
+                rest = replace(found, ranked=found.ranked[n:])
+                realize = partial(self._realized, graph, rest, notes, lead)
+                remat = self.remat_policy if self.remat_policy != "none" else None
+                return Proxy(step_s, found.memory_bound or bool(rejected), remat, realize)
             if problem is None:  # searched in a worker (`compile.tries`): built again here
                 problem = self._built(graph_of(graph, pipelined), self._info(mesh), pipelined)
             with self.clock.phase("plan"):

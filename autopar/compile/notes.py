@@ -27,10 +27,12 @@ def unbranched(pipelined: PipelinedScans, mesh) -> str | None:
     )
 
 
-def pipeline_tries(options, failures, repriced: bool = False) -> str:
+def pipeline_tries(options, failures, repriced: bool = False, one_loop: int = 0) -> str:
     """The plan note of `pipeline_stages="auto"`: the best plan of every (mesh,
     micro-batch count) tried, and the meshes that had none; with `repriced`, a ZB-H1
-    entry is a lock-step try's plans priced again (`_Driver._other_schedule`)."""
+    entry is a lock-step try's plans priced again (`_Driver._other_schedule`); with
+    `one_loop`, the tries were priced on that many unrolled layers rolled into one loop
+    (`compile.pipelines.proxied`)."""
     best: dict[str, float] = {}
     for step_s, _, _, mesh, _, _, pipelined in options:
         shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -42,7 +44,14 @@ def pipeline_tries(options, failures, repriced: bool = False) -> str:
         f"{k.split(' |')[0]} {v * 1e3:.4g} ms" + (" under zb-h1" if " |" in k else "")
         for k, v in best.items()
     ]
-    return "pipeline_stages='auto' tried (fastest first): " + "; ".join(
+    how = (
+        f" (priced on the {one_loop} layers unrolled in Python rolled into one loop over "
+        "them, one layer a step, as under scan; the plan's try was searched again rolled "
+        "into loops over its stages)"
+        if one_loop
+        else ""
+    )
+    return f"pipeline_stages='auto' tried{how} (fastest first): " + "; ".join(
         tried + list(dict.fromkeys(f.splitlines()[0] for f in failures))
     )
 

@@ -30,8 +30,8 @@ from autopar.passes.pipeline import (
     with_full_consts,
 )
 from autopar.passes.remat import rematerialize
+from autopar.passes.rescale import rescaled
 from autopar.passes.roll import Roll, roll
-from autopar.passes.stacks import find_stacks
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
 from autopar.search.piped import rescheduled
@@ -173,18 +173,35 @@ class PipelineTries:
             priced = [(name, choice, evaluate(other, choice)) for name, choice, _ in result.ranked]
         return tuple(r for r in priced if r[2].peak_memory_bytes <= o.memory_budget)
 
-    def _looped(self, graph: Graph, S: int, mesh) -> tuple[Graph, Roll | None] | Infeasible:
+    def _one_loop(self) -> bool:
+        """Whether the pipeline tries on a stack unrolled in Python are priced on the
+        stack rolled into one loop over all its layers (`proxy`): where there is more
+        than one try to rank (several stage counts, micro-batch counts or remat
+        policies); the fastest is then rolled for its stages and searched again
+        (`compile.driver._Driver._realized`)."""
+        o = self.o
+        return o.given_plan is None and (
+            o.pipeline_stages == "auto" or o.microbatches is None or o.remat == "auto"
+        )
+
+    def _looped(
+        self, graph: Graph, S: int, mesh, proxy: bool | None = None
+    ) -> tuple[Graph, Roll | None] | Infeasible:
         """The graph whose loops `S` stages pipeline: `graph` when a scan over layers
         splits into `S`, else `graph` with its stack of layers unrolled in Python rolled
-        into loops (`autopar.passes.roll`) and the `Roll`; Infeasible when neither."""
+        into loops (`autopar.passes.roll`) and the `Roll`; Infeasible when neither.
+        `proxy` (default `_one_loop()`): rolled into one loop over all the stack's layers,
+        whose one-layer bodies (a scanned model's) the try is priced on, instead of one
+        loop step per stage (what runs)."""
         if pipelined_scans(graph, Pipeline(S, 1)):
             return graph, None
-        key = S  # the rolled ops do not depend on the mesh's shape
+        proxy = self._one_loop() if proxy is None else proxy
+        key = (S, proxy)  # the rolled ops do not depend on the mesh's shape
         if key not in self._rolled:
             # the stack is found and rolled before remat (its copies would sit between
             # the layers); the rolled loops are then rematerialized as scans are
             base = self.base
-            stacks = find_stacks(base)
+            stacks = self._stacks(base)
             fits = [s for s in stacks if len(s.forward) % S == 0]
             if self.remat_layers is not None:
                 self._rolled[key] = Infeasible(
@@ -195,14 +212,17 @@ class PipelineTries:
                 )
             elif fits:
                 # the roll itself is the same for every remat policy: made once per call
-                shared = ("full-size roll", S)
+                chunks = len(fits[0].forward) if proxy else S
+                shared = ("full-size roll", chunks)
                 with self.clock.phase("passes"):
                     if shared not in self.traces:
-                        self.traces[shared] = _applies(roll, base, fits[0], S, mesh)
+                        self.traces[shared] = _applies(roll, base, fits[0], chunks, mesh)
                     got = self.traces[shared]
                     if not isinstance(got, Infeasible):
-                        g, self._rolled_notes[S] = self._remat_rolled(got[0])
+                        g, self._rolled_notes[chunks] = self._remat_rolled(got[0])
                         got = (g, got[1])
+                if isinstance(got, Infeasible) and proxy:  # what runs may still roll
+                    got = self._looped(graph, S, mesh, proxy=False)
                 self._rolled[key] = got
             else:
                 loops = [n.params["length"] for n in graph.nodes if n.body is not None]
@@ -224,6 +244,48 @@ class PipelineTries:
                 self._rolled[key] = Infeasible(PipelineError(head + why))
         return self._rolled[key]
 
+    def _realized(self, graph: Graph, found, notes: tuple[str, ...], lead: tuple[str, ...]):
+        """`found.ranked`'s first entry, a try priced on its unrolled stack rolled into
+        one loop over all the layers (`proxied`), rolled into loops over its stages,
+        built and searched as it will run; its plans, then the entries after it other
+        than its own, made into the plan as `_first_that_fits` makes them."""
+        step_s, k, _, mesh, _, _, pipelined = found.ranked[0]
+        pipe = pipelined.pipe
+        if pipe.schedule == "zb-h1" and self.o.pipeline_schedule is None:
+            pipe = replace(
+                pipe, schedule="1f1b"
+            )  # a lock-step try priced again (`_other_schedule`)
+        rest = [
+            r
+            for r in found.ranked
+            if not (r[1] == k and proxied(r[6]) and r[6].pipe.microbatches == pipe.microbatches)
+        ]
+        name = f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} M={pipe.microbatches}"
+        ranked: list = []
+        got = self._looped(graph, pipe.stages, mesh, proxy=False)
+        if not isinstance(got, Infeasible):
+            got = self._pipelined(got[0], pipe, mesh, got[1])
+        if not isinstance(got, Infeasible):
+            log.info("mesh %s: searching it again rolled into %d stages", name, pipe.stages)
+            problem = self._built(got.graph, self._info(mesh), got)
+            problem, result, other = self._searched_try(problem, mesh, got, {}, False)
+            if not isinstance(result, Infeasible):
+                ranked = sorted(
+                    self._entries(k, mesh, problem, result, got, other), key=lambda r: r[:3]
+                )
+            got = result
+        again = (
+            f"{ranked[0][0] * 1e3:.4g} ms searched again rolled into loops over its "
+            f"{pipe.stages} stages (what runs)"
+            if ranked
+            else f"rolled into loops over its {pipe.stages} stages: {got.why.splitlines()[0]}"
+        )
+        note = f"{name}: {step_s * 1e3:.4g} ms as priced with its layers in one loop; {again}"
+        out = self._first_that_fits(
+            graph, replace(found, ranked=ranked + rest), (*notes, note), lead
+        )
+        return out.realize() if hasattr(out, "realize") else out
+
     def _pipelined(
         self, graph: Graph, pipe: Pipeline, mesh, rolled: Roll | None = None
     ) -> PipelinedScans | Infeasible:
@@ -240,7 +302,8 @@ class PipelineTries:
         keep = {
             p for i in find_aliases(graph).values() for p in (rolled.inputs[i] if rolled else [i])
         }
-        flat = _applies(micro_args, dyn, batch_size(graph, scans), pipe.microbatches, name, keep)
+        batch = batch_size(graph, scans)
+        flat = _applies(micro_args, dyn, batch, pipe.microbatches, name, keep)
         if isinstance(flat, Infeasible):
             return flat
         micro_dyn = iter(jax.tree_util.tree_unflatten(tree, flat))
@@ -250,20 +313,42 @@ class PipelineTries:
         # the remat policies' drivers; one roll of it per stage count (the rolled ops
         # depend on neither the mesh's other axes nor the micro-batch count)
         shape = tuple(zip(mesh.axis_names, mesh.axis_sizes))
-        by_mesh = _constrains(self.base if self.base is not None else graph)
+        base = self.base if self.base is not None else graph
+        if ("constrains", id(base)) not in self.traces:  # once per trace: a walk of every op
+            self.traces[("constrains", id(base))] = (base, _constrains(base))
+        by_mesh = self.traces[("constrains", id(base))][1]
         sig = tuple((getattr(x, "shape", None), str(getattr(x, "dtype", ""))) for x in flat)
         raw = ("trace", shape if by_mesh else None, sig)
-        if raw not in self.traces:
-            log.info("tracing %s at the micro-batch size", name)
-            with self.clock.phase("capture"):
-                self.traces[raw] = self._capture(margs, mesh)
         key = ("rolled", raw, rolled.stages if rolled is not None else None)
+        # a try priced on the one-loop roll: its micro-batch graph derived from one
+        # traced at another size, where `rescale` can (the plan's try is traced again)
+        ref = ("reference", rolled.stages) if rolled is not None and not by_mesh else None
+        derive = ref is not None and rolled.stages != pipe.stages and batch >= 2 * pipe.microbatches
+        if key not in self.traces and derive and ref in self.traces:
+            full, (micro, count) = self.traces[("full-size roll", rolled.stages)], self.traces[ref]
+            with self.clock.phase("passes"):
+                got = rescaled(full[0], micro, count, pipe.microbatches)
+            if got is not None:
+                log.info(
+                    "%s at %d micro-batches: derived from the trace at %d",
+                    name,
+                    pipe.microbatches,
+                    count,
+                )
+                self.traces[key] = got
         if key not in self.traces:
+            if raw not in self.traces:
+                log.info("tracing %s at the micro-batch size", name)
+                with self.clock.phase("capture"):
+                    self.traces[raw] = self._capture(margs, mesh)
             traced = self.traces[raw]
             if rolled is not None:
                 with self.clock.phase("passes"):
-                    traced = _applies(_roll_like, self._precision(traced)[0], rolled, mesh)
+                    traced = self._precision(traced)[0]
+                    traced = _applies(_roll_like, traced, self._stacks(traced), rolled, mesh)
             self.traces[key] = traced
+            if derive and not isinstance(traced, Infeasible):
+                self.traces.setdefault(ref, (traced, pipe.microbatches))
         micro = self.traces[key]
         if isinstance(micro, Infeasible):
             return micro
@@ -343,10 +428,17 @@ def roll_of(pipelined: PipelinedScans | None) -> Roll | None:
     return None if pipelined is None else pipelined.roll
 
 
-def _roll_like(graph: Graph, like: Roll, mesh) -> Graph:
-    """`graph` (the step traced again, at another batch size) with the stack `like`
-    rolled the same way."""
-    for stack in find_stacks(graph):
+def proxied(pipelined: PipelinedScans | None) -> bool:
+    """Whether a try is priced on its unrolled stack rolled into one loop over all the
+    layers (`PipelineTries._looped`'s `proxy`), not on the loops over stages that run."""
+    roll = roll_of(pipelined)
+    return roll is not None and roll.stages != pipelined.pipe.stages
+
+
+def _roll_like(graph: Graph, stacks: list, like: Roll, mesh) -> Graph:
+    """`graph` (the step traced again, at another batch size; `stacks`, its own) with
+    the stack `like` rolled the same way."""
+    for stack in stacks:
         if stack.template == like.template and len(stack.forward) == like.layers:
             got, again = roll(graph, stack, like.stages, mesh)
             if (again.inputs, again.outputs) == (like.inputs, like.outputs):

@@ -13,7 +13,7 @@ from dataclasses import replace
 import jax
 
 from autopar.compile.cache import PlanCache, cache_key
-from autopar.compile.calls import Call, Compiled, Options
+from autopar.compile.calls import Call, Compiled, Options, Proxy
 from autopar.compile.clock import Clock
 from autopar.compile.driver import Infeasible, _Driver, log
 from autopar.errors import AutoparError, MemoryBudgetError, user_level
@@ -148,10 +148,10 @@ def _fewest_layers(
     policy: str,
     graph: Graph,
     clock: Clock,
-    got: Compiled,
+    got: Compiled | Proxy,
     driver: _Driver,
     tried: list[str],
-) -> Compiled:
+) -> Compiled | Proxy:
     """`policy` fits on every layer of the unrolled stack and no lighter policy fits:
     the fastest plan recomputing only the stack's first layers, the fewest that fit
     (each layer recomputed costs its forward again). Bisection on the count, one
@@ -168,13 +168,17 @@ def _fewest_layers(
             tried.append(f"remat={policy} on the first {mid} layers: {probe.why.splitlines()[0]}")
             lo = mid
             continue
-        tried.append(
-            f"remat={policy} on the first {mid} layers: {probe.plan.cost.step_s * 1e3:.4g} ms"
-        )
+        tried.append(f"remat={policy} on the first {mid} layers: {_priced(probe)}")
         hi = mid
-        if probe.plan.cost.step_s < best.plan.cost.step_s:
+        if probe.step_s < best.step_s:
             best = probe
     return best
+
+
+def _priced(got: Compiled | Proxy) -> str:
+    """A policy's best price, as the `remat='auto'` note gives it."""
+    one = " as priced with the layers in one loop" if isinstance(got, Proxy) else ""
+    return f"{got.step_s * 1e3:.4g} ms{one}"
 
 
 def _cached(options: Options, call: Call, graph: Graph, clock: Clock, plan: Plan):
@@ -195,10 +199,11 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
     in turn from the least recompute, keeping the fastest plan that fits."""
     if options.remat != "auto":
         got = _Driver(options, call, options.remat, graph, clock).compile()
+        got = got.realize() if isinstance(got, Proxy) else got
         if isinstance(got, Infeasible):
             raise got.error
         return got
-    tried, best, traces = [], None, {}
+    tried, best, traces, found = [], None, {}, []
     for k, policy in enumerate(REMAT_POLICIES):  # most memory, least recompute first
         if best is not None and clock.out_of_time():
             clock.skip("remat policies " + ", ".join(REMAT_POLICIES[k:]))
@@ -210,21 +215,31 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
                 raise got.error
             tried.append(f"remat={policy}: {got.why.splitlines()[0]}")
             continue
-        tried.append(f"remat={policy}: {got.plan.cost.step_s * 1e3:.4g} ms")
-        if best is None and k > 0 and driver.stack_layers > 1:
+        tried.append(f"remat={policy}: {_priced(got)}")
+        if best is None and k > 0 and driver.stack_layers > 1 and driver.unpipelined_fits:
             # the policy before did not fit: fewer layers of this one may (recomputing
-            # less); bisect on how many of the unrolled stack's first layers it covers
+            # less); bisect on how many of the unrolled stack's first layers it covers.
+            # Not where it fits only pipelined: a pipeline recomputes all its layers or
+            # none, and fewer layers hold more memory than all of them, which did not fit
             got = _fewest_layers(options, call, policy, graph, clock, got, driver, tried)
-        if best is None or got.plan.cost.step_s < best.plan.cost.step_s:
+        found.append(got)
+        if best is None or got.step_s < best.step_s:
             best = got
         if not got.memory_bound:  # nothing held back by memory: more remat only adds work
             break
-        if policy != "none" and got.plan.remat is None:  # nothing to rematerialize
+        if policy != "none" and got.remat is None:  # nothing to rematerialize
             tried.append("no layers to rematerialize")
             break
-    if best is not None:
+    # a policy's plan priced on an unrolled stack rolled into one loop (`Proxy`) is made
+    # by searching its try again as it runs; the next one where that plan does not fit
+    for got in sorted(found, key=lambda c: c.step_s):
+        if isinstance(got, Proxy):
+            policy, got = got.remat or "none", got.realize()
+            if isinstance(got, Infeasible):
+                tried.append(f"remat={policy} searched again: {got.why.splitlines()[0]}")
+                continue
         note = "remat='auto' tried " + "; ".join(tried)
-        return replace(best, plan=replace(best.plan, warnings=(*best.plan.warnings, note)))
+        return replace(got, plan=replace(got.plan, warnings=(*got.plan.warnings, note)))
     raise MemoryBudgetError(
         f"{fn_name(options.fn)}: no rematerialization policy fits the budget:\n  "
         + "\n  ".join(tried)
