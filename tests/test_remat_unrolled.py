@@ -209,6 +209,27 @@ def test_first_layers_only_keep_the_numbers():
     )
 
 
+def test_auto_remat_on_a_pipelined_stack_does_not_try_first_layers_only(monkeypatch):
+    """A pipeline recomputes all its layers or none (its stages run one loop body), and
+    recomputing fewer layers holds more memory than all of them: where a policy fits
+    only pipelined, `remat="auto"` does not bisect on how many first layers to
+    recompute (each probe was a whole search, ~50 s on GPT-3 175B), and the plan
+    recomputes every layer."""
+    from autopar.compile import driver
+
+    monkeypatch.setattr(driver, "COMPILE_CHECK_FRACTION", 10.0)
+    step, state, x = make(layers=8, d=32, batch=8, seq=32)
+    kw = {"mesh": {"stage": 2, "data": 2}, "cluster": "cpu", "engine": "recursive",
+          "pipeline_stages": 2, "microbatches": 2}  # fmt: skip
+    peak = {r: autopar.parallelize(step, remat=r, **kw).plan(state, x) for r in ("none", "full")}
+    hi, lo = (peak[r].cost.peak_memory_bytes for r in ("none", "full"))
+    assert lo < hi
+    plan = autopar.parallelize(step, remat="auto", memory_budget=(lo + hi) / 2, **kw).plan(state, x)
+    tried = next(w for w in plan.warnings if w.startswith("remat='auto' tried"))
+    assert "remat=none: " in tried and "on the first" not in tried, tried
+    assert plan.remat is not None and plan.remat_layers is None and plan.pipeline
+
+
 def test_auto_remat_recomputes_only_the_layers_the_budget_needs(monkeypatch):
     """Between the peak with no remat and with every layer recomputed, `remat="auto"`
     recomputes the stack's first layers only, as few as fit: faster than every layer,
