@@ -320,3 +320,42 @@ def test_full_remat_of_unrolled_layers_plans_as_the_scanned_stack():
         assert plan.remat == "full"
         prices[scan] = plan.cost.step_s
     assert prices[False] <= 1.02 * prices[True], prices
+
+
+def test_auto_remat_searches_again_every_one_loop_plan_within_the_margin():
+    """`remat="auto"` on a pipelined unrolled stack: each policy's best is priced on the
+    layers rolled into one loop (a `Proxy`) and made by a search as it runs; every one
+    priced within `ONE_LOOP_MARGIN` of the fastest plan made is searched again (the
+    one-loop price can be that far off), the fastest made wins, the rest are not searched,
+    and one whose search finds no plan that fits gives way to the next."""
+    from types import SimpleNamespace
+
+    from autopar.compile.calls import Proxy
+    from autopar.compile.pipelines import Infeasible
+    from autopar.compile.step import ONE_LOOP_MARGIN, fastest_made
+    from autopar.errors import MemoryBudgetError
+
+    searched = []
+
+    def proxy(name: str, priced: float, made: float | None) -> Proxy:
+        def realize():
+            searched.append(name)
+            if made is None:
+                return Infeasible(MemoryBudgetError(f"{name}: over the budget"))
+            return SimpleNamespace(step_s=made, name=name)
+
+        return Proxy(priced, True, name, realize)
+
+    near = 1 + ONE_LOOP_MARGIN / 2
+    found = [
+        proxy("dots", 1.0, 1.004),
+        proxy("selective", near, 0.99),  # priced slower, faster as it runs
+        proxy("full", 1.0 * (1 + 3 * ONE_LOOP_MARGIN), 0.5),  # past the margin
+    ]
+    tried: list[str] = []
+    assert fastest_made(found, tried).name == "selective"
+    assert searched == ["dots", "selective"]
+    assert tried == ["remat=dots searched again: 1004 ms", "remat=selective searched again: 990 ms"]
+    searched.clear()
+    assert fastest_made([proxy("dots", 1.0, None), proxy("full", 2.0, 2.1)], []).name == "full"
+    assert searched == ["dots", "full"]

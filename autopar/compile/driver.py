@@ -151,7 +151,8 @@ class _Driver(PipelineTries):
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
         self._rolled: dict = {}  # stages -> `_looped`
-        self._rolled_notes: dict[int, tuple[str, ...]] = {}  # stages -> its remat's notes
+        # loop steps of a roll -> (the rolled graph rematerialized, the remat's notes)
+        self._rolled_remat: dict[int, tuple[Graph, tuple[str, ...]]] = {}
         self.base: Graph | None = None  # the trace before remat (`compile`)
         self.traces: dict = {} if traces is None else traces  # `PipelineTries._pipelined`
         self._floors: dict = {}  # `_memory_floor`
@@ -523,7 +524,7 @@ class _Driver(PipelineTries):
                             plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers
                     kept = [w for w in plan.warnings if not w.startswith("remat (")]
-                    done = self._rolled_notes.get(rolled.stages, ())
+                    done = self._rolled_remat.get(rolled.stages, (None, ()))[1]
                     plan = replace(plan, warnings=(*kept, rolled.describe(), *done))
                 jitted = jit_from_plan(g, plan, mesh, donate, pipelined)
             if (

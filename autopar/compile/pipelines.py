@@ -68,7 +68,7 @@ def _applies(fn: Callable[..., T], *args) -> T | Infeasible:
 class PipelineTries:
     """The pipeline half of `compile.driver._Driver` (which sets the attributes read
     here: options `o`, `call`, `name`, `clock`, the trace before remat `base`, the remat policy
-    and layer count, `_rolled`/`_rolled_notes`, the rolled stacks per stage count, and
+    and layer count, `_rolled`/`_rolled_remat`, the rolled stacks per stage count, and
     `traces`, the micro-batch traces and the full-size rolls every remat policy's driver
     of the call shares)."""
 
@@ -218,9 +218,10 @@ class PipelineTries:
                     if shared not in self.traces:
                         self.traces[shared] = _applies(roll, base, fits[0], chunks, mesh)
                     got = self.traces[shared]
-                    if not isinstance(got, Infeasible):
-                        g, self._rolled_notes[chunks] = self._remat_rolled(got[0])
-                        got = (g, got[1])
+                    if not isinstance(got, Infeasible):  # rematerialized once per roll
+                        if chunks not in self._rolled_remat:  # (every S of the one loop's)
+                            self._rolled_remat[chunks] = self._remat_rolled(got[0])
+                        got = (self._rolled_remat[chunks][0], got[1])
                 if isinstance(got, Infeasible) and proxy:  # what runs may still roll
                     got = self._looped(graph, S, mesh, proxy=False)
                 self._rolled[key] = got
