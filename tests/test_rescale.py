@@ -47,7 +47,7 @@ def _differences(a, b) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("model", [Llama, GPT2])
+@pytest.mark.parametrize("model", [Llama, pytest.param(GPT2, marks=pytest.mark.slow)])
 def test_a_derived_micro_batch_graph_is_the_traced_one(model):
     step, params, opt_state = _linen(model())
     full, half, quarter = (_rolled(step, params, opt_state, b) for b in (8, 4, 2))

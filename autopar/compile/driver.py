@@ -150,7 +150,7 @@ class _Driver(PipelineTries):
         self.single = len(options.meshes) == 1
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
-        self._rolled: dict = {}  # stages -> `_looped`
+        self._rolled: dict = {}  # (stages, priced on one loop) -> `_looped`
         # loop steps of a roll -> (the rolled graph rematerialized, the remat's notes)
         self._rolled_remat: dict[int, tuple[Graph, tuple[str, ...]]] = {}
         self.base: Graph | None = None  # the trace before remat (`compile`)

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import jax
 
+from autopar.compile.calls import Proxy
 from autopar.compile.notes import no_layer_loop
 from autopar.errors import AutoparError, MemoryBudgetError, MicrobatchError, PipelineError
 from autopar.ir.graph import Graph, find_aliases
@@ -178,7 +179,7 @@ class PipelineTries:
         stack rolled into one loop over all its layers (`proxy`): where there is more
         than one try to rank (several stage counts, micro-batch counts or remat
         policies); the fastest is then rolled for its stages and searched again
-        (`compile.driver._Driver._realized`)."""
+        (`_realized`)."""
         o = self.o
         return o.given_plan is None and (
             o.pipeline_stages == "auto" or o.microbatches is None or o.remat == "auto"
@@ -253,9 +254,8 @@ class PipelineTries:
         step_s, k, _, mesh, _, _, pipelined = found.ranked[0]
         pipe = pipelined.pipe
         if pipe.schedule == "zb-h1" and self.o.pipeline_schedule is None:
-            pipe = replace(
-                pipe, schedule="1f1b"
-            )  # a lock-step try priced again (`_other_schedule`)
+            # a lock-step try's plans priced again (`_other_schedule`): searched as such
+            pipe = replace(pipe, schedule="1f1b")
         rest = [
             r
             for r in found.ranked
@@ -285,7 +285,7 @@ class PipelineTries:
         out = self._first_that_fits(
             graph, replace(found, ranked=ranked + rest), (*notes, note), lead
         )
-        return out.realize() if hasattr(out, "realize") else out
+        return out.realize() if isinstance(out, Proxy) else out
 
     def _pipelined(
         self, graph: Graph, pipe: Pipeline, mesh, rolled: Roll | None = None

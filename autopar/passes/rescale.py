@@ -9,7 +9,11 @@ reshape's `batch * seq`, a broadcast's target). Given the step traced at the who
 batch and once at one micro-batch size, `rescaled` writes it at any other: what
 differs between the two traces is the batch's, and is divided by the other count.
 
-Where that does not hold it says so (None) and the caller traces: the two traces
+That is an assumption about how the step computes its shapes, checked only at the two
+traced sizes: one computed otherwise (`max(batch, 64)`) that happens to be proportional
+at both would be derived wrong; hence a derived graph is only ever priced (below).
+
+Where it visibly does not hold it says so (None) and the caller traces: the two traces
 differ in their ops or in anything but integers (a constant's shape, a param that is
 no int), or a differing integer is not the reference count's exact multiple, or not
 divisible by the other count. A loop's `jaxpr` param is the one thing kept stale
@@ -50,6 +54,7 @@ def rescaled(full: Graph, ref: Graph, ref_count: int, count: int) -> Graph | Non
 
 
 def _graph(full: Graph, ref: Graph, m0: int, m: int, top: bool) -> Graph:
+    """`full` at `m` micro-batches from `ref` at `m0` (`top`: not a loop body)."""
     if (
         len(full.values) != len(ref.values)
         or len(full.nodes) != len(ref.nodes)
@@ -63,11 +68,9 @@ def _graph(full: Graph, ref: Graph, m0: int, m: int, top: bool) -> Graph:
     values = tuple(_type(a, b, m0, m) for a, b in zip(full.values, ref.values))
     nodes = []
     for a, b in zip(full.nodes, ref.nodes):
-        if (a.op, a.inputs, a.outputs) != (
-            b.op,
-            b.inputs,
-            b.outputs,
-        ) or a.params.keys() != b.params.keys():
+        if (a.op, a.inputs, a.outputs, a.params.keys()) != (
+            b.op, b.inputs, b.outputs, b.params.keys()
+        ):  # fmt: skip
             raise _Differs
         params = {
             k: _param(k, a.params[k], b.params[k], m0, m, top and a.body is not None)
@@ -81,12 +84,10 @@ def _graph(full: Graph, ref: Graph, m0: int, m: int, top: bool) -> Graph:
 
 
 def _type(a: TensorType, b: TensorType, m0: int, m: int) -> TensorType:
-    if a.shape == b.shape:
-        if (a.dtype, a.extended) != (b.dtype, b.extended):
-            raise _Differs
-        return a
-    if len(a.shape) != len(b.shape) or (a.dtype, a.extended) != (b.dtype, b.extended):
+    if (a.dtype, a.extended, len(a.shape)) != (b.dtype, b.extended, len(b.shape)):
         raise _Differs
+    if a.shape == b.shape:
+        return a
     return replace(a, shape=tuple(_int(x, y, m0, m) for x, y in zip(a.shape, b.shape)))
 
 
