@@ -583,6 +583,7 @@ def test_auto_prices_each_lock_step_try_under_zb_h1_as_a_zb_h1_build(monkeypatch
     import numpy as np
 
     import autopar.compile.driver as driver
+    from autopar.search.piped import rescheduled
 
     monkeypatch.setenv("AUTOPAR_WORKERS", "1")
     checked = []
@@ -593,7 +594,7 @@ def test_auto_prices_each_lock_step_try_under_zb_h1_as_a_zb_h1_build(monkeypatch
         zb = self._rescheduling(pipelined)
         if zb is not None and not checked:
             direct = self._built(problem.graph, problem.mesh, zb)
-            again = driver.rescheduled(problem, zb)
+            again = rescheduled(problem, zb)
             for a, b in [(again.node_time, direct.node_time), (again.node_mem, direct.node_mem)]:
                 assert all(np.allclose(x, y, rtol=1e-12) for x, y in zip(a, b))
             assert again.buffers.keys() == direct.buffers.keys() and again.buffers

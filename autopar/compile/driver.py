@@ -76,11 +76,9 @@ from autopar.passes.precision import describe as describe_precision
 from autopar.passes.precision import mixed_precision
 from autopar.passes.remat import rematerialize
 from autopar.passes.roll import Roll
-from autopar.passes.stacks import find_stacks
 from autopar.plan.plan import Plan
 from autopar.search import first_tasks, search
 from autopar.search.evaluate import memory_floor
-from autopar.search.piped import rescheduled
 from autopar.search.problem import Problem, build_problem, residency, step_floor
 from autopar.sharding import Spec, mesh_info
 
@@ -174,14 +172,6 @@ class _Driver(PipelineTries):
         graph, notes = self._precision(graph)
         graph, more = self._remat(graph)
         return graph, notes + more
-
-    def _stacks(self, graph: Graph) -> list:
-        """`find_stacks(graph)`, once per trace for all the call's drivers (about a second
-        on a 96-layer step, asked for by every stage count and remat policy)."""
-        key = ("stacks", id(graph))
-        if key not in self.traces:  # (the graph kept with them: its id stays its own)
-            self.traces[key] = (graph, find_stacks(graph))
-        return self.traces[key][1]
 
     def _precision(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         notes: tuple[str, ...] = tuple(
@@ -420,19 +410,6 @@ class _Driver(PipelineTries):
             problem, o.engine, o.memory_budget, pins, self.clock, checked, first, seeds
         )
         return problem, result, self._other_schedule(problem, pipelined, result)
-
-    def _entries(self, k: int, mesh, problem, result, pipelined, other) -> list[tuple]:
-        """A searched try's plans as `_Found.ranked` entries, with the same plans under
-        ZB-H1 (`other`, `_other_schedule`)."""
-        out = [
-            (c.step_s, k, name, mesh, problem, result, pipelined) for name, _, c in result.ranked
-        ]
-        if other:
-            zb = self._rescheduling(pipelined)
-            zb_problem = rescheduled(problem, zb) if problem is not None else None
-            zb_result = replace(result, ranked=other)
-            out += [(c.step_s, k, name, mesh, zb_problem, zb_result, zb) for name, _, c in other]
-        return out
 
     def _memory_floor(self, g: Graph, devices: int, pipelined) -> float:
         """`memory_floor` of a try's graph, once per (graph, device count, pipeline):

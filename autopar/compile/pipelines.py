@@ -33,6 +33,7 @@ from autopar.passes.pipeline import (
 from autopar.passes.remat import rematerialize
 from autopar.passes.rescale import rescaled
 from autopar.passes.roll import Roll, roll
+from autopar.passes.stacks import find_stacks
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
 from autopar.search.piped import rescheduled
@@ -72,6 +73,31 @@ class PipelineTries:
     and layer count, `_rolled`/`_rolled_remat`, the rolled stacks per stage count, and
     `traces`, the micro-batch traces and the full-size rolls every remat policy's driver
     of the call shares)."""
+
+    def _per_trace(self, what: str, graph: Graph, fn: Callable[[Graph], T]) -> T:
+        """`fn(graph)`, once per trace for all the call's drivers (`traces`): the stacks
+        (`find_stacks`, about a second on a 96-layer step, asked for by every stage
+        count and remat policy), whether the step constrains shardings."""
+        key = (what, id(graph))
+        if key not in self.traces:  # (the graph kept with it: its id stays its own)
+            self.traces[key] = (graph, fn(graph))
+        return self.traces[key][1]
+
+    def _stacks(self, graph: Graph) -> list:
+        return self._per_trace("stacks", graph, find_stacks)
+
+    def _entries(self, k: int, mesh, problem, result, pipelined, other) -> list[tuple]:
+        """A searched try's plans as `_Found.ranked` entries, with the same plans under
+        ZB-H1 (`other`, `_other_schedule`)."""
+        out = [
+            (c.step_s, k, name, mesh, problem, result, pipelined) for name, _, c in result.ranked
+        ]
+        if other:
+            zb = self._rescheduling(pipelined)
+            zb_problem = rescheduled(problem, zb) if problem is not None else None
+            zb_result = replace(result, ranked=other)
+            out += [(c.step_s, k, name, mesh, zb_problem, zb_result, zb) for name, _, c in other]
+        return out
 
     def _remat_rolled(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         """A rolled graph's loops rematerialized as scans are (`_looped`), and the notes."""
@@ -314,10 +340,9 @@ class PipelineTries:
         # the remat policies' drivers; one roll of it per stage count (the rolled ops
         # depend on neither the mesh's other axes nor the micro-batch count)
         shape = tuple(zip(mesh.axis_names, mesh.axis_sizes))
-        base = self.base if self.base is not None else graph
-        if ("constrains", id(base)) not in self.traces:  # once per trace: a walk of every op
-            self.traces[("constrains", id(base))] = (base, _constrains(base))
-        by_mesh = self.traces[("constrains", id(base))][1]
+        by_mesh = self._per_trace(
+            "constrains", self.base if self.base is not None else graph, _constrains
+        )
         sig = tuple((getattr(x, "shape", None), str(getattr(x, "dtype", ""))) for x in flat)
         raw = ("trace", shape if by_mesh else None, sig)
         key = ("rolled", raw, rolled.stages if rolled is not None else None)
