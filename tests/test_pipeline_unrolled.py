@@ -139,9 +139,12 @@ class NNXBlock(nnx.Module):
         self.norm = nnx.LayerNorm(D, rngs=rngs)
         self.up = nnx.Linear(D, 2 * D, rngs=rngs)
         self.down = nnx.Linear(2 * D, D, rngs=rngs)
+        # holds its RNG stream (a scalar key and count per layer) that no optimizer
+        # state mirrors; off, so that the numbers are jit's
+        self.drop = nnx.Dropout(0.0, rngs=rngs)
 
     def __call__(self, x):
-        return x + self.down(nnx.gelu(self.up(self.norm(x))))
+        return x + self.drop(self.down(nnx.gelu(self.up(self.norm(x)))))
 
 
 class NNXModel(nnx.Module):
@@ -531,9 +534,13 @@ def test_nnx_list_of_blocks_pipelines_like_nnx_jit():
     assert_trees_close(nnx.state(opt), nnx.state(ref_opt), what="optimizer state")
     plan = f.plan(model, opt, _batch(0))
     assert plan.pipeline["rolled"]["layers"] == LAYERS
+    mu = opt.opt_state[0].mu["blocks"]
     for layer in range(LAYERS):
+        # the weights, their optimizer state and the layer's RNG stream on its stage
         w = model.blocks[layer].up.kernel[...]
         assert _on_stage(w, layer // 2, f.mesh)
+        assert _on_stage(mu[layer]["up"]["kernel"][...], layer // 2, f.mesh)
+        assert _on_stage(model.blocks[layer].drop.rngs.key[...], layer // 2, f.mesh)
 
 
 def test_a_stack_that_does_not_split_into_the_stages_says_so():

@@ -41,15 +41,19 @@ def abstract_inputs(roll: Roll, flat: Sequence[Any]) -> list:
     return out
 
 
-def member_spec(spec: PartitionSpec, axis: str) -> PartitionSpec | None:
+def member_spec(spec: PartitionSpec, axis: str, stacked: bool = False) -> PartitionSpec | None:
     """A group's spec without its leading stage axis: how one stage's leaf is split
-    on the stage's sub-mesh; None unless dim 0 is split over `axis` first."""
+    on the stage's sub-mesh; None unless dim 0 is split over `axis` first. A group of
+    scalars (`stacked`) has one row per stage: its leaf is a scalar, split over nothing
+    (None where dim 0 is split over more than the stage axis)."""
     if not spec:
         return None
     first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
     if not first or first[0] != axis:
         return None
     rest = first[1:]
+    if stacked:
+        return None if rest else PartitionSpec(*spec[1:])
     head = None if not rest else rest[0] if len(rest) == 1 else rest
     return PartitionSpec(head, *spec[1:])
 
@@ -84,7 +88,7 @@ class RolledIO:
 
     def _group(self, leaves: list, spec: PartitionSpec, stacked: bool):
         whole = NamedSharding(self.mesh, spec)
-        mspec = member_spec(spec, self.axis)
+        mspec = member_spec(spec, self.axis, stacked)
         if mspec is None:  # not split stage-major: a copy
             every = NamedSharding(self.mesh, PartitionSpec())
             parts = [jax.device_put(x, every) for x in leaves]
@@ -111,7 +115,7 @@ class RolledIO:
 
     def _split(self, y, S: int, stacked: bool) -> list:
         spec = y.sharding.spec if isinstance(y.sharding, NamedSharding) else None
-        mspec = None if spec is None else member_spec(spec, self.axis)
+        mspec = None if spec is None else member_spec(spec, self.axis, stacked)
         if mspec is None:  # not split stage-major: copies
             parts = list(y) if stacked else jnp.split(y, S, axis=0)
             return [jax.device_put(p, NamedSharding(self.subs[s], PartitionSpec()))

@@ -11,8 +11,9 @@ tell forward from backward (the optimizer's ops are in neither). docs/algorithms
 
 1. `_candidates`: inputs whose paths differ in one integer-ending component share a
    template (`params/layers_<i>`); consecutive indices with the same leaves form a run.
-   A run no forward op reads that mirrors a run's paths and shapes is its optimizer
-   state (`opt_state/0/mu/params/layers_<i>`), kept as `Block.state`.
+   A run no forward op reads that mirrors a run's paths and shapes (all of them, or
+   some: no state for a layer's RNG key) is its optimizer state
+   (`opt_state/0/mu/params/layers_<i>`), kept as `Block.state`.
 2. `_label`: forward, an op's layer is the highest whose parameters it depends on;
    backward, the lowest whose parameters or residuals it reads. The *core* of a layer
    is its ops that read its parameters/residuals or lead to one that does.
@@ -29,7 +30,7 @@ tell forward from backward (the optimizer's ops are in neither). docs/algorithms
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -137,13 +138,20 @@ def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
                 and not oread
                 and _mirrors(other, tpl)
                 and orun.keys() == run.keys()
-                and all(sig(orun[i], False) == sig(run[i], False) for i in run)
+                and all(_within(sig(orun[i], False), sig(run[i], False)) for i in run)
             ):
                 for i in run:
                     state[i] += [p for _, p in orun[i]]
         if read:
             out.append((tpl, [_Layer(i, tuple(run[i]), tuple(sorted(state[i]))) for i in run]))
     return sorted(out, key=lambda c: (c[0].count("/"), -len(c[1]), c[0], c[1][0].index))
+
+
+def _within(state: list, leaves: list) -> bool:
+    """Whether a state run's leaves are some of a layer's (path below the index and
+    shape): an optimizer holds state for the trained leaves only, not for what else a
+    layer keeps (NNX's `Dropout` keeps its RNG stream's key and count in the layer)."""
+    return bool(state) and not Counter(map(repr, state)) - Counter(map(repr, leaves))
 
 
 def _mirrors(other: str, template: str) -> bool:
