@@ -438,6 +438,27 @@ for i in range(2):
     assert_trees_close(loss_b, loss_a, what=f"loss, step {{i}}")
 assert_trees_close(b, a, what="params and optimizer state after 2 steps")
 print("TRAINED")
+
+
+class Classifier(nn.Module):  # a BERT-style head: the first token pooled, 3 classes
+    @nn.compact
+    def __call__(self, idx):
+        x = nn.Embed(V, D, name="wte")(idx)
+        for i in range(2):
+            x = Block(name=f"layer_{{i}}")(x)
+        return nn.Dense(3, name="classifier")(jnp.tanh(nn.Dense(D, name="pooler")(x[:, 0])))
+
+
+model, labels = Classifier(), jnp.arange(B) % 3  # labels [B]: the gather's rows are 1 long
+params = model.init(jax.random.key(0), idx)
+par = autopar.parallelize(step, mesh=mesh, pipeline_stages=2, microbatches=4)
+a = b = (params, tx.init(params))
+for i in range(2):
+    *a, loss_a = jax.jit(step)(*a, idx, labels)
+    *b, loss_b = par(*b, idx, labels)
+    assert_trees_close(loss_b, loss_a, what=f"classifier loss, step {{i}}")
+assert_trees_close(b, a, what="classifier params and optimizer state after 2 steps")
+print("CLASSIFIED")
 """
 
 
@@ -445,8 +466,10 @@ def test_integer_label_loss_in_a_tensor_parallel_pipeline_compiles_and_trains():
     """optax's integer-label cross entropy gathers with batching dims (and its gradient
     scatters with them); in a pipeline whose stages split tensors (`recursive`'s plan of
     this GPT-2, written as public code writes it) XLA:CPU's partitioner aborted the
-    whole process on that gather. The lowering binds it without batching dims
-    (`lower.batching`). In a child process, so an abort fails this test alone."""
+    whole process on that gather, and on a BERT-style classifier's (labels `[B]`, 4
+    micro-batches of 2) once written with `arange` indices. The lowering binds it as a
+    masked sum (`lower.batching`). In a child process, so an abort fails this test
+    alone."""
     import os
     import subprocess
     import sys
@@ -459,18 +482,19 @@ def test_integer_label_loss_in_a_tensor_parallel_pipeline_compiles_and_trains():
         timeout=600,
         env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
     )
-    assert run.returncode == 0 and "TRAINED" in run.stdout, run.stderr[-3000:]
+    assert run.returncode == 0 and "CLASSIFIED" in run.stdout, run.stderr[-3000:]
 
 
 def test_gathers_and_scatters_with_batching_dims_bind_equal_without_them():
-    """`lower.batching.unbatched` on every gather and scatter of take_along_axis and its
-    gradient (fill and clip modes, indices out of bounds too): the same values."""
+    """`lower.batching.taken` and `unbatched` on every gather and scatter of
+    take_along_axis and its gradient (fill and clip modes, indices out of bounds too,
+    an infinite element beside the taken one): the same values."""
     from types import SimpleNamespace
 
     import numpy as np
 
     from autopar.ir.eval import bind_node
-    from autopar.lower.batching import unbatched
+    from autopar.lower.batching import taken, unbatched
 
     def ops(f, *args):
         found = []
@@ -504,11 +528,19 @@ def test_gathers_and_scatters_with_batching_dims_bind_equal_without_them():
                 else jnp.asarray(np.random.default_rng(k).normal(size=v.aval.shape), v.aval.dtype)
                 for k, v in enumerate(e.invars)
             ]
+            ins[0] = ins[0].at[(0,) * ins[0].ndim].set(-jnp.inf)
             got = unbatched(node, ins, dict(e.params))
-            if got is None:
+            if got is None:  # no batching dims
+                assert taken(node, ins, dict(e.params)) is None
                 continue
             want = bind_node(node, ins)[0]
             assert np.array_equal(bind_node(node, *got)[0], want, equal_nan=True), e
+            (masked,) = taken(node, ins, dict(e.params))
+            assert masked.shape == want.shape and masked.dtype == want.dtype, e
+            if e.primitive.name == "gather":  # one element a position: exact
+                assert np.array_equal(masked, want, equal_nan=True), e
+            else:  # several updates to one element add in another order
+                np.testing.assert_allclose(masked, want, rtol=1e-6, atol=1e-6, err_msg=str(e))
             rewritten += 1
     assert rewritten == 4  # a gather and a scatter-add per case
 

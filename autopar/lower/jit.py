@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from autopar.ir.eval import bind_node, run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.ir.ops import CONTRACTIONS
-from autopar.lower.batching import unbatched
+from autopar.lower.batching import taken, unbatched
 from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
 from autopar.passes.pipeline import Fused, PipelinedScans, sunk_fills
 from autopar.passes.precision import upcast_operands
@@ -493,8 +493,11 @@ def bind(node, invals, local_shape: tuple[int, ...] | None = None, manual: bool 
         params["shape"] = local_shape
     elif local_shape is not None and node.op == "reshape":
         params["new_sizes"] = local_shape
-    if manual and (rewritten := unbatched(node, invals, params)) is not None:
-        invals, params = rewritten  # XLA:CPU aborts on batching dims there (`lower.batching`)
+    if manual:  # XLA:CPU aborts on batching dims there (`lower.batching`)
+        if (values := taken(node, invals, params)) is not None:
+            return values
+        if (rewritten := unbatched(node, invals, params)) is not None:
+            invals, params = rewritten
     if jax.default_backend() == "cpu":  # no bf16 x bf16 = f32 dot kernel there
         invals = upcast_operands(node, invals)
     return bind_node(node, invals, params)
