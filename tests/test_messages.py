@@ -18,6 +18,7 @@ from helpers import ok, run_cli
 from jax.sharding import PartitionSpec
 
 import autopar
+from autopar.compile.notes import no_pipeline_why
 from autopar.errors import did_you_mean
 from autopar.plan.plan import is_note
 from autopar.tools import inspect as insp
@@ -517,3 +518,14 @@ def test_a_mesh_nothing_divides_warns():
         warnings.simplefilter("always")
         autopar.parallelize(_tanh_layer, mesh={"data": 3}).plan(x6, w)
     assert not [c for c in caught if "can be split" in str(c.message)]
+
+
+def test_pipeline_auto_says_why_per_micro_batch_count_apart():
+    failure = (
+        "{'stage': 2, 'model': 4}: no micro-batch count works:\n"
+        "  2 micro-batches: the step is odd\n  4 micro-batches: the step is odder"
+    )
+    assert no_pipeline_why([failure]).endswith(
+        "{'stage': 2, 'model': 4}: no micro-batch count works: 2 micro-batches: the step is "
+        "odd; 4 micro-batches: the step is odder"
+    )

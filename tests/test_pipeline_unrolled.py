@@ -123,14 +123,16 @@ class GPT2Block(nn.Module):
 
 class GPT2(nn.Module):
     n: int = LAYERS
+    remat: bool = False  # the user's own nn.remat on every block
 
     @nn.compact
     def __call__(self, ids):
         x = nn.Embed(VOCAB, D, name="wte")(ids) + nn.Embed(T, D, name="wpe")(
             jnp.arange(ids.shape[1])
         )
+        block = nn.remat(GPT2Block) if self.remat else GPT2Block
         for i in range(self.n):
-            x = GPT2Block(name=f"h_{i}")(x)
+            x = block(name=f"h_{i}")(x)
         return nn.Dense(VOCAB, name="lm_head")(nn.LayerNorm(name="ln_f")(x))
 
 
@@ -573,6 +575,18 @@ def test_nnx_list_of_blocks_pipelines_like_nnx_jit():
         assert _on_stage(w, layer // 2, f.mesh)
         assert _on_stage(mu[layer]["up"]["kernel"][...], layer // 2, f.mesh)
         assert _on_stage(model.blocks[layer].drop.rngs.key[...], layer // 2, f.mesh)
+
+
+def test_a_default_1f1b_that_gives_way_to_gpipe_says_so():
+    """Where the default 1F1B does not apply to the rolled step (here a GPT-2 whose
+    blocks the user wrapped in `nn.remat`), the pipeline runs GPipe, whose stages hold
+    every micro-batch's activations: a warning and the plan say so, not only the log."""
+    step, params, opt_state = _linen(GPT2(remat=True))
+    par = autopar.parallelize(step, mesh=MESH, pipeline_stages=2, microbatches=M)
+    with pytest.warns(UserWarning, match="runs GPipe, not the default 1F1B"):
+        plan = par.plan(params, opt_state, _batch(0))
+    assert plan.pipeline["schedule"] == "gpipe"
+    assert any("runs GPipe, not the default 1F1B" in w for w in plan.warnings)
 
 
 def test_a_stack_that_does_not_split_into_the_stages_says_so():

@@ -495,7 +495,12 @@ class _Driver(PipelineTries):
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
                 if pipelined is not None:
-                    for why in (random_per_microbatch(pipelined), unbranched(pipelined, mesh)):
+                    whys = (
+                        random_per_microbatch(pipelined),
+                        unbranched(pipelined, mesh),
+                        pipelined.fallback,
+                    )
+                    for why in whys:
                         if why:
                             warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                             plan = replace(plan, warnings=(*plan.warnings, why))

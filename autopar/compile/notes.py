@@ -95,7 +95,9 @@ def no_pipeline_why(failures) -> str:
     meshes: dict[str, list[str]] = {}  # reason -> the meshes it turned away
     for f in failures:
         if "stage" in f:
-            shape, _, reason = " ".join(x.strip() for x in f.splitlines()).partition("}: ")
+            first, *rest = [x.strip() for x in f.splitlines() if x.strip()]
+            text = " ".join([first, "; ".join(rest)]) if rest else first  # one per count
+            shape, _, reason = text.partition("}: ")
             reason = re.sub(r"^\d+ stages: ", "", reason)
             meshes.setdefault(reason, []).append(shape + "}")
     reasons += [f"{', '.join(m)}: {r}" for r, m in meshes.items()]

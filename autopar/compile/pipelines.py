@@ -279,8 +279,9 @@ class PipelineTries:
         than its own, made into the plan as `_first_that_fits` makes them."""
         step_s, k, _, mesh, _, _, pipelined = found.ranked[0]
         pipe = pipelined.pipe
-        if pipe.schedule == "zb-h1" and self.o.pipeline_schedule is None:
-            # a lock-step try's plans priced again (`_other_schedule`): searched as such
+        if self.o.pipeline_schedule is None and (pipe.schedule == "zb-h1" or pipelined.fallback):
+            # a lock-step try's plans priced again (`_other_schedule`): searched as such;
+            # or one that ran GPipe where 1F1B did not apply on one loop: tried as it runs
             pipe = replace(pipe, schedule="1f1b")
         rest = [
             r
@@ -391,7 +392,10 @@ class PipelineTries:
         bodies = {}
         for i, j in zip(scans, mscans):
             full_node, micro_node = graph.nodes[i], micro.nodes[j]
-            labels = _applies(scan_labels, full_node, micro_node, pipe.microbatches, full_node.key)
+            loop = f"the scan at {full_node.key}"
+            if rolled is not None:  # the user wrote layers, not a loop: name them
+                loop = f"the {rolled.layers} layers of {rolled.template} (unrolled in Python)"
+            labels = _applies(scan_labels, full_node, micro_node, pipe.microbatches, loop)
             if isinstance(labels, Infeasible):
                 return labels
             bodies[i] = (with_full_consts(micro_node.body, full_node.body), labels)
@@ -411,7 +415,11 @@ class PipelineTries:
         if self.o.pipeline_schedule in FUSED_SCHEDULES:
             return Infeasible(PipelineError(f"pipeline_schedule={pipe.schedule!r}: {why}"))
         log.info("1F1B does not apply (%s); GPipe", why)
-        return PipelinedScans(replace(pipe, schedule="gpipe"), bodies, **extra)
+        fallback = (
+            f"the pipeline runs GPipe, not the default 1F1B ({why}): a stage holds every "
+            "micro-batch's activations until its backward pass"
+        )
+        return PipelinedScans(replace(pipe, schedule="gpipe"), bodies, fallback=fallback, **extra)
 
 
 def _constrains(graph: Graph) -> bool:

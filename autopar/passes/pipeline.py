@@ -139,6 +139,8 @@ class PipelinedScans:
     # rolled graph the pipeline applies to, and how its leaves stand for the user's
     graph: Graph | None = None
     roll: Any = None
+    # why the schedule asked for by default (1F1B) gave way to GPipe, if it did
+    fallback: str = ""
 
     def head_nodes(self) -> frozenset[int]:
         return frozenset(n for f in self.fused for n in f.head)
@@ -246,12 +248,13 @@ def micro_args(
     return out
 
 
-def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanLabels:
-    """Label the loop's inputs and outputs by comparing the two captures' bodies."""
+def scan_labels(full: Node, micro: Node, microbatches: int, loop: str) -> ScanLabels:
+    """Label the loop's inputs and outputs by comparing the two captures' bodies; `loop`
+    names the loop in errors (`the scan at model.py:12`, or the user's unrolled layers)."""
     fb, mb = full.body, micro.body
     if [n.op for n in fb.nodes] != [n.op for n in mb.nodes] or len(fb.values) != len(mb.values):
         raise PipelineError(
-            f"the scan at {where} is a different computation at the micro-batch size "
+            f"{loop}: a different computation at the micro-batch size "
             f"({len(fb.nodes)} vs {len(mb.nodes)} ops); pipelining needs a loop body whose "
             "ops do not depend on the batch size"
         )
@@ -264,7 +267,7 @@ def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanL
         if len(a) == len(b) and len(diff) == 1 and a[diff[0]] == b[diff[0]] * microbatches:
             return diff[0]
         raise PipelineError(
-            f"the scan at {where}: {what} is {list(a)} at the full batch but {list(b)} per "
+            f"{loop}: {what} is {list(a)} at the full batch but {list(b)} per "
             f"micro-batch; autopar can only cut the batch along one dim"
         )
 
@@ -283,16 +286,16 @@ def scan_labels(full: Node, micro: Node, microbatches: int, where: str) -> ScanL
     carry_in, carry_out = ins[n_c : n_c + n_k], outs[:n_k]
     if carry_in != carry_out or any(not isinstance(lab, int) for lab in carry_in):
         raise PipelineError(
-            f"the scan at {where} carries values that are not cut along the batch "
+            f"{loop} carries values that are not cut along the batch "
             f"(labels in {carry_in}, out {carry_out}); only a loop whose carry is the batched "
             "activation can be pipelined"
         )
-    _check_separable(fb, mb, ins, outs, microbatches, where)
+    _check_separable(fb, mb, ins, outs, microbatches, loop)
     return ScanLabels(ins, outs)
 
 
 def _check_separable(
-    body: Graph, micro_body: Graph, ins, outs, microbatches: int, where: str
+    body: Graph, micro_body: Graph, ins, outs, microbatches: int, loop: str
 ) -> None:
     """Refuse a body that mixes micro-batches (e.g. a batch mean fed back into the
     activations), which would silently compute something else per micro-batch: every
@@ -312,7 +315,7 @@ def _check_separable(
     if bad is not None:
         shown = ", ".join(f"{body.values[v]} {have.get(v, '?')}" for v in bad.inputs)
         raise PipelineError(
-            f"the scan at {where} cannot run micro-batch by micro-batch: its body's "
+            f"{loop} cannot run micro-batch by micro-batch: its body's "
             f"{bad.op} at {bad.key} mixes the batch ({shown}); pipelining needs a loop "
             "whose steps treat every example separately (no batch statistics inside)"
         )
@@ -321,7 +324,7 @@ def _check_separable(
         got = have.get(v, Spec.replicated(body.values[v].rank))
         if got != want and not (lab != SUM and fits(want, got)):
             raise PipelineError(
-                f"the scan at {where}: a loop output {body.values[v]} comes out {got} per "
+                f"{loop}: a loop output {body.values[v]} comes out {got} per "
                 f"micro-batch where {want} was expected; this loop cannot be pipelined"
             )
 
