@@ -52,7 +52,7 @@ def pipeline_tries(options, failures, repriced: bool = False, one_loop: int = 0)
         else ""
     )
     return f"pipeline_stages='auto' tried{how} (fastest first): " + "; ".join(
-        tried + list(dict.fromkeys(f.splitlines()[0] for f in failures))
+        tried + list(dict.fromkeys(f.splitlines()[0].rstrip(":") for f in failures))
     )
 
 
