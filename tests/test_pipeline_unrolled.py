@@ -7,6 +7,7 @@ user's parameter pytree in and out and each layer's leaves on its own stage's de
 from __future__ import annotations
 
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -137,22 +138,22 @@ class GPT2(nn.Module):
 
 
 class NNXBlock(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, rate: float = 0.0):
         self.norm = nnx.LayerNorm(D, rngs=rngs)
         self.up = nnx.Linear(D, 2 * D, rngs=rngs)
         self.down = nnx.Linear(2 * D, D, rngs=rngs)
         # holds its RNG stream (a scalar key and count per layer) that no optimizer
-        # state mirrors; off, so that the numbers are jit's
-        self.drop = nnx.Dropout(0.0, rngs=rngs)
+        # state mirrors; off by default, so that the numbers are jit's
+        self.drop = nnx.Dropout(rate, rngs=rngs)
 
     def __call__(self, x):
         return x + self.drop(self.down(nnx.gelu(self.up(self.norm(x)))))
 
 
 class NNXModel(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, rate: float = 0.0):
         self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-        self.blocks = nnx.List([NNXBlock(rngs) for _ in range(LAYERS)])
+        self.blocks = nnx.List([NNXBlock(rngs, rate) for _ in range(LAYERS)])
         self.head = nnx.Linear(D, VOCAB, rngs=rngs)
 
     def __call__(self, ids):
@@ -587,6 +588,27 @@ def test_a_default_1f1b_that_gives_way_to_gpipe_says_so():
         plan = par.plan(params, opt_state, _batch(0))
     assert plan.pipeline["schedule"] == "gpipe"
     assert any("runs GPipe, not the default 1F1B" in w for w in plan.warnings)
+
+
+def test_nnx_dropout_pipelines_where_autopar_picks_the_mesh():
+    """NNX's dropout traced under a mesh adds `reshard`s. With several meshes to try
+    (`mesh=8`) the whole batch is traced under none, so the micro-batch traces are too:
+    each was traced under its try's mesh, and every micro-batch count was turned away
+    as 'a different computation at the micro-batch size'."""
+    model = NNXModel(nnx.Rngs(0, dropout=1), rate=0.1)
+    opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=EPS), wrt=nnx.Param)
+
+    def step(model, opt, ids):
+        loss, grads = nnx.value_and_grad(lambda m: _loss(m(ids), ids))(model)
+        opt.update(model, grads)
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # masks drawn per micro-batch: said, not tested
+        plan = autopar.parallelize(step, mesh=8, pipeline_stages="auto").plan(model, opt, _batch(0))
+    (tried,) = [w for w in plan.warnings if w.startswith("pipeline_stages='auto' tried")]
+    assert "{'stage': 2, 'model': 4} M=" in tried, tried
+    assert not any("different computation" in w for w in plan.warnings)
 
 
 def test_a_stack_that_does_not_split_into_the_stages_says_so():

@@ -367,7 +367,10 @@ class PipelineTries:
             if raw not in self.traces:
                 log.info("tracing %s at the micro-batch size", name)
                 with self.clock.phase("capture"):
-                    self.traces[raw] = self._capture(margs, mesh)
+                    # under the mesh only where the step's constraints need it (and the
+                    # key says so), else as the whole batch was traced: NNX's dropout
+                    # under a mesh adds `reshard`s the whole-batch trace has not
+                    self.traces[raw] = self._capture(margs, mesh if by_mesh else None)
             traced = self.traces[raw]
             if rolled is not None:
                 with self.clock.phase("passes"):
