@@ -18,8 +18,9 @@ manual region:
   other operand dims batching (`take_along_axis` and its gradient): as a masked sum
   over that dim (`taken`): each position compares its index with an iota along the
   dim and sums the one element it selects (a select, never a product, so no `inf`
-  or NaN elsewhere in the row leaks in), exact; out-of-bounds indices as the op's mode
-  says (clamped, or the gather's fill value and the scatter's dropped update);
+  or NaN elsewhere in the row leaks in): the gather exactly, the scatter-add up to the
+  order in which several updates of one element add up; out-of-bounds indices as the
+  op's mode says (clamped, or the gather's fill value and the scatter's dropped update);
 * any other op with batching dims as the same op with each batching dim made an
   ordinary indexed dim (`unbatched`): its index is an iota over the indices' batch
   dim, its slice collapsed (gather) or inserted (scatter). Every element reads or

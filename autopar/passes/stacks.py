@@ -151,7 +151,7 @@ def _within(state: list, leaves: list) -> bool:
     """Whether a state run's leaves are some of a layer's (path below the index and
     shape): an optimizer holds state for the trained leaves only, not for what else a
     layer keeps (NNX's `Dropout` keeps its RNG stream's key and count in the layer)."""
-    return bool(state) and not Counter(map(repr, state)) - Counter(map(repr, leaves))
+    return bool(state) and not Counter(state) - Counter(leaves)
 
 
 def _mirrors(other: str, template: str) -> bool:
