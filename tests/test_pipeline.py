@@ -47,7 +47,13 @@ def _pipelined(microbatches: int | None = 4, schedule: str | None = None):
     return ts, _staged(ts, microbatches, schedule)
 
 
-@pytest.mark.parametrize("schedule", [None, "gpipe", "1f1b-async", "zb-h1", "interleaved"])
+@pytest.mark.parametrize(
+    "schedule",
+    # the alternating 1F1B trains like jax.jit in the default run too, in its branched
+    # form and on an unrolled Llama (test_alternating_1f1b_branches_train_like_jax_jit,
+    # test_llama_unrolled_pipelines_with_the_alternating_1f1b)
+    [None, "gpipe", pytest.param("1f1b-async", marks=pytest.mark.slow), "zb-h1", "interleaved"],
+)
 def test_pipelined_training_matches_single_device(schedule):
     """Default (1F1B: the loops interleaved, the loss head per micro-batch on the last
     stage), GPipe, the alternating 1F1B, ZB-H1 (weight gradients deferred) and
