@@ -102,18 +102,11 @@ def taken(node: Node, invals: list[Any], params: dict) -> list[Any] | None:
     if node.op not in ("gather", "scatter-add") or not getattr(dn, "operand_batching_dims", ()):
         return None
     operand, indices, *updates = invals
-    if node.op == "gather":
-        if any(s != 1 for s in params["slice_sizes"]):
-            return None
-        axes, window, dropped, paired = (
-            dn.start_index_map, dn.offset_dims, dn.collapsed_slice_dims,
-            dn.start_indices_batching_dims,
-        )  # fmt: skip
-    else:
-        axes, window, dropped, paired = (
-            dn.scatter_dims_to_operand_dims, dn.update_window_dims, dn.inserted_window_dims,
-            dn.scatter_indices_batching_dims,
-        )  # fmt: skip
+    if node.op == "gather" and any(s != 1 for s in params["slice_sizes"]):
+        return None
+    collapsed, addressed, batching = _FIELDS["gather" if node.op == "gather" else "scatter"]
+    axes, dropped, paired = getattr(dn, addressed), getattr(dn, collapsed), getattr(dn, batching)
+    window = dn.offset_dims if node.op == "gather" else dn.update_window_dims
     dims = sorted((*dn.operand_batching_dims, *axes))
     numeric = jnp.issubdtype(operand.dtype, jnp.number)
     if (
