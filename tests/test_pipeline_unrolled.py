@@ -578,11 +578,27 @@ def test_nnx_list_of_blocks_pipelines_like_nnx_jit():
         assert _on_stage(model.blocks[layer].drop.rngs.key[...], layer // 2, f.mesh)
 
 
-def test_a_default_1f1b_that_gives_way_to_gpipe_says_so():
-    """Where the default 1F1B does not apply to the rolled step (here a GPT-2 whose
-    blocks the user wrapped in `nn.remat`), the pipeline runs GPipe, whose stages hold
-    every micro-batch's activations: a warning and the plan say so, not only the log."""
-    step, params, opt_state = _linen(GPT2(remat=True))
+def test_the_users_remat_pipelines_under_1f1b_like_jax_jit():
+    """A GPT-2 whose blocks the user wrapped in `nn.remat`: each layer's backward
+    recomputes its forward from the layer's input, read by nothing else of its backward
+    (the stack pass had left those ops out of the layers, and 1F1B gave way to GPipe)."""
+    par, plan, params, opt_state = _check_linen(
+        GPT2(remat=True), lambda p, i: p["params"][f"h_{i}"]
+    )
+    assert plan.pipeline["schedule"] == "1f1b" and plan.pipeline["fused"]
+    assert not any("runs GPipe" in w for w in plan.warnings)
+    lowered = par.lower(params, opt_state, _batch(0)).as_text()
+    assert "optimization_barrier" in lowered  # the user's remat, kept
+
+
+def test_a_default_1f1b_that_gives_way_to_gpipe_says_so(monkeypatch):
+    """Where the default 1F1B does not apply to the rolled step (no forward loop pairs
+    with a backward one: here made so), the pipeline runs GPipe, whose stages hold every
+    micro-batch's activations: a warning and the plan say so, not only the log."""
+    import autopar.compile.pipelines as pipelines
+
+    monkeypatch.setattr(pipelines, "fuse", lambda *a, **k: ())
+    step, params, opt_state = _linen(GPT2(n=2))
     par = autopar.parallelize(step, mesh=MESH, pipeline_stages=2, microbatches=M)
     with pytest.warns(UserWarning, match="runs GPipe, not the default 1F1B"):
         plan = par.plan(params, opt_state, _batch(0))

@@ -74,6 +74,7 @@ class Llama(nn.Module):
     layers: int = 3
     vocab: int = 96
     dim: int = 32
+    remat: bool = False  # the user's own nn.remat on every block
 
     @nn.compact
     def __call__(self, ids):
@@ -84,15 +85,16 @@ class Llama(nn.Module):
         angles = pos[..., None].astype(jnp.float32) * inv
         cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
         mask = jnp.tril(jnp.ones((s, s), bool))[None, None]
+        block = nn.remat(LlamaBlock) if self.remat else LlamaBlock
         for i in range(self.layers):
-            x = LlamaBlock(name=f"layers_{i}")(x, mask, cos, sin)
+            x = block(name=f"layers_{i}")(x, mask, cos, sin)
         x = RMSNorm(name="norm")(x)
         return nn.Dense(self.vocab, use_bias=False, name="lm_head")(x)
 
 
-def llama_graphs(layers: int = 3) -> tuple[Graph, Graph]:
+def llama_graphs(layers: int = 3, remat: bool = False) -> tuple[Graph, Graph]:
     """(AdamW train step, forward only) of the linen Llama."""
-    model = Llama(layers)
+    model = Llama(layers, remat=remat)
     ids = jnp.zeros((2, 8), jnp.int32)
     params = model.init(jax.random.key(0), ids)
     tx = optax.adamw(1e-3)
@@ -350,7 +352,8 @@ def check_stack(graph: Graph, stack: LayerStack, layers: int, template: str, bac
             assert max(a.nodes) < min(b.nodes), "backward blocks out of program order"
         for f, b in zip(stack.forward, reversed(stack.backward)):
             assert f.params == b.params
-            assert set(f.outputs) & set(b.inputs), "the backward reads no forward residual"
+            # a residual, or under remat the layer's input it recomputes from
+            assert set(f.outputs + f.inputs) & set(b.inputs), "the backward reads no forward value"
     else:
         assert stack.backward == ()
     ids = [i for b in stack.forward + stack.backward for i in b.nodes]
@@ -406,6 +409,21 @@ def test_llama_train_step(llama):
     for n in train.nodes:
         if re.search(r"embed_tokens|/norm|lm_head", n.name_stack) or not n.name_stack:
             assert n.id not in inside, n
+
+
+def test_the_users_remat_recomputes_inside_each_layers_backward_block():
+    """Under the user's `nn.remat` a layer's backward starts by recomputing its forward
+    from the layer's input (an `optimization_barrier`, then the first norm), ops that
+    read no parameter and no cotangent: they are the layer's, else a pipeline's
+    backward loop would not read what its forward loop saved (1F1B gave way to GPipe)."""
+    train, _ = llama_graphs(3, remat=True)
+    (stack,) = find_stacks(train)
+    check_stack(train, stack, 3, "params/params/layers_<i>", backward=True)
+    for blk in stack.backward:
+        named = layer_named(train, blk.index, r"rematted_computation/layers_{i}")
+        live = {i for i in named if any(train.consumers.get(y) for y in train.nodes[i].outputs)}
+        assert live and live <= set(blk.nodes), sorted(live - set(blk.nodes))[:5]
+        assert any(train.nodes[i].op == "optimization_barrier" for i in blk.nodes)
 
 
 def test_llama_forward_only(llama):

@@ -428,10 +428,14 @@ class _Stack:
             if len(who) == 1 and None not in who and not outs & set(nodes[i].outputs):
                 tent[i] = (self.phase[i], who.pop())
 
-        def kept(i: int, x: int) -> bool:  # a constant, its own, or several layers' (a mask)
+        def kept(i: int, x: int) -> bool:  # a constant, its own, several layers' (a mask),
+            # or, backward, its layer's forward input (what a `jax.checkpoint` recomputes from)
             if x in self.g.consts or tent.get(self.prod.get(x)) == tent[i]:
                 return True
-            return len({layer(c) for c in cons.get(x, ())} - {None}) > 1
+            readers = {owner.get(c, tent.get(c)) for c in cons.get(x, ())} - {None}
+            if self.phase[i] == _BWD and (_FWD, tent[i][1]) in readers:
+                return True
+            return len({r[1] for r in readers}) > 1
 
         for i in sorted(tent):
             if not all(kept(i, x) for x in nodes[i].inputs):
