@@ -186,7 +186,7 @@ def input_strategies(t: TensorType, mesh: MeshInfo, partial: bool = False) -> tu
             for k in range(1, len(free) + 1):
                 for axes in itertools.combinations(free, k):
                     spec = Spec(s.out_specs[0].dims, axes)
-                    out.append(replace(s, name=str(spec), out_specs=(spec,)))
+                    out.append(replace(s, out_specs=(spec,)))
     return tuple(out)
 
 

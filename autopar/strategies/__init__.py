@@ -21,6 +21,7 @@ Unknown primitives get the replicated strategy and a warning.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import string
@@ -112,12 +113,20 @@ class Fixed:
 
 @dataclass(frozen=True)
 class Strategy:
-    name: str
     in_specs: tuple[Spec, ...]
     out_specs: tuple[Spec, ...]
     # per mesh axis: the factor it shards, None, or linear.PARTIAL (a passed-through sum)
     assignment: tuple[int | None, ...]
     parallel: int  # ways the op's work is divided
+    label: str = ""  # a fixed rule's (a user constraint, an opaque op)
+
+    @functools.cached_property
+    def name(self) -> str:
+        """`S[data]R = S[data]R x RS[model]`: the outputs' specs from the inputs' (made
+        when asked: a 3-axis build enumerates ~10^5 strategies, the plan names a few)."""
+        shown = [str(s) for s in self.in_specs if s.dims]
+        name = f"{', '.join(map(str, self.out_specs))} = {' x '.join(shown) if shown else '()'}"
+        return f"{name} ({self.label})" if self.label else name
 
     def __str__(self) -> str:
         return self.name
@@ -158,7 +167,7 @@ def enumerate_factor_rule(rule: FactorRule, mesh: MeshInfo) -> list[Strategy]:
         ins = tuple(_spec(d, axes_of) for d in rule.in_dims)
         outs = tuple(_spec(d, axes_of, partial) for d in rule.out_dims)
         parallel = math.prod(mesh.size(a) for axes in axes_of for a in axes)
-        out.append(Strategy(_name(ins, outs), ins, outs, tuple(assignment), parallel))
+        out.append(Strategy(ins, outs, tuple(assignment), parallel))
     return out
 
 
@@ -168,19 +177,8 @@ def _spec(
     return Spec(tuple(() if f is None else tuple(axes_of[f]) for f in dims), partial)
 
 
-def _name(ins: tuple[Spec, ...], outs: tuple[Spec, ...]) -> str:
-    shown = [str(s) for s in ins if s.dims]
-    return f"{', '.join(str(s) for s in outs)} = {' x '.join(shown) if shown else '()'}"
-
-
 def fixed_strategy(rule: Fixed) -> Strategy:
-    return Strategy(
-        f"{_name(rule.in_specs, rule.out_specs)} ({rule.label})",
-        rule.in_specs,
-        rule.out_specs,
-        (),
-        1,
-    )
+    return Strategy(rule.in_specs, rule.out_specs, (), 1, rule.label)
 
 
 def replicated_rule(node: Node, graph: Graph, label: str, warning: str | None = None) -> Fixed:

@@ -76,7 +76,7 @@ def _linear_groups(node: Node, graph: Graph) -> tuple[tuple[int, ...], ...]:
 
 def partial_variants(node: Node, graph: Graph, mesh: MeshInfo, strategies: list) -> list:
     """Strategies in which a linear op passes partial sums through (see module doc)."""
-    from autopar.strategies import Strategy, _name
+    from autopar.strategies import Strategy
 
     groups = _linear_groups(node, graph)
     if not groups or any(graph.values[v].size == 0 for v in (*node.inputs, *node.outputs)):
@@ -101,5 +101,5 @@ def partial_variants(node: Node, graph: Graph, mesh: MeshInfo, strategies: list)
                     assignment = tuple(
                         PARTIAL if a in axes else f for a, f in zip(names, st.assignment)
                     )
-                    out.append(Strategy(_name(ins, outs), ins, outs, assignment, st.parallel))
+                    out.append(Strategy(ins, outs, assignment, st.parallel))
     return out
