@@ -137,6 +137,26 @@ class GPT2(nn.Module):
         return nn.Dense(VOCAB, name="lm_head")(nn.LayerNorm(name="ln_f")(x))
 
 
+class InlineMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1], name="fc2")(jax.nn.gelu(nn.Dense(2 * D, name="fc1")(x)))
+
+
+class Inline(nn.Module):
+    """Layers written inline in the loop (siblings `ln_i`, `mlp_i`), each sowing a batch
+    statistic: traced whatever the apply, dead code where it keeps no `intermediates`."""
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(VOCAB, D, name="wte")(ids)
+        for i in range(LAYERS):
+            h = nn.LayerNorm(name=f"ln_{i}")(x)
+            self.sow("intermediates", f"var_{i}", jnp.var(h))
+            x = x + InlineMLP(name=f"mlp_{i}")(h)
+        return nn.Dense(VOCAB, name="lm_head")(nn.LayerNorm(name="ln_f")(x))
+
+
 class NNXBlock(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, rate: float = 0.0):
         self.norm = nnx.LayerNorm(D, rngs=rngs)
@@ -625,6 +645,36 @@ def test_nnx_dropout_pipelines_where_autopar_picks_the_mesh():
     (tried,) = [w for w in plan.warnings if w.startswith("pipeline_stages='auto' tried")]
     assert "{'stage': 2, 'model': 4} M=" in tried, tried
     assert not any("different computation" in w for w in plan.warnings)
+
+
+def test_layers_written_inline_pipeline_like_jax_jit():
+    """Siblings `ln_i` and `mlp_i` are layer i (`ln_<i>` alone made 2 layers of 4), and
+    the statistic each layer sows is dead code, which `jax.jit` drops: the rolled loops
+    held it, and pipelining was refused ("mixes the batch")."""
+    _, plan, *_ = _check_linen(
+        Inline(), lambda p, i: (p["params"][f"ln_{i}"], p["params"][f"mlp_{i}"])
+    )
+    assert plan.pipeline["rolled"]["template"] == "params/params/{ln_,mlp_}<i>"
+    assert plan.pipeline["schedule"] == "1f1b"
+
+
+def test_a_pipeline_of_one_stack_of_several_says_which_it_left_out():
+    """An encoder-decoder pipelines its encoder stack; the decoder's layers run between
+    the loops, on the last stage: a warning and the plan say so."""
+    from test_stacks import EncoderDecoder
+
+    model, tx = EncoderDecoder(2), optax.adamw(1e-2)
+    params = model.init(jax.random.key(0), _batch(0), _batch(0))
+
+    def step(params, opt_state, ids):
+        loss, g = jax.value_and_grad(lambda p: _loss(model.apply(p, ids, ids), ids))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    with pytest.warns(UserWarning, match=r"decoder_<i>.* is not pipelined"):
+        plan = _parallel(step).plan(params, tx.init(params), _batch(0))
+    assert plan.pipeline["rolled"]["template"].endswith("encoder_<i>")
+    assert any("is not pipelined" in w for w in plan.warnings)
 
 
 def test_a_stack_that_does_not_split_into_the_stages_says_so():

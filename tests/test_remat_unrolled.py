@@ -190,6 +190,61 @@ def test_remat_with_nothing_to_rematerialize_warns_and_records_none():
     assert any("nothing to rematerialize" in str(c.message) for c in caught), caught
 
 
+def test_remat_on_a_loop_the_user_checkpointed_says_why_nothing_changed():
+    """A `scan` over `jax.checkpoint`ed layers (`nn.scan(nn.remat(Block))`) already
+    recomputes all it can: the warning names the loop it found, where it said that no
+    forward/backward scan pair was found."""
+
+    def step(ws, x):
+        def loss(ws):
+            layer = jax.checkpoint(lambda h, w: jnp.tanh(h @ w))
+            h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)
+            return jnp.mean(h**2)
+
+        loss, g = jax.value_and_grad(loss)(ws)
+        return loss, ws - 0.1 * g
+
+    ws, x = jnp.ones((3, 32, 32)) * 0.1, jnp.ones((16, 32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autopar.parallelize(step, mesh={"data": 2}, cluster="cpu", remat="full").plan(ws, x)
+    assert plan.remat is None
+    (said,) = [str(c.message) for c in caught if "nothing to rematerialize" in str(c.message)]
+    assert "the scan at" in said and "keeps no residual" in said, said
+    assert not any("recomputes 0 of" in w for w in plan.warnings), plan.warnings
+
+
+def test_remat_covers_every_stack_of_an_encoder_decoder():
+    """Both stacks are rematerialized (the decoder's was left alone, silently), and the
+    step trains as `jax.jit`'s does."""
+    from test_stacks import EncoderDecoder
+
+    # Adam's eps well above 1e-8: an attention key bias's gradient is zero up to rounding
+    model, tx = EncoderDecoder(2), optax.adamw(1e-2, eps=1e-4)
+    src = (jnp.arange(64).reshape(8, 8) * 5) % 96
+    params = model.init(jax.random.key(0), src, src)
+
+    def step(state, ids):
+        params, opt_state = state
+        logits_of = lambda p: model.apply(p, ids, ids)  # noqa: E731
+        loss, g = jax.value_and_grad(
+            lambda p: optax.softmax_cross_entropy_with_integer_labels(logits_of(p), ids).mean()
+        )(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    state = (params, tx.init(params))
+    par = autopar.parallelize(step, mesh={"data": 2, "model": 2}, cluster="cpu", remat="full")
+    plan = par.plan(state, src)
+    stacks = [w for w in plan.warnings if w.startswith("remat (full): layer stack")]
+    assert len(stacks) == 2 and "decoder_<i>" in stacks[1], plan.warnings
+    batch = lambda i: (src + i) % 96  # noqa: E731
+    losses, got = run_steps(par, state, batch, 2)
+    ref_losses, ref = run_steps(jax.jit(step), state, batch, 2)
+    assert_trees_close(losses, ref_losses, what="losses")
+    assert_trees_close(got, ref, what="params and optimizer state")
+
+
 def test_first_layers_only_keep_the_numbers():
     step, state, x = make()
     graph = capture(step, (state, x))

@@ -339,9 +339,8 @@ def check_stack(graph: Graph, stack: LayerStack, layers: int, template: str, bac
     for blocks in (stack.forward, stack.backward):
         for b in blocks:
             assert list(b.nodes) == sorted(b.nodes)
-            assert b.params and all(
-                template.split("<i>")[0] in graph.input_paths[p] for p in b.params
-            )
+            parent = template.split("<i>")[0].split("{")[0]  # siblings joined: `{ln_,mlp_}`
+            assert b.params and all(parent in graph.input_paths[p] for p in b.params)
             assert not set(b.params) & set(b.state)
         assert len({signature(graph, b) for b in blocks}) <= 1, "blocks differ in structure"
     if backward:
@@ -464,6 +463,101 @@ def test_nnx_list_of_blocks():
     check_stack(forward, stack, 3, "state/blocks/<i>", backward=False)
     sizes = {len(b.nodes) for b in stack.forward}
     assert len(sizes) == 1 and sizes.pop() >= 10  # norm, two linears, gelu, residual
+
+
+class InlineMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1], name="fc2")(nn.gelu(nn.Dense(64, name="fc1")(x)))
+
+
+class Inline(nn.Module):
+    """Layers written inline in the loop: siblings `ln_i` and `mlp_i` are layer i."""
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(96, 32, name="embed")(ids)
+        for i in range(4):
+            x = x + InlineMLP(name=f"mlp_{i}")(nn.LayerNorm(name=f"ln_{i}")(x))
+        return nn.Dense(96, name="head")(nn.LayerNorm(name="ln_f")(x))
+
+
+def test_layers_written_inline_join_their_siblings():
+    """`ln_<i>` alone is no layer (the MLP after it would be counted once per two
+    norms: 2 layers of 4 were found); the siblings that share an index are one."""
+    model = Inline()
+    ids = jnp.zeros((2, 8), jnp.int32)
+    params = model.init(jax.random.key(0), ids)
+    tx = optax.adamw(1e-3)
+
+    def train_step(params, opt_state, ids):
+        loss, grads = jax.value_and_grad(lambda p: model.apply(p, ids).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    graph = capture(train_step, (params, tx.init(params), ids))
+    (stack,) = find_stacks(graph)
+    check_stack(graph, stack, 4, "params/params/{ln_,mlp_}<i>", backward=True)
+    for b in stack.forward:
+        paths = [graph.input_paths[p] for p in b.params]
+        assert sorted({p.split("/")[2] for p in paths}) == [f"ln_{b.index}", f"mlp_{b.index}"]
+        assert len(paths) == 6 and len(b.state) == 12  # AdamW's mu and nu mirrors
+
+
+class MoE(nn.Module):
+    """Top-2 of 4 experts, one-hot dispatch, and a Switch-style load-balancing loss
+    sown for the train step to add up over the layers."""
+
+    @nn.compact
+    def __call__(self, x):
+        probs = jax.nn.softmax(nn.Dense(4, use_bias=False, name="router")(x), -1)
+        gate, idx = jax.lax.top_k(probs, 2)
+        dispatch = jax.nn.one_hot(idx, 4)
+        combine = jnp.einsum("bsk,bske->bse", gate, dispatch)
+        w = self.param("experts", nn.initializers.lecun_normal(), (4, x.shape[-1], x.shape[-1]))
+        self.sow("intermediates", "aux", 4 * jnp.sum(dispatch.mean((0, 1, 2)) * probs.mean((0, 1))))
+        return jnp.einsum("bse,bsd,edf->bsf", combine, x, w)
+
+
+class MoEBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + MoE()(nn.LayerNorm()(x))
+
+
+def test_a_load_balancing_loss_summed_over_the_layers_stays_in_each_layer():
+    """Each layer's aux loss is a side output: it reaches no later layer, only a sum
+    after the stack; it kept the residual stream from being the one live value where
+    a layer ends, and the last layer lost its ops (3 layers of 4 were found)."""
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(64, 32)(ids)
+            for i in range(4):
+                x = MoEBlock(name=f"block_{i}")(x)
+            return nn.Dense(64)(x)
+
+    model, tx = Model(), optax.adamw(1e-3)
+    ids = jnp.zeros((2, 8), jnp.int32)
+    params = model.init(jax.random.key(0), ids)["params"]
+
+    def train_step(params, opt_state, ids):
+        def loss_fn(p):
+            logits, sown = model.apply({"params": p}, ids, mutable=["intermediates"])
+            return logits.mean() + 0.01 * sum(jax.tree.leaves(sown))
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    graph = capture(train_step, (params, tx.init(params), ids))
+    (stack,) = find_stacks(graph)
+    check_stack(graph, stack, 4, "params/block_<i>", backward=True)
+    for blk in stack.forward:  # the layer's aux loss with it
+        named = layer_named(graph, blk.index, r"jvp\(Model\)/block_{i}/MoE_0")
+        live = {i for i in named if any(graph.consumers.get(y) for y in graph.nodes[i].outputs)}
+        assert live <= set(blk.nodes), sorted(live - set(blk.nodes))[:5]
 
 
 def widening_graph(widths: tuple[int, ...]) -> Graph:

@@ -34,6 +34,7 @@ from autopar.compile.notes import (
     pipeline_tries,
     screen_note,
     unbranched,
+    unpipelined_stacks,
     unsplittable,
 )
 from autopar.compile.pipelines import (
@@ -499,6 +500,7 @@ class _Driver(PipelineTries):
                         random_per_microbatch(pipelined),
                         unbranched(pipelined, mesh),
                         pipelined.fallback,
+                        rolled and unpipelined_stacks(self._stacks(graph), rolled),
                     )
                     for why in whys:
                         if why:

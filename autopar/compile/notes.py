@@ -27,6 +27,21 @@ def unbranched(pipelined: PipelinedScans, mesh) -> str | None:
     )
 
 
+def unpipelined_stacks(stacks, rolled) -> str | None:
+    """The warning on a pipeline of one stack of layers unrolled in Python where the step
+    has others (an encoder-decoder's decoder): they run between the loops, on the last
+    stage, with the loss."""
+    others = [s.describe() for s in stacks if s.template != rolled.template]
+    if not others:
+        return None
+    return (
+        f"the pipeline's stages run the layer stack {rolled.template} only; "
+        f"{'; '.join(others)} (unrolled in Python) {'is' if len(others) == 1 else 'are'} "
+        "not pipelined: one stack a step is rolled into the stages' loops, and the ops "
+        "between the loops run on the last stage"
+    )
+
+
 def pipeline_tries(options, failures, repriced: bool = False, one_loop: int = 0) -> str:
     """The plan note of `pipeline_stages="auto"`: the best plan of every (mesh,
     micro-batch count) tried, and the meshes that had none; with `repriced`, a ZB-H1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -166,9 +167,9 @@ def check_graph(g: Graph) -> None:
 
 
 def without_dead(g: Graph) -> Graph:
-    """`g` without the ops none of whose results is used (ids renumbered; loop bodies and
-    branches as they are): what `jax.jit` drops before XLA sees the program. Ops with
-    effects (`_has_effects`) stay. Applied where a pass writes ops it may not need
+    """`g` without the ops none of whose results is used (ids renumbered), in loop bodies
+    and branches too (their arguments and results as they are): what `jax.jit` drops
+    before XLA sees the program. Ops with effects (`_has_effects`) stay. Applied where a pass writes ops it may not need
     (`passes.roll`, `passes.remat`), not to every capture: `recursive`'s latency bar
     (`search.engines._latency_bound`) sits on the bucket share, which the dead sums of a
     step change (on a 64-wide GPT layer dropping them took `recursive` from 1.06x the ILP
@@ -177,9 +178,13 @@ def without_dead(g: Graph) -> Graph:
     keep: list[Node] = []
     for n in reversed(g.nodes):
         if any(v in live for v in n.outputs) or _has_effects(n):
+            body = without_dead(n.body) if n.body is not None else None
+            branches = tuple(map(without_dead, n.branches)) if n.branches else n.branches
+            if body is not n.body or any(map(operator.is_not, branches or (), n.branches or ())):
+                n = replace(n, body=body, branches=branches)
             keep.append(n)
             live.update(n.inputs)
-    if len(keep) == len(g.nodes):
+    if len(keep) == len(g.nodes) and all(a is b for a, b in zip(keep, reversed(g.nodes))):
         return g
     out = replace(g, nodes=tuple(replace(n, id=i) for i, n in enumerate(reversed(keep))))
     check_graph(out)

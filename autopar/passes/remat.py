@@ -435,16 +435,21 @@ def rematerialize(
     graph: Graph, policy: str, layers: int | None = None
 ) -> tuple[Graph, RematReport]:
     """`remat(graph, policy)` and then, on layers unrolled in Python (`find_stacks`),
-    `remat_unrolled.remat_layers` over the stack's layers (with `layers`, only its first
-    `layers`: their residuals are kept longest; at the start of the backward pass, the
-    peak, every layer's are held); with what changed."""
+    `remat_unrolled.remat_layers` over each stack's layers (with `layers`, only the first
+    stack's first `layers`: their residuals are kept longest; at the start of the backward
+    pass, the peak, every layer's are held); with what changed."""
     out = remat(graph, policy)
     report = remat_report(graph, out, policy)
     if policy == "none":
         return out, report
-    for stack in find_stacks(out):
+    done: set[tuple[int, ...]] = set()  # stacks by their first layer's parameters
+    while stack := next((s for s in find_stacks(out) if s.forward[0].params not in done), None):
+        done.add(stack.forward[0].params)  # (found again after each pass: node ids move)
+        first, n = len(done) == 1, len(stack.forward)
+        if not first and layers is not None:
+            report = replace(report, skipped=(*report.skipped, stack.describe()))
+            continue
         back = {b.index: b.nodes for b in stack.backward}
-        n = len(stack.forward)
         out, changed = remat_layers(
             out,
             [b.nodes for b in stack.forward],
@@ -452,13 +457,10 @@ def rematerialize(
             policy,
             layers=None if layers is None else range(min(layers, n)),
         )
-        if changed:
-            report = replace(
-                report, stack=stack.describe(), layers=report.layers + changed, stack_layers=n
-            )
-            break  # node ids moved: one stack a pass (the first, the model's layers)
-        if not report.stack:  # found, nothing to recompute (the user's jax.checkpoint)
-            report = replace(report, stack=stack.describe(), stack_layers=n)
+        if first:  # recorded though nothing changed (the user's jax.checkpoint)
+            report = replace(report, stack=stack.describe(), layers=changed, stack_layers=n)
+        elif changed:
+            report = replace(report, others=(*report.others, (stack.describe(), changed)))
     return out, report
 
 

@@ -43,13 +43,20 @@ class RematReport:
     stack: str = ""
     layers: tuple[LayerRemat, ...] = ()
     stack_layers: int = 0  # the stack's depth (`layers` may cover fewer of them)
+    # the step's other stacks (an encoder-decoder's decoder), each all of its layers
+    others: tuple[tuple[str, tuple[LayerRemat, ...]], ...] = ()
+    skipped: tuple[str, ...] = ()  # other stacks left alone (`layers` counts the first's)
 
     @property
     def applied(self) -> bool:
         """Whether the pass changed anything: some residual is recomputed."""
         return any(p.residuals_after < p.residuals_before for p in self.pairs) or any(
-            r.recomputed for r in self.layers
+            r.recomputed for _, layers, _ in self._stacks() for r in layers
         )
+
+    def _stacks(self) -> list[tuple[str, tuple[LayerRemat, ...], int]]:
+        first = [(self.stack, self.layers, self.stack_layers)] if self.layers else []
+        return first + [(d, layers, len(layers)) for d, layers in self.others]
 
     @property
     def bytes_before(self) -> int:
@@ -69,30 +76,33 @@ class RematReport:
 
     def why_nothing(self) -> str:
         """Why the pass changed nothing (for a report where `applied` is False)."""
-        if self.stack and not self.layers and not self.pairs:
+        found = [f"the layer stack {self.stack}"] if self.stack else []
+        found += [f"the scan at {p.forward}" for p in self.pairs]
+        if found:
             return (
-                f"the layer stack {self.stack} keeps no residual that {self.policy!r} would "
-                "recompute (its backward pass already recomputes them, as under "
-                "jax.checkpoint / nn.remat)"
+                f"{' and '.join(found)} {'keeps' if len(found) == 1 else 'keep'} no residual "
+                f"that {self.policy!r} would recompute (the backward pass already recomputes "
+                "them, as under jax.checkpoint / nn.remat)"
             )
         return "no forward/backward scan pair and no stack of layers unrolled in Python was found"
 
     def notes(self) -> tuple[str, ...]:
         """Lines for a plan's warnings/notes."""
-        if not self.pairs and not self.layers:
+        if not self.applied:
             return (f"remat ({self.policy}): nothing to rematerialize: {self.why_nothing()}",)
-        unrolled = ()
-        if self.layers:
-            saved = sum(r.recomputed_bytes for r in self.layers)
-            flops = sum(r.recompute_flops for r in self.layers)
-            unrolled = (
-                f"remat ({self.policy}): layer stack {self.stack}: the backward pass of "
-                f"{_which(self.layers, self.stack_layers)} recomputes "
-                f"{self.layers[-1].recomputed} residuals a "
-                f"layer (keeps {self.layers[-1].stored}), {format_bytes(saved)} less kept "
-                f"between the passes (whole tensors, before sharding; the peak is per "
-                f"device) for {flops:.3g} more FLOPs a call",
-            )
+        unrolled = tuple(
+            f"remat ({self.policy}): layer stack {stack}: the backward pass of "
+            f"{_which(layers, depth)} recomputes {layers[-1].recomputed} residuals a "
+            f"layer (keeps {layers[-1].stored}), "
+            f"{format_bytes(sum(r.recomputed_bytes for r in layers))} less kept between the "
+            f"passes (whole tensors, before sharding; the peak is per device) for "
+            f"{sum(r.recompute_flops for r in layers):.3g} more FLOPs a call"
+            for stack, layers, depth in self._stacks()
+        ) + tuple(
+            f"remat ({self.policy}): layer stack {stack} is not rematerialized (remat on the "
+            "first layers only covers the first stack)"
+            for stack in self.skipped
+        )
         return unrolled + tuple(
             f"remat ({self.policy}): the backward loop at {p.backward} recomputes "
             f"{p.residuals_before - p.residuals_after} of {p.residuals_before} residuals of "

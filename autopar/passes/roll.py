@@ -42,7 +42,7 @@ from autopar.ir.capture import capture, lines_from
 from autopar.ir.eval import bind_node, run_nodes
 from autopar.ir.graph import Graph, find_aliases, without_dead
 from autopar.passes.roll_units import per_layer_ops
-from autopar.passes.stacks import LayerStack, signature
+from autopar.passes.stacks import LayerStack, indexed_names, signature
 
 SCOPE = "rolled_layers"  # name scope of the loops `roll` writes
 
@@ -465,13 +465,12 @@ def _same_const(a, b) -> bool:
 
 def _group_path(path: str, template: str, indices: Sequence[int]) -> str:
     """`params/h_3/attn/w` -> `params/h_<3,7>/attn/w` (the group of layers 3 and 7)."""
-    base = template.rsplit("/", 1)[-1].removesuffix("<i>")
-    comps = path.split("/")
-    first = f"{base}{indices[0]}"
-    at = max((i for i, c in enumerate(comps) if c == first), default=None)
+    comps, which = path.split("/"), ",".join(map(str, indices))
+    firsts = {f"{base}{indices[0]}": base for base in indexed_names(template)}
+    at = max((i for i, c in enumerate(comps) if c in firsts), default=None)
     if at is None:
-        return f"{path} <{','.join(map(str, indices))}>"
-    comps[at] = f"{base}<{','.join(map(str, indices))}>"
+        return f"{path} <{which}>"
+    comps[at] = f"{firsts[comps[at]]}<{which}>"
     return "/".join(comps)
 
 

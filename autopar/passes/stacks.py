@@ -10,7 +10,8 @@ tell forward from backward (the optimizer's ops are in neither). docs/algorithms
 "Layer stacks in unrolled graphs", has the whole story; in short:
 
 1. `_candidates`: inputs whose paths differ in one integer-ending component share a
-   template (`params/layers_<i>`); consecutive indices with the same leaves form a run.
+   template (`params/layers_<i>`), and siblings numbered alike one more
+   (`params/{ln_,mlp_}<i>`); consecutive indices with the same leaves form a run.
    A run no forward op reads that mirrors a run's paths and shapes (all of them, or
    some: no state for a layer's RNG key) is its optimizer state
    (`opt_state/0/mu/params/layers_<i>`), kept as `Block.state`.
@@ -19,7 +20,8 @@ tell forward from backward (the optimizer's ops are in neither). docs/algorithms
    is its ops that read its parameters/residuals or lead to one that does.
 3. `_split`: the rest (the gap to the next layer) is cut where one value alone is
    live, the residual stream or its cotangent: before the cut is this layer's tail,
-   after it the next layer's head. `_ends` matches the open ends (the first layer's
+   after it the next layer's head (a side output, an aux loss, stays with its layer;
+   their sum across layers is in none). `_ends` matches the open ends (the first layer's
    head, the last one's tail) op by op from their neighbours'. Cotangent sums across
    layers (of an encoder output every decoder layer reads) belong to no layer.
 4. `_absorb`: parameter-free ops (RoPE tables, a mask's broadcast) join the one layer
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 
 from autopar.ir.graph import BACKWARD, FORWARD, OTHER, Graph, Node, phases
 
-__all__ = ["Block", "LayerStack", "find_stacks", "signature"]
+__all__ = ["Block", "LayerStack", "find_stacks", "indexed_names", "signature"]
 
 _INDEXED = re.compile(r"(.*?)(\d+)")
 _FWD, _BWD, _OTHER = FORWARD, BACKWARD, OTHER
@@ -93,8 +95,9 @@ def find_stacks(graph: Graph, min_layers: int = 2) -> tuple[LayerStack, ...]:
         key = repr((re.sub(r"\d+", "#", template), shapes))
         if positions & seen or key in failed:
             continue
-        seen |= positions
         stacks = _Stack(graph, phase, template, layers).stacks(min_layers)
+        if stacks or len(indexed_names(template)) == 1:  # siblings: else one by one
+            seen |= positions
         failed |= set() if stacks else {key}
         for stack in stacks:
             ids = {i for b in stack.forward + stack.backward for i in b.nodes}
@@ -108,12 +111,15 @@ def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
     """[(template, layers)]: runs of consecutive indices of a template with the same
     leaves, read by forward ops, with their mirrors; outer templates, long runs first."""
     groups: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    names: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
     for pos, path in enumerate(graph.input_paths):
         comps = path.split("/")
         for k, c in enumerate(comps):
             if m := _INDEXED.fullmatch(c):
                 tpl = "/".join([*comps[:k], m[1] + "<i>"])
                 groups[tpl][int(m[2])].append(("/".join(comps[k + 1 :]), pos))
+                names["/".join(comps[:k])][m[1]].add(int(m[2]))
+    _siblings(groups, names, min_layers)
 
     def sig(leaves, dtype=True):
         types = ((s, graph.values[graph.inputs[p]]) for s, p in leaves)
@@ -144,7 +150,36 @@ def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
                     state[i] += [p for _, p in orun[i]]
         if read:
             out.append((tpl, [_Layer(i, tuple(run[i]), tuple(sorted(state[i]))) for i in run]))
-    return sorted(out, key=lambda c: (c[0].count("/"), -len(c[1]), c[0], c[1][0].index))
+    # outer templates first, then long runs, then more leaves a layer (siblings joined)
+    return sorted(
+        out, key=lambda c: (c[0].count("/"), -len(c[1]), -len(c[1][0].leaves), c[0], c[1][0].index)
+    )
+
+
+def _siblings(groups: dict, names: dict, min_layers: int) -> None:
+    """Layers written inline (`x = x + Mlp(name=f"mlp_{i}")(LayerNorm(name=f"ln_{i}")(x))`)
+    number several siblings with one index: one template joins them (`params/{ln_,mlp_}<i>`,
+    each leaf's path below it keeping its own name) where they share their indices."""
+    for parent, by_name in names.items():
+        alike: dict[frozenset, list[str]] = defaultdict(list)
+        for name, indices in by_name.items():
+            alike[frozenset(indices)].append(name)
+        for indices, group in alike.items():
+            if len(group) < 2 or len(indices) < min_layers:
+                continue
+            joined = "{" + ",".join(sorted(group)) + "}<i>"
+            tpl = f"{parent}/{joined}" if parent else joined
+            for name in sorted(group):
+                own = groups[f"{parent}/{name}<i>" if parent else f"{name}<i>"]
+                for i in indices:
+                    groups[tpl][i] += [(f"{name}/{sub}", pos) for sub, pos in own[i]]
+
+
+def indexed_names(template: str) -> tuple[str, ...]:
+    """The names a template's layer index follows: `("h_",)` for `params/h_<i>`,
+    `("ln_", "mlp_")` for siblings joined (`params/{ln_,mlp_}<i>`)."""
+    last = template.rsplit("/", 1)[-1].removesuffix("<i>")
+    return tuple(last[1:-1].split(",")) if last.startswith("{") else (last,)
 
 
 def _within(state: list, leaves: list) -> bool:
@@ -272,11 +307,15 @@ class _Stack:
         cut at its first (`late`: last) op after which one value alone is live (the
         residual stream or its cotangent; counting what enters the first layer, not
         masks, weights or what only an accumulation reads): up to the cut it is the
-        layer's tail, downstream of it the head of the layer `step` after in this phase."""
+        layer's tail, downstream of it the head of the layer `step` after in this phase.
+        A gap op whose results reach no later layer's core (a load-balancing loss each
+        layer adds to a sum the loss reads) is its layer's tail, and its results are not
+        counted live; nor are those of the ops that add them up across layers (in none)."""
         last: dict[int, int] = {}
         for nd in order:
             last.update((x, nd.id) for x in nd.inputs)
         cons, first = self.cons, 0 if step > 0 else self.n - 1
+        side, across = self._side(order, lab, core, step)
 
         def entering(v: int) -> bool:  # an unlabelled value only the first layer reads
             if v in self.g.consts or v in self.param:
@@ -291,6 +330,7 @@ class _Stack:
                     live.discard(x)
             b = lab.get(nd.id)
             outs = [y for y in nd.outputs if last.get(y, -1) > nd.id and set(cons[y]) - self.acc]
+            outs = [] if nd.id in side or nd.id in across else outs
             live.update(outs if b is not None else filter(entering, outs))
             single = len(live) == len(outs) == 1
             if b is not None and nd.id not in core and (late or b not in cut) and single:
@@ -299,10 +339,12 @@ class _Stack:
         after: dict[int, set[int]] = {}  # layer -> values downstream of its cut
         for nd in order:
             b = lab.get(nd.id)
-            if b is None:
+            if b is None or nd.id in across:
                 continue
             if nd.id in core:
                 cores[b].add(nd.id)
+            elif nd.id in side:
+                tails[b].add(nd.id)
             elif b in after and any(x in after[b] for x in nd.inputs):
                 after[b].update(nd.outputs)
                 if 0 <= b + step < self.n:
@@ -312,6 +354,37 @@ class _Stack:
                 if nd.id == cut.get(b):
                     after[b] = set(nd.outputs)
         return cores, heads, tails
+
+    def _side(self, order, lab, core, step: int) -> tuple[set[int], set[int]]:
+        """(side, across): the labelled ops outside the core that compute from cores (or
+        such ops) alone and whose results reach no other layer's core. A layer's side
+        outputs (an aux loss) are computed before the next layer's core and from its own
+        values; the others accumulate them across layers (their sum after the stack)
+        and are in no layer."""
+        feeds: set[int] = set()
+        for nd in reversed(order):
+            b = lab.get(nd.id)
+            if b is not None and any(
+                c in feeds or (c in core and lab[c] != b)
+                for y in nd.outputs
+                for c in self.cons.get(y, ())
+            ):
+                feeds.add(nd.id)
+        first_core: dict[int, int] = {}
+        for i in sorted(core, reverse=True):
+            first_core[lab[i]] = i
+        side: set[int] = set()
+        across: set[int] = set()
+        for nd in order:
+            if nd.id not in lab or nd.id in core or nd.id in feeds:
+                continue
+            made = [self.prod.get(x) for x in nd.inputs if x not in self.g.consts]
+            if not made or not all(i in core or i in side or i in across for i in made):
+                continue
+            b, nxt = lab[nd.id], first_core.get(lab[nd.id] + step)
+            own = all(lab.get(i) == b and i not in across for i in made)
+            (side if own and (nxt is None or nd.id < nxt) else across).add(nd.id)
+        return side, across
 
     def _ends(self, order, lab, core, step: int, pairs=()) -> list[set[int]]:
         """Blocks per layer. The first layer's head (in this phase's order) and the last
