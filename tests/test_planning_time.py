@@ -506,6 +506,37 @@ def test_reshard_palette_is_shared_by_builds_on_one_mesh():
     assert np.array_equal(again.codes, first.codes)
 
 
+def test_node_strategies_are_shared_by_builds_on_one_mesh(monkeypatch):
+    """A node's strategies are enumerated once per mesh for every build of a call (each
+    try builds its own problem); a build on another mesh enumerates its own, and a
+    build asked again gets the same strategy tables."""
+    import cost_models
+    from autopar.cost.model import CostModel
+    from autopar.ir.capture import capture
+    from autopar.search import build
+    from autopar.search.problem import build_problem
+    from autopar.sharding import MeshInfo
+
+    def f(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    graph = capture(f, (jnp.ones((32, 32)), jnp.ones((16, 32))))
+    calls = []
+    real = build.strategies_for
+    monkeypatch.setattr(build, "strategies_for", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(build, "_STRATEGIES", type(build._STRATEGIES)())
+    prof = cost_models.load("a100-80g")
+    meshes = [MeshInfo.build(("data", "model"), s, None, 8) for s in ((4, 2), (4, 2), (2, 4))]
+    problems, counts = [], []
+    for mesh in meshes:
+        problems.append(build_problem(graph, mesh, CostModel(prof, mesh)))
+        counts.append(len(calls))
+        calls.clear()
+    assert counts[0] > 0 and counts[1] == 0 and counts[2] == counts[0], counts
+    assert problems[1].strategies == problems[0].strategies
+    assert problems[2].strategies != problems[0].strategies
+
+
 def _counting_traces(monkeypatch, layers: int):
     """A tiny scanned GPT's step (`ts`, `cfg`) and the token batch of every trace the
     driver makes of it from now on (the micro-batch traces: the full one is made before)."""
