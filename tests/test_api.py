@@ -458,6 +458,7 @@ def test_static_and_donated_argnums_count_full_positions():
 )
 def test_function_using_jax_random(key):
     def dropout(k, x):
+        k = jax.random.clone(k)  # as `nn.remat` with split RNGs does: `random_clone`
         return jnp.where(jax.random.bernoulli(k, 0.5, x.shape), x, 0.0)
 
     _, x = _w_x()
@@ -476,6 +477,7 @@ def test_typed_key_argument_is_listed_with_its_key_dtype(tmp_path):
     from autopar.tools.inspect.format import full_bytes
 
     def dropout(k, x):
+        k = jax.random.clone(k)  # as `nn.remat` with split RNGs does: `random_clone`
         return jnp.where(jax.random.bernoulli(k, 0.5, x.shape), x, 0.0)
 
     _, x = _w_x()

@@ -45,7 +45,9 @@ def control_flow_rule(node: Node, graph: Graph) -> Fixed:
     )
 
 
-@register("random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split")
+@register(
+    "random_seed", "random_wrap", "random_unwrap", "random_fold_in", "random_split", "random_clone"
+)
 def random_rule(node: Node, graph: Graph) -> Fixed:
     return replicated_rule(node, graph, "replicated rng")
 
