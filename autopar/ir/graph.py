@@ -169,11 +169,11 @@ def check_graph(g: Graph) -> None:
 def without_dead(g: Graph) -> Graph:
     """`g` without the ops none of whose results is used (ids renumbered), in loop bodies
     and branches too (their arguments and results as they are): what `jax.jit` drops
-    before XLA sees the program. Ops with effects (`_has_effects`) stay. Applied where a pass writes ops it may not need
-    (`passes.roll`, `passes.remat`), not to every capture: `recursive`'s latency bar
-    (`search.engines._latency_bound`) sits on the bucket share, which the dead sums of a
-    step change (on a 64-wide GPT layer dropping them took `recursive` from 1.06x the ILP
-    optimum to 15x)."""
+    before XLA sees the program. Ops with effects (`_has_effects`) stay. Applied where a
+    pass writes ops it may not need (`passes.roll`, `passes.remat`), not to every
+    capture: `recursive`'s latency bar (`search.engines._latency_bound`) sits on the
+    bucket share, which the dead sums of a step change (on a 64-wide GPT layer dropping
+    them took `recursive` from 1.06x the ILP optimum to 15x)."""
     live = set(g.outputs)
     keep: list[Node] = []
     for n in reversed(g.nodes):
