@@ -598,6 +598,7 @@ def test_nnx_list_of_blocks_pipelines_like_nnx_jit():
         assert _on_stage(model.blocks[layer].drop.rngs.key[...], layer // 2, f.mesh)
 
 
+@pytest.mark.slow  # 24 s; test_stacks pins the blocks the roll needs for 1F1B
 def test_the_users_remat_pipelines_under_1f1b_like_jax_jit():
     """A GPT-2 whose blocks the user wrapped in `nn.remat`: each layer's backward
     recomputes its forward from the layer's input, read by nothing else of its backward
