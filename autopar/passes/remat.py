@@ -442,9 +442,9 @@ def rematerialize(
     report = remat_report(graph, out, policy)
     if policy == "none":
         return out, report
-    done: set[tuple[int, ...]] = set()  # stacks by their first layer's parameters
-    while stack := next((s for s in find_stacks(out) if s.forward[0].params not in done), None):
-        done.add(stack.forward[0].params)  # (found again after each pass: node ids move)
+    stacks, done = find_stacks(out), set()  # done: stacks by their first layer's params
+    while stack := next((s for s in stacks if s.forward[0].params not in done), None):
+        done.add(stack.forward[0].params)
         first, n = len(done) == 1, len(stack.forward)
         if not first and layers is not None:
             report = replace(report, skipped=(*report.skipped, stack.describe()))
@@ -461,6 +461,8 @@ def rematerialize(
             report = replace(report, stack=stack.describe(), layers=changed, stack_layers=n)
         elif changed:
             report = replace(report, others=(*report.others, (stack.describe(), changed)))
+        if changed and len(done) < len(stacks):  # node ids moved: the others found again
+            stacks = find_stacks(out)
     return out, report
 
 
