@@ -206,14 +206,16 @@ def _stage_major(strategies: tuple[Strategy, ...], axis: str) -> tuple[Strategy,
 # remat policies, stage counts) build problems on a few meshes, and a node's strategies
 # depend on its op, types and params (`facts.node_key`) and the mesh alone. On the scanned
 # GPT-3 175B pipeline search, 52 builds asked `strategies_for` 33.6k times. Those with a
-# warning (which names one op) stay per build. At most MAX_MESHES meshes are kept.
+# warning (which names one op) stay per build. At most MAX_MESHES meshes are kept, and
+# MAX_NODES node kinds a mesh (a process planning many models starts a mesh's afresh).
 MAX_MESHES = 4
+MAX_NODES = 20_000
 _STRATEGIES: collections.OrderedDict[MeshInfo, dict] = collections.OrderedDict()
 
 
 def _strategies_on(mesh: MeshInfo) -> dict:
     got = _STRATEGIES.get(mesh)
-    if got is None:
+    if got is None or len(got) > MAX_NODES:
         got = _STRATEGIES[mesh] = {}
     _STRATEGIES.move_to_end(mesh)
     while len(_STRATEGIES) > MAX_MESHES:
