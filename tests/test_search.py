@@ -552,6 +552,24 @@ def test_data_recipe_keeps_the_classifier_head_batch_split():
     assert {c.kind for c in parse_collectives(hlo)} == {"all-reduce"}
 
 
+def test_data_recipe_never_takes_a_runner_up_that_gathers_the_batch():
+    """A ResNet (convs, batch norm, a `TrainState` with `batch_stats`) at batch 16 on 8
+    devices: the `data` recipe's solve returns data parallelism, but its runner-up paid
+    the gather penalty (the images gathered, the network run replicated) and, priced
+    without the penalty, is cheaper at this size: the driver kept it, a `data` plan 99%
+    replicated with an all-gather of the images."""
+    from benchmarks.user_models_defs import resnet
+
+    case = resnet({"batch": 16, "res": 16, "width": 16})
+    args = case.args(concrete=False)
+    step = autopar.parallelize(case.step, mesh={"data": 8}, engine="data")
+    plan = step.plan(*args)
+    assert set(plan.cost.comm_bytes) == {"all-reduce@data"}
+    assert plan.replicated_share() < 0.1
+    convs = [o for o in plan.ops if o.op == "conv_general_dilated"]
+    assert convs and all(o.in_specs[0].dims[0] == ("data",) for o in convs[:4])
+
+
 def test_auto_ranks_zero3_as_a_speed_candidate():
     """A Llama-style step (RoPE, GQA, SwiGLU, AdamW) with wide layers on data 2 x model 4:
     plain `jax.jit` FSDP is the fastest hand layout there, and `dp`'s own plan sits in a

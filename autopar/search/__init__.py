@@ -71,8 +71,12 @@ def _dp(
     keep = 0 if problem.loop_body else KEEP  # a loop body's layers are all alike
     sol = solve_dp_layered(problem, g, pinned, keep=keep, starts=starts)
     info.update(optimal=sol.optimal, gap=sol.gap)
-    if "runner_up" in sol.info:  # `search.run` polishes it too (not kept in the plan)
-        info["alternates"] = [g.lift_choice(list(sol.info["runner_up"]), pinned)]
+    # `search.run` polishes the runner-up too and keeps it where its price is lower; a
+    # recipe's runner-up that pays the gather penalty is no recipe plan (a ResNet's
+    # `data` runner-up gathered the images and ran replicated, cheaper at batch 16)
+    runner = sol.info.get("runner_up")
+    if runner is not None and not (recipe and g.total(runner) >= engines.DATA_GATHER_PENALTY):
+        info["alternates"] = [g.lift_choice(list(runner), pinned)]
     return g.lift_choice(list(sol.choice), pinned)
 
 
