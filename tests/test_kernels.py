@@ -49,10 +49,12 @@ def _drec_reference(problem, pinned):
         choice[v] = s
     fixed = [v in pinned or len(problem.strategies[v]) == 1 for v in range(n)]
     heavy = [not fixed[v] and v >= n_in and g.nodes[v - n_in].op in engines._TIER for v in range(n)]
+    small = engines._latency_bound(problem)
     order = sorted(
         (v for v in range(n) if heavy[v]),
-        key=lambda v: (engines._TIER[g.nodes[v - n_in].op], -problem.flops[v], v),
+        key=lambda v: (small[v], engines._TIER[g.nodes[v - n_in].op], -problem.flops[v], v),
     )
+    margin = engines._least_latency(problem)
     table = engines._replication_penalty(problem)  # [axis, strategy] per op
     tables: dict[int, np.ndarray] = {}
 
@@ -63,8 +65,6 @@ def _drec_reference(problem, pinned):
             tables[v] = table(v)
         return tables[v][ai, i]
 
-    small = engines._latency_bound(problem)
-
     def candidates(v, ai):
         strats = problem.strategies[v]
         base = strats[choice[v]].assignment
@@ -73,24 +73,35 @@ def _drec_reference(problem, pinned):
             for i, s in enumerate(strats)
             if all(s.assignment[a] == base[a] for a in range(len(base)) if a != ai)
         ]
-        if small[v]:
-            got = [i for i in got if strats[i].assignment[ai : ai + 1] in ((), (None,))] or got
-        return got
+        whole = [i for i in got if strats[i].assignment[ai : ai + 1] in ((), (None,))]
+        return got, (whole or got) if small[v] else got
 
-    def decide(v, ai, decided):
-        cands = candidates(v, ai)
+    def decide(v, ai, decided, defer=False):
         edge = engines.edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
         times = problem.node_time[v]
-        scores = [times[i] + penalty(v, i, ai) + edge[i] for i in cands]
-        choice[v] = cands[int(np.argmin(scores))]
+
+        def cheapest(cands):
+            scores = [times[i] + penalty(v, i, ai) + edge[i] for i in cands]
+            k = int(np.argmin(scores))
+            return cands[k], scores[k]
+
+        every, kept = candidates(v, ai)
+        best, low = cheapest(kept)
+        if small[v]:  # a small op takes a cut only where it spares a collective
+            other, score = cheapest(every)
+            if score < low - margin:
+                best = other
+            elif defer and other != best and score < low + margin:
+                return False  # its decided neighbours do not settle it
+        choice[v] = best
         decided[v] = True
+        return True
 
     def flood(queue, ai, decided):
         while queue:
             u = queue.popleft()
             for w, _ in nb[u]:
-                if not decided[w] and not heavy[w]:
-                    decide(w, ai, decided)
+                if not decided[w] and not heavy[w] and decide(w, ai, decided, True):
                     queue.append(w)
 
     for ai in axes:

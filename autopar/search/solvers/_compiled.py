@@ -21,20 +21,22 @@ _jit = numba.njit(cache=True, nogil=True)
 
 @_jit
 def drec(axes, order, heavy, fixed, small, table, kind, base, ptr, cand, pen, pen_base,
-          choice, adj_ptr, adj, dst, at, flat, cost, size):  # fmt: skip
+          margin, choice, adj_ptr, adj, dst, at, flat, cost, size):  # fmt: skip
     """D-Rec's passes (`search.engines._recursive`), one per axis in `axes`: the heavy
     nodes in `order`, each not yet decided taking its cheapest candidate (own time plus
     penalty, plus its edges' rows at its decided neighbours' strategies, the first
     minimum), each decision flooding breadth-first through the light nodes around it;
     then a flood from every decided node, in order; then each node still undecided,
-    with its flood."""
+    with its flood. A flood leaves a node too small to cut (`small`) undecided while
+    its decided neighbours do not settle it (`_decide`), for a later flood or the last
+    loop."""
     n = len(size)
     decided = np.empty(n, np.bool_)
     queue = np.empty(2 * n, np.int64)
     total = np.empty(cost.shape[1])
     # what a decision reads: the tables (`kernels.DRecTables`) and the graph
     ctx = (table, kind, small, base, ptr, cand, pen, pen_base, adj_ptr, adj, dst, at, flat,
-           cost, size)  # fmt: skip
+           cost, size, margin)  # fmt: skip
     for ai in axes:
         decided[:] = fixed
         for v in order:
@@ -54,7 +56,7 @@ def drec(axes, order, heavy, fixed, small, table, kind, base, ptr, cand, pen, pe
 def _settle(v, ai, decided, heavy, choice, queue, total, ctx):
     """Node `v` decided (if it is not yet), then the flood from it."""
     if not decided[v]:
-        _decide(v, ai, decided, choice, total, ctx)
+        _decide(v, ai, decided, choice, total, ctx, False)
     queue[0] = v
     _flood(queue, 1, ai, decided, heavy, choice, total, ctx)
 
@@ -70,17 +72,26 @@ def _flood(queue, tail, ai, decided, heavy, choice, total, ctx):
         head += 1
         for a in range(adj_ptr[u], adj_ptr[u + 1]):
             w = dst[adj[a]]
-            if not decided[w] and not heavy[w]:
-                _decide(w, ai, decided, choice, total, ctx)
+            if (
+                not decided[w]
+                and not heavy[w]
+                and _decide(w, ai, decided, choice, total, ctx, True)
+            ):
                 queue[tail] = w
                 tail += 1
 
 
 @_jit
-def _decide(v, ai, decided, choice, total, ctx):
-    """Node `v` takes its cheapest candidate on axis `ai` and is decided."""
+def _decide(v, ai, decided, choice, total, ctx, defer):
+    """Node `v` takes its cheapest candidate on axis `ai` and is decided (True). A node
+    too small to cut (`small`) takes its cheapest candidate that leaves the axis whole,
+    unless another is cheaper by more than `margin` (the latency a collective costs at
+    least): only where cutting it spares a collective with its decided neighbours. With
+    `defer`, such a node whose two choices are within `margin` (its decided neighbours
+    do not settle it: a rotary embedding's product with a whole cosine table, its other
+    operand undecided) is left undecided (False)."""
     table, kind, small, base, ptr, cand, pen, pen_base = ctx[:8]
-    adj_ptr, adj, dst, at, flat, cost, size = ctx[8:]
+    adj_ptr, adj, dst, at, flat, cost, size, margin = ctx[8:]
     s_v = size[v]
     for i in range(s_v):
         total[i] = 0.0
@@ -91,16 +102,32 @@ def _decide(v, ai, decided, choice, total, ctx):
             row = flat[at[d ^ 1] + choice[u] * s_v :]  # a view: contiguous loads (_row)
             for i in range(s_v):
                 total[i] += row[i]
-    k = base[table[v]] + (ai * s_v + choice[v]) * 2 + (1 if small[v] else 0)
+    k = base[table[v]] + (ai * s_v + choice[v]) * 2
     p = pen_base[kind[v]] + ai * s_v
-    best, low = -1, 0.0
-    for j in range(ptr[k], ptr[k + 1]):
-        i = cand[j]
-        score = cost[v, i] + pen[p + i] + total[i]
-        if best < 0 or score < low:
-            best, low = i, score
+    best, low = _cheapest(ptr[k + 1 if small[v] else k], ptr[k + 2 if small[v] else k + 1],
+                          cand, cost[v], pen, p, total)  # fmt: skip
+    if small[v]:
+        other, score = _cheapest(ptr[k], ptr[k + 1], cand, cost[v], pen, p, total)
+        if score < low - margin:
+            best = other
+        elif defer and other != best and score < low + margin:
+            return False
     choice[v] = best
     decided[v] = True
+    return True
+
+
+@_jit
+def _cheapest(lo, hi, cand, cost, pen, p, total):
+    """(the first candidate of `cand[lo:hi]` with the least own time plus penalty plus
+    edges, that score)."""
+    best, low = -1, 0.0
+    for j in range(lo, hi):
+        i = cand[j]
+        score = cost[i] + pen[p + i] + total[i]
+        if best < 0 or score < low:
+            best, low = i, score
+    return best, low
 
 
 @_jit

@@ -182,13 +182,14 @@ class DRecTables:
     cand: np.ndarray
     pen: np.ndarray
     pen_base: np.ndarray
+    margin: float = 0.0
 
 
 def drec_kernel(g: FlatGraph, d: DRecTables, axes: np.ndarray, choice: np.ndarray) -> None:
     """D-Rec's passes (`engines._recursive`) on `g` (in place on `choice`)."""
     _loops().drec(
         axes, d.order, d.heavy, d.fixed, d.small, d.table, d.kind, d.base, d.ptr, d.cand,
-        d.pen, d.pen_base, choice, g.adj_ptr, g.adj, g.dst, g.at, g.flat, g.cost, g.size,
+        d.pen, d.pen_base, d.margin, choice, g.adj_ptr, g.adj, g.dst, g.at, g.flat, g.cost, g.size,
     )  # fmt: skip
 
 
