@@ -24,8 +24,9 @@ Why these: the ILP's size is set by the number of ops and of strategies per op,
 not by the widths, so the published widths cost nothing extra and keep the
 cost model's compute/bandwidth/latency trade-offs realistic. (At toy widths every
 op is latency-bound and the optimum is to replicate everything, a different
-problem; the full run adds one such row, the GPT of ``tests/test_optimality.py``,
-marked as extra.) On (8,) and (2,4) the ILP proves optimality in seconds to tens of
+problem; the full run adds such rows, marked as extra: the GPT of
+``tests/test_optimality.py``, and a Llama and a GPT-2 written as public Flax code
+writes them, ``benchmarks/user_models_defs.py``, at width 64 with 4 layers.) On (8,) and (2,4) the ILP proves optimality in seconds to tens of
 seconds here. On (2,2,2) every op has up to ~300 strategies and the ILP has 3.7M
 (ViT) to 23M (GPT 4 layers) variables. Measured on this 2-core, 23 GB machine: at
 3.7M (ViT) HiGHS stops at the 120 s limit with a useless dual bound (99.9% gap) and
@@ -145,6 +146,29 @@ def _tiny_gpt() -> Model:
     )
 
 
+TINY_USER = dict(batch=8, seq=32, vocab=128, d=64, heads=4, kv_heads=2, ffn=176, layers=4)
+
+
+def _user_model(name: str, label: str, cfg: dict, shape: str) -> Model:
+    """A decoder written as public Flax code writes it (`benchmarks.user_models_defs`)."""
+
+    def make():
+        from benchmarks.user_models_defs import MODELS
+
+        case = MODELS[name][0](cfg)
+        return case.step, case.args(concrete=False)
+
+    return Model(label, shape, make, extra=True)
+
+
+def _user_models() -> list[Model]:
+    tiny = "width 64, 4 heads, seq 32, vocab 128, batch 8, 4 layers, fp32, AdamW"
+    return [
+        _user_model("llama", "llama-user-tiny", TINY_USER, f"Llama (RoPE, GQA 4/2), {tiny}"),
+        _user_model("gpt2", "gpt2-user-tiny", TINY_USER, f"GPT-2 (tied, fused qkv), {tiny}"),
+    ]
+
+
 GPT_SHAPE = "GPT-1.3B widths: hidden 2048, 32 heads, seq 1024, vocab 51200, batch 64, bf16"
 
 
@@ -176,7 +200,7 @@ def models(quick: bool) -> list[Model]:
     )
     if quick:
         return [gpt[0], wrn, vit]
-    return [*gpt, moe, wrn, vit, _tiny_gpt()]
+    return [*gpt, moe, wrn, vit, _tiny_gpt(), *_user_models()]
 
 
 def log(msg: str) -> None:

@@ -100,10 +100,12 @@ class PipelineTries:
         return out
 
     def _remat_rolled(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
-        """A rolled graph's loops rematerialized as scans are (`_looped`), and the notes."""
+        """A rolled graph's loops rematerialized as scans are (`_looped`), and the notes;
+        the step's other stacks unrolled in Python too, if it has any."""
         if self.remat_policy in (None, "none"):
             return graph, ()
-        graph, report = rematerialize(graph, self.remat_policy)
+        others = len(self._stacks(self.base)) > 1
+        graph, report = rematerialize(graph, self.remat_policy, unrolled=others)
         return graph, report.notes()
 
     def _pipelines(self, graph: Graph, mesh) -> list[PipelinedScans | None] | Infeasible:

@@ -432,15 +432,17 @@ def body_flops(g: Graph) -> float:
 
 
 def rematerialize(
-    graph: Graph, policy: str, layers: int | None = None
+    graph: Graph, policy: str, layers: int | None = None, unrolled: bool = True
 ) -> tuple[Graph, RematReport]:
     """`remat(graph, policy)` and then, on layers unrolled in Python (`find_stacks`),
     `remat_unrolled.remat_layers` over each stack's layers (with `layers`, only the first
     stack's first `layers`: their residuals are kept longest; at the start of the backward
-    pass, the peak, every layer's are held); with what changed."""
+    pass, the peak, every layer's are held); with what changed. `unrolled` False: the
+    caller knows the graph holds no such stack (its only one was rolled into loops), so
+    none is looked for (0.4 s a call on a rolled 96-layer step, once per try)."""
     out = remat(graph, policy)
     report = remat_report(graph, out, policy)
-    if policy == "none":
+    if policy == "none" or not unrolled:
         return out, report
     stacks, done = find_stacks(out), set()  # done: stacks by their first layer's params
     while stack := next((s for s in stacks if s.forward[0].params not in done), None):
