@@ -627,6 +627,35 @@ def test_a_default_1f1b_that_gives_way_to_gpipe_says_so(monkeypatch):
     assert any("runs GPipe, not the default 1F1B" in w for w in plan.warnings)
 
 
+def test_nnx_dropout_layers_pipeline_under_gpipe_and_keep_their_rng_counts():
+    """NNX blocks that hold `nnx.Dropout` update their rng count layer by layer: a
+    result of the step that the rolled forward loop makes, which the 1F1B pipeline
+    does not hand back. The plan was made 1F1B and the first call failed with a bare
+    `KeyError` in the lowering; now the pipeline gives way to GPipe, says why, and the
+    counts advance as under `nnx.jit`."""
+    model = NNXModel(nnx.Rngs(0, dropout=1), rate=0.1)
+    ref = NNXModel(nnx.Rngs(0, dropout=1), rate=0.1)
+    opts = [nnx.Optimizer(m, optax.adamw(1e-2, eps=EPS), wrt=nnx.Param) for m in (model, ref)]
+
+    def step(model, opt, ids):
+        loss, grads = nnx.value_and_grad(lambda m: _loss(m(ids), ids))(model)
+        opt.update(model, grads)
+        return loss
+
+    par = autopar.parallelize(step, mesh=MESH, pipeline_stages=2, microbatches=M)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = par.plan(model, opts[0], _batch(0))
+        for i in range(2):
+            loss = par(model, opts[0], _batch(i))
+            nnx.jit(step)(ref, opts[1], _batch(i))
+    assert plan.pipeline["schedule"] == "gpipe"
+    assert any("made layer by layer" in str(w.message) for w in caught)
+    assert jnp.isfinite(loss)
+    counts = [int(b.drop.rngs.count[...]) for b in model.blocks]
+    assert counts == [int(b.drop.rngs.count[...]) for b in ref.blocks] and counts[0] > 0
+
+
 def test_nnx_dropout_pipelines_where_autopar_picks_the_mesh():
     """NNX's dropout traced under a mesh adds `reshard`s. With several meshes to try
     (`mesh=8`) the whole batch is traced under none, so the micro-batch traces are too:
