@@ -633,3 +633,29 @@ def test_48_layers_fast():
     (stack,) = stacks
     check_stack(graph, stack, 48, "params/blocks/<i>", backward=True)
     assert elapsed < 5.0, f"{elapsed:.2f} s for {len(graph.nodes)} nodes"
+
+
+def test_a_first_layer_whose_backward_differs_is_named_as_left_out():
+    """Blocks applied straight to an argument of the step: JAX computes no gradient for
+    that argument, so the first block's backward lacks the input-gradient ops the
+    others have. The stack is the other three, and says which layer it left out and
+    why (remat covered 3 of 4 layers and `pipeline_stages=2` said "3 layers do not
+    split into 2 stages", with no word of the fourth)."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(4):
+                x = x + nn.relu(nn.Dense(32, name=f"blocks_{i}")(x))
+            return nn.Dense(1, name="head")(x)
+
+    model = Net()
+    x = jnp.ones((16, 32))
+    params = model.init(jax.random.key(0), x)
+
+    def step(params, x):
+        return jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+
+    (stack,) = find_stacks(capture(step, (params, x)))
+    assert len(stack.forward) == 3 and stack.left_out == (0,)
+    assert "layer 0 left out" in stack.describe()

@@ -262,6 +262,7 @@ class PipelineTries:
                     else "; ".join(
                         f"the {len(s.forward)} layers of {s.template} (unrolled in Python) do not "
                         f"split into {S} equal stages"
+                        + (f" ({s.why_left_out()})" if s.left_out else "")
                         for s in stacks
                     )
                     or no_layer_loop()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.ir.graph import BACKWARD, FORWARD, OTHER, Graph, Node, phases
 
@@ -68,10 +68,25 @@ class LayerStack:
     template: str
     forward: tuple[Block, ...]
     backward: tuple[Block, ...] = ()
+    # the layers of the template next to the run that its forward ops match but its
+    # backward ops do not, which the stack leaves out (said in `describe`)
+    left_out: tuple[int, ...] = ()
 
     def describe(self) -> str:
         ids = [i for b in self.forward + self.backward for i in b.nodes]
-        return f"{len(self.forward)} x {self.template}, ops {min(ids)}..{max(ids)}"
+        text = f"{len(self.forward)} x {self.template}, ops {min(ids)}..{max(ids)}"
+        return f"{text} ({self.why_left_out()})" if self.left_out else text
+
+    def why_left_out(self) -> str:
+        """Which layers `left_out` holds and why ("" when none)."""
+        if not self.left_out:
+            return ""
+        return (
+            f"layer {', '.join(map(str, self.left_out))} left out: its forward ops are the "
+            "others' but its backward ops differ, as when the stack's first layer reads an "
+            "argument of the step, whose gradient JAX does not compute; a layer before the "
+            "stack, or a step that differentiates that argument too, makes them alike"
+        )
 
 
 @dataclass(frozen=True)
@@ -543,7 +558,16 @@ class _Stack:
         ]
         same = lambda a, b: keys[a] == keys[b] and linked[a]  # noqa: E731
         runs = [r for r in _runs(list(range(n)), same) if len(r) >= min_layers]
-        return [self._stack(r, fblocks, bblocks, diff) for r in runs]
+
+        def left_out(r: list[int]) -> tuple[int, ...]:
+            ends = [(r[0] - 1, r[0]), (r[-1] + 1, r[-1])]
+            return tuple(
+                self.layers[k].index
+                for k, at in ends
+                if 0 <= k < n and keys[k][0] == keys[at][0] and linked[min(k, at)]
+            )
+
+        return [replace(self._stack(r, fblocks, bblocks, diff), left_out=left_out(r)) for r in runs]
 
     def _stack(self, ks: list[int], fblocks, bblocks, diff: bool) -> LayerStack:
         g, gout = self.g, set(self.g.outputs)
