@@ -25,7 +25,9 @@ log = logging.getLogger("autopar")  # shown by `autopar.compile.progress`
 
 def dp_starts(problem: Problem, g, pinned: Mapping[int, int], recipe: bool = False) -> list:
     """The starts `solve_dp_layered` polishes where dp guesses (`layers.Start`), on `g`
-    (the problem's cost graph with `pinned` applied): recursive's plan; for a recipe
+    (the problem's cost graph with `pinned` applied): recursive's plan before its cone
+    rounds (from the plan after them, dp's descent on the tiny Llama of
+    `tests/test_optimality.py` on data 2 x model 4 stopped 36% higher); for a recipe
     (`data`, `fsdp`) whose plan pays a gather penalty, its plan as data parallelism
     runs (`engines.batch_wave`, whose descent takes more rounds: MobileNet's improved
     for 18); otherwise plans from Megatron's layout with each mesh axis as the tensor
@@ -35,7 +37,7 @@ def dp_starts(problem: Problem, g, pinned: Mapping[int, int], recipe: bool = Fal
     descent from Megatron's layout under the objective."""
     from autopar.search.layers import POLISH
 
-    plans = [(engines.recursive, (30, 3), 0.0)]
+    plans = [(lambda p, pins: engines.recursive_plans(p, pins)[1], (30, 3), 0.0)]
     if recipe:
         plans.append((engines.batch_wave, POLISH, engines.DATA_GATHER_PENALTY))
     else:

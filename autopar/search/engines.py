@@ -148,7 +148,7 @@ def recursive_plans(
 
 
 # `recursive`'s last polish: cone rounds of the forest descent (max rounds, patience)
-CONES = (12, 4)
+CONES = (6, 2)
 
 
 def _cones(problem: Problem, choice: list[int], pinned: Mapping[int, int]) -> list[int]:

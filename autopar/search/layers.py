@@ -103,7 +103,7 @@ ENABLED = True
 POLISH = (200, 20)
 # Cone rounds (`forest_descent` with random=False) on the full graph after the quotient's
 # plan is lifted: (max rounds, patience).
-CONES = (12, 4)
+CONES = (12, 2)
 # The second solve prices state bytes so that the first plan's state would cost this
 # fraction of its time (module docstring, "Starts").
 STATE_WEIGHT = 0.1
