@@ -1,5 +1,5 @@
-"""Mesh-shape search's screen: every shape's plan by `recursive` (one pass, no polish),
-priced before any full search. All shapes have the same FLOP floor, so this price
+"""Mesh-shape search's screen: every shape's plan by `recursive` (on two or more axes
+also from data parallelism's pins, the cheaper kept), priced before any full search. All shapes have the same FLOP floor, so this price
 orders them and bounds which are worth a full search (`compile.driver`); a shape the
 cost model cannot tell from one before it (`meshes.equivalent`) is neither screened
 nor searched. Where `search.workers` allows, the shapes are screened side by side:
