@@ -1,11 +1,12 @@
 """Mesh-shape search's screen: every shape's plan by `recursive` (on two or more axes
-also from data parallelism's pins, the cheaper kept), priced before any full search. All shapes have the same FLOP floor, so this price
-orders them and bounds which are worth a full search (`compile.driver`); a shape the
-cost model cannot tell from one before it (`meshes.equivalent`) is neither screened
-nor searched. Where `search.workers` allows, the shapes are screened side by side:
-this process screens the shapes costliest to build and keeps their problems for the
-full search, forked workers screen the rest (the driver builds again the problem of a
-worker's shape it then searches in full)."""
+also from data parallelism's pins, the cheaper kept), priced before any full search.
+All shapes have the same FLOP floor, so this price orders them and bounds which are
+worth a full search (`compile.driver`); a shape the cost model cannot tell from one
+before it (`meshes.equivalent`) is neither screened nor searched. Where
+`search.workers` allows, the shapes are screened side by side: this process screens
+the shapes costliest to build and keeps their problems for the full search, forked
+workers screen the rest (the driver builds again the problem of a worker's shape it
+then searches in full)."""
 
 from __future__ import annotations
 

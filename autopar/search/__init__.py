@@ -111,7 +111,7 @@ ILP_TIME_LIMIT_S = 60.0
 # An engine maps (problem, pinned nodes, info to fill) to one strategy index per node.
 Engine = Callable[[Problem, Mapping[int, int], SolverInfo], list[int]]
 ENGINES: dict[str, Engine] = {
-    "recursive": lambda p, pins, info: _recursive(p, pins, info),
+    "recursive": _recursive,
     "dp": _dp,
     "ilp": _ilp,
     # Baselines fix the arguments' specs and let `dp` complete the rest optimally.
