@@ -224,6 +224,7 @@ class _UNet(nn.Module):
         return nn.Conv(3, (3, 3))(nn.silu(nn.GroupNorm(num_groups=4)(h)))
 
 
+@pytest.mark.slow  # two full mesh searches, ~20 s
 def test_the_screen_keeps_a_two_axis_shape_whose_recursive_plan_is_poor():
     """A UNet trained on noised images on 8 devices: `recursive`'s plan on data 2 x
     model 4 cut some convs' channels and left the adds after them whole (a reshard at
