@@ -351,9 +351,15 @@ def solve_dp_layered(
         # the quotient ties the merged layers' nodes together, so a chain through
         # them (a clipped optimizer's global norm summed over every layer's gradients)
         # has cycles there that no forest holds whole: cone rounds on the full graph
+        # (on the problem's own tables, whose compiled graph D-Rec and `refine` share,
+        # the pins held: no presolve of the full graph)
         t1 = time.perf_counter()
-        cost, edges = g.presolve()
-        full, _ = forest_descent(cost, edges, choice, *CONES, random=False)
+        lifted = CostGraph.lift_choice(choice, pinned)
+        free = np.array([v not in pinned and len(s) > 1 for v, s in enumerate(problem.node_time)])
+        full, _ = forest_descent(
+            problem.node_time, problem.edges, lifted, *CONES, random=False, free=free
+        )
+        full = CostGraph.lower_choice(full, pinned)
         if g.total(full) < g.total(choice):
             choice = tuple(full)
         tried["cones"] = g.total(choice)
