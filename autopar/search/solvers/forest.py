@@ -40,13 +40,13 @@ def forest_descent(
     reads, at the current plan) through its producers (lower-numbered neighbours,
     breadth first), or in the round after through its consumers, then the other nodes
     at random; the next cone rounds start from the next node by regret until a round
-    improves. A random T seldom holds a whole
-    chain that only moves at once: a clipped optimizer's global norm carried as a
-    Partial sum through the adds of every gradient's square sum, one all-reduce at the
-    root that an exact solve of its upstream tree removes (a tiny Llama on 8 devices:
-    ``dp`` 1.55x the ILP before, at the optimum with it). With ``random`` False every
-    round is a cone round, and the descent stops when no node has a regret left to try.
-    With ``free`` (a mask), only those nodes move.
+    improves. A random T seldom holds a whole chain that only moves at once: a clipped
+    optimizer's global norm carried as a Partial sum through the adds of every
+    gradient's square sum, one all-reduce at the root that an exact solve of its
+    upstream tree removes (a tiny Llama on 8 devices: ``dp`` 1.55x the ILP before, at
+    the optimum with it). With ``random`` False every round is a cone round, and the
+    descent stops when no node has a regret left to try. With ``free`` (a mask), only
+    those nodes move.
     """
     n = len(cost)
     choice = list(choice)
