@@ -471,12 +471,15 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
     producer = graph.producer
     n_kf = F.params["num_carry"]
     ys = set(F.outputs[n_kf:])
+    after_f, after_b = descendants(graph, F.id), descendants(graph, B.id)
     # a per-layer output the step keeps besides the backward's saved activations (a
     # dropout layer's updated rng count in an NNX model): 1F1B hands back none
     for n in graph.nodes:
-        if n.id != B.id and (v := next((x for x in n.inputs if x in ys), None)) is not None:
-            if n.id not in descendants(graph, B.id):
-                continue  # between the loops: `label` names it
+        if (
+            n.id != B.id
+            and n.id in after_b
+            and (v := next((x for x in n.inputs if x in ys), None)) is not None
+        ):
             raise PipelineError(
                 f"1F1B: the loop at {F.key} hands {graph.values[v]} to {n.key}, after the "
                 "backward loop, as well as its saved activations to the backward loop; "
@@ -489,7 +492,6 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
             "made layer by layer (the updated state of a layer's rng, say), which the 1F1B "
             "pipeline does not hand back; use pipeline_schedule='gpipe'"
         )
-    after_f, after_b = descendants(graph, F.id), descendants(graph, B.id)
     between = [n for n in graph.nodes if n.id in after_f - after_b - {F.id}]
     made = {v for n in between for v in n.outputs}
     ext = dict.fromkeys(
