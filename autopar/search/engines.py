@@ -157,9 +157,9 @@ def _cones(problem: Problem, choice: list[int], pinned: Mapping[int, int]) -> li
     once: on a GPT-2-style step (4 layers, width 64, 8 devices) a position embedding's
     update split by its gradient's scatter and gathered at its end, 2.1x the ILP; the
     cone rounds reach the optimum."""
-    free = np.array([len(s) > 1 for s in problem.strategies])
-    free[list(pinned)] = False
-    out, _ = forest_descent(problem.node_time, problem.edges, choice, *CONES, False, free)
+    out, _ = forest_descent(
+        problem.node_time, problem.edges, choice, *CONES, random=False, pinned=pinned
+    )
     return out
 
 

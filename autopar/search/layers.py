@@ -355,9 +355,8 @@ def solve_dp_layered(
         # the pins held: no presolve of the full graph)
         t1 = time.perf_counter()
         lifted = CostGraph.lift_choice(choice, pinned)
-        free = np.array([v not in pinned and len(s) > 1 for v, s in enumerate(problem.node_time)])
         full, _ = forest_descent(
-            problem.node_time, problem.edges, lifted, *CONES, random=False, free=free
+            problem.node_time, problem.edges, lifted, *CONES, random=False, pinned=pinned
         )
         full = CostGraph.lower_choice(full, pinned)
         if g.total(full) < g.total(choice):

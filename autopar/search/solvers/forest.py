@@ -6,6 +6,7 @@ elimination had to guess part of the graph. A round's work is one compiled funct
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import numpy as np
 
@@ -24,7 +25,7 @@ def forest_descent(
     max_rounds: int = 30,
     patience: int = 3,
     random: bool = True,
-    free: np.ndarray | None = None,
+    pinned: Collection[int] | None = None,
 ):
     """Improve a heuristic plan by re-solving random induced forests exactly.
 
@@ -45,8 +46,8 @@ def forest_descent(
     gradient's square sum, one all-reduce at the root that an exact solve of its
     upstream tree removes (a tiny Llama on 8 devices: ``dp`` 1.55x the ILP before, at
     the optimum with it). With ``random`` False every round is a cone round, and the
-    descent stops when no node has a regret left to try. With ``free`` (a mask), only
-    those nodes move.
+    descent stops when no node has a regret left to try. With ``pinned``, those nodes
+    and the ones with a single strategy stay as they are.
     """
     n = len(cost)
     choice = list(choice)
@@ -56,6 +57,10 @@ def forest_descent(
     rng = np.random.default_rng(0)
     current = np.array(choice, dtype=np.int64)
     value = _price(graph, current)
+    free = None
+    if pinned is not None:
+        free = graph.size > 1
+        free[list(pinned)] = False
     cones = _Cones(graph, free)
     stale = rounds = 0
     while rounds < max_rounds and stale < patience:
@@ -102,8 +107,7 @@ class _Cones:
         g = self.g
         regret = g.nodes[g.node_off + choice] - self.cheapest
         if len(g.edge_u):
-            at = g.edge_at + choice[g.edge_u] * g.edge_width + choice[g.edge_v]
-            np.add.at(regret, np.maximum(g.edge_u, g.edge_v), g.flat[at])
+            np.add.at(regret, np.maximum(g.edge_u, g.edge_v), _edge_costs(g, choice))
         for v in np.argsort(-regret, kind="stable"):
             if regret[v] <= 0:
                 return None
@@ -126,6 +130,10 @@ def _price(g: FlatGraph, choice: np.ndarray) -> float:
     same value, to the last bit, whatever the order of the terms)."""
     terms = g.nodes[g.node_off + choice]
     if len(g.edge_u):
-        at = g.edge_at + choice[g.edge_u] * g.edge_width + choice[g.edge_v]
-        terms = np.concatenate([terms, g.flat[at]])
+        terms = np.concatenate([terms, _edge_costs(g, choice)])
     return math.fsum(terms.tolist())
+
+
+def _edge_costs(g: FlatGraph, choice: np.ndarray) -> np.ndarray:
+    """Each edge's cost at the plan `choice`."""
+    return g.flat[g.edge_at + choice[g.edge_u] * g.edge_width + choice[g.edge_v]]
