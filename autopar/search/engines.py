@@ -66,12 +66,24 @@ def edge_sum(nb_v, choice, decided, size):
 
 
 def propagate(
-    problem: Problem, pinned: Mapping[int, int], seeds: Collection[int] | None = None
+    problem: Problem,
+    pinned: Mapping[int, int],
+    seeds: Collection[int] | None = None,
+    forward: bool = False,
 ) -> list[int]:
     """Sharding propagation: breadth-first from the pinned nodes (those in `seeds` only,
     when given; the other pins are decided but start nothing); every node reached takes
     the strategy that minimizes its own cost plus resharding against its neighbours
-    decided so far. Nodes no seed reaches are decided last, in order."""
+    decided so far. Nodes no seed reaches are decided last, in order. `forward`: first
+    the ops a seed's split flows into, in program order, each after its producers (as
+    the values flow when the step runs); an op none of whose producers holds a split
+    value (a Partial sum is none) waits. Then the rest in reverse program order, each
+    after its consumers: a value made from replicated ones alone (NNX's broadcast
+    attention dropout mask, `[1, 1, T, T]`) takes the layout the split activations it
+    meets read it in (decided from its producers, it took whatever split was cheapest
+    to compute, over T, which the activations then had to gather); a Partial gradient's
+    optimizer update the layout its parameter is written back in (from the gradient, a
+    reduce-scatter and a split update, then gathered)."""
     n = len(problem.strategies)
     nb = neighbour_tables(problem)
     choice = [0] * n
@@ -86,6 +98,23 @@ def propagate(
     def decide(v):
         score = problem.node_time[v] + edge_sum(nb[v], choice, decided, len(problem.strategies[v]))
         choice[v], decided[v] = int(np.argmin(score)), True
+
+    if forward:  # edges join a producer to a later consumer (nodes are in program order)
+        reached = np.zeros(n, bool)
+        reached[list(queue)] = True
+        for v in range(n):
+            if not reached[v]:
+                continue
+            if not decided[v]:
+                decide(v)
+            held = problem.strategies[v][choice[v]].out_specs
+            if any(any(spec.dims) for spec in held):
+                for w, _ in nb[v]:
+                    reached[w] |= w > v
+        for v in reversed(range(n)):
+            if not decided[v]:
+                decide(v)
+        return choice
 
     for start in [*range(n)]:
         if not queue:
@@ -495,7 +524,7 @@ def batch_wave(problem: Problem, pinned: Mapping[int, int]) -> list[int]:
     pooled features and labels to run the classifier head replicated."""
     batch = batch_like_inputs(problem)
     seeds = {v for v in pinned if v < problem.num_inputs and batch[v]}
-    return propagate(problem, pinned, seeds or None)
+    return propagate(problem, pinned, seeds or None, forward=bool(seeds))
 
 
 # ops that only cast or re-view a value: a parameter reaches its uses through them
