@@ -303,6 +303,71 @@ def test_unrolled_pipeline_tries_are_priced_on_one_loop_over_the_layers(monkeypa
     assert f"M={plan.pipeline['microbatches']}:" in tried, tried
 
 
+def _built_sizes(monkeypatch) -> list[tuple[int, bool]]:
+    """(ops, pipelined) of every try's problem this process builds (one worker)."""
+    from autopar.compile import driver
+
+    monkeypatch.setenv("AUTOPAR_WORKERS", "1")
+    built, real = [], driver._Driver._built
+
+    def spy(self, g, info, pipelined):
+        built.append((len(g.nodes), pipelined is not None))
+        return real(self, g, info, pipelined)
+
+    monkeypatch.setattr(driver._Driver, "_built", spy)
+    return built
+
+
+def test_the_try_without_a_pipeline_is_priced_on_one_loop_too(monkeypatch):
+    """`pipeline_stages="auto"`: the try without a pipeline (a mesh with no stage axis) is
+    priced on the unrolled stack rolled into one loop, as the pipeline tries are, not
+    searched on the step's unrolled layers (on a 96-layer step that try was the largest
+    search of all); a pipeline is the plan here, so no problem of the unrolled step is
+    ever built."""
+    from autopar.ir.capture import capture
+
+    built = _built_sizes(monkeypatch)
+    step, params, opt_state = _linen(GPT2(n=4))
+    unrolled = len(capture(step, (params, opt_state, _batch(0))).nodes)
+    plan = autopar.parallelize(step, mesh=2, pipeline_stages="auto").plan(
+        params, opt_state, _batch(0)
+    )
+    assert plan.pipeline is not None
+    tried = next(w for w in plan.warnings if w.startswith("pipeline_stages='auto' tried"))
+    assert re.search(r"\{'model': 2\} [0-9.]+ ms", tried), tried
+    unpipelined = [n for n, piped in built if not piped]
+    assert unpipelined and max(unpipelined) < unrolled / 2, (built, unrolled)
+
+
+def test_a_try_without_a_pipeline_priced_on_one_loop_is_made_as_it_runs(monkeypatch):
+    """Where the try without a pipeline priced on one loop is the fastest (here the only
+    one: every pipeline try turned away), it is searched again on the step as it runs,
+    its layers unrolled; the plan says both prices and trains like `jax.jit`."""
+    from autopar.compile.pipelines import Infeasible, PipelineTries
+
+    def refused(self, graph, pipe, mesh, rolled=None):
+        return Infeasible(autopar.PipelineError("turned away by the test"))
+
+    monkeypatch.setattr(PipelineTries, "_pipelined", refused)
+    built = _built_sizes(monkeypatch)
+    step, params, opt_state = _linen(GPT2(n=4))
+    par = autopar.parallelize(step, mesh=2, pipeline_stages="auto")
+    with pytest.warns(UserWarning, match="returned an unpipelined plan"):
+        plan = par.plan(params, opt_state, _batch(0))
+    assert plan.pipeline is None
+    (note,) = [w for w in plan.warnings if "without a pipeline:" in w]
+    assert re.search(r"ms as priced with its layers in one loop; [0-9.]+ ms searched again", note)
+    assert [piped for _, piped in built] == [False, False]  # the one loop, then as it runs
+    assert built[1][0] > 2 * built[0][0], built
+    ref = jax.jit(step)
+    a, b = (params, opt_state), (params, opt_state)
+    for i in range(2):
+        *a, loss_a = ref(*a, _batch(i))
+        *b, loss_b = par(*b, _batch(i))
+        assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+    assert_trees_close(b, a, what="params and optimizer state after 2 steps")
+
+
 def test_the_rolled_graph_holds_no_dead_ops():
     """Rolling replays the stack's ops into loops, those the step never reads too (AdamW's
     unused scalar converts, once per layer slot); the rolled graph drops them, as

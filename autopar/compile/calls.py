@@ -100,3 +100,20 @@ class Proxy:
     memory_bound: bool
     remat: str | None
     realize: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class OneLoop:
+    """A try without a pipeline (`pipeline_stages="auto"`, a mesh with no stage axis) on
+    a step whose layers are unrolled in Python, priced on `graph`, the stack rolled into
+    one loop over all its layers (`roll`), as the pipeline tries are: its search is the
+    scanned model's, flat in depth. Where it is the plan, it is searched again on the
+    step as it runs (`compile.pipelines.PipelineTries._realized`)."""
+
+    graph: Graph
+    roll: Roll
+
+
+def pipeline_of(pipelined: Any) -> Any:
+    """A try's pipeline (`PipelinedScans`), None for a try without one (`OneLoop`)."""
+    return None if isinstance(pipelined, OneLoop) else pipelined

@@ -23,7 +23,7 @@ from typing import TypeVar
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from autopar.compile.calls import Call, Compiled, Options, Proxy
+from autopar.compile.calls import Call, Compiled, Options, Proxy, pipeline_of
 from autopar.compile.clock import Clock, left_out, try_name
 from autopar.compile.lowering import compiled_memory, info_str, lowered
 from autopar.compile.merged import merged_seeds
@@ -235,14 +235,14 @@ class _Driver(PipelineTries):
         found = self._search(graph, reused)
         if isinstance(found, Infeasible):
             return found
-        self.unpipelined_fits = any(r[6] is None for r in found.ranked)
+        self.unpipelined_fits = any(pipeline_of(r[6]) is None for r in found.ranked)
         if o.pipeline_stages == "auto":
             one = next((r[6].roll.layers for r in found.ranked if proxied(r[6])), 0)
             notes += (
                 pipeline_tries(found.ranked, found.failures, o.pipeline_schedule is None, one),
             )
             stage = [m for m in o.meshes if "stage" in m.axis_names]
-            piped = any(r[6] is not None for r in found.ranked)
+            piped = any(pipeline_of(r[6]) is not None for r in found.ranked)
             if stage and not piped:  # no pipeline could be made: say why
                 why = no_pipeline_why(found.failures)
                 warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
@@ -291,7 +291,9 @@ class _Driver(PipelineTries):
         o = self.o
         tries, failures, kinds = self._tries(graph)
         floors = [  # under the faster schedule a try may also be priced in (`_rescheduling`)
-            step_floor(graph_of(graph, p), mesh.size, o.profile, self._rescheduling(p) or p)
+            step_floor(
+                graph_of(graph, p), mesh.size, o.profile, self._rescheduling(p) or pipeline_of(p)
+            )
             for _, mesh, p in tries
         ]
         screen, built, same = self._screen(graph, tries, reused)
@@ -376,20 +378,20 @@ class _Driver(PipelineTries):
         its first searches' results where they ran side by side (`firsts_ahead`)."""
         o = self.o
         _, mesh, pipelined = tries[i]
-        info, g = self._info(mesh), graph_of(graph, pipelined)
+        info, g, pipe = self._info(mesh), graph_of(graph, pipelined), pipeline_of(pipelined)
         # not worth building when no plan of it can fit (the only try of a call that
         # is not `remat="auto"` is searched: its error names the largest tensors)
         floored = len(tries) > 1 or o.remat == "auto"
-        need = self._memory_floor(g, mesh.size, pipelined) if floored else 0
+        need = self._memory_floor(g, mesh.size, pipe) if floored else 0
         if need > o.memory_budget:
-            return over_floor(try_name(info.shape, pipelined), need, o.memory_budget)
+            return over_floor(try_name(info.shape, pipe), need, o.memory_budget)
         log.info(
             "mesh %s: pricing the strategies of %d ops",
-            try_name(info.shape, pipelined),
+            try_name(info.shape, pipe),
             len(g.nodes),
             extra={"autopar_step": (step + 1, len(tries))},
         )
-        problem = built.pop(i, None) or self._built(g, info, pipelined)
+        problem = built.pop(i, None) or self._built(g, info, pipe)
         return self._searched_try(problem, mesh, pipelined, reused, len(tries) == 1, i)
 
     def _searched_try(

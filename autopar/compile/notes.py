@@ -7,6 +7,7 @@ import re
 
 import jax
 
+from autopar.compile.calls import pipeline_of
 from autopar.errors import format_bytes
 from autopar.lower.pipeline import branches
 from autopar.passes.pipeline import PipelinedScans
@@ -49,7 +50,8 @@ def pipeline_tries(options, failures, repriced: bool = False, one_loop: int = 0)
     `one_loop`, the tries were priced on that many unrolled layers rolled into one loop
     (`compile.pipelines.proxied`)."""
     best: dict[str, float] = {}
-    for step_s, _, _, mesh, _, _, pipelined in options:
+    for step_s, _, _, mesh, _, _, tried in options:
+        pipelined = pipeline_of(tried)
         shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
         key = f"{shape}" + (f" M={pipelined.pipe.microbatches}" if pipelined else "")
         if repriced and pipelined is not None and pipelined.pipe.schedule == "zb-h1":

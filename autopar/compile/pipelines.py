@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import jax
 
-from autopar.compile.calls import Proxy
+from autopar.compile.calls import OneLoop, Proxy, pipeline_of
 from autopar.compile.notes import no_layer_loop
 from autopar.errors import AutoparError, MemoryBudgetError, MicrobatchError, PipelineError
 from autopar.ir.graph import Graph, find_aliases
@@ -118,7 +118,7 @@ class PipelineTries:
         S = o.pipeline_stages
         if S == "auto":  # one candidate mesh of `pipeline_meshes`: its stage axis
             if "stage" not in mesh.axis_names:
-                return [None]
+                return [self._unpipelined(graph, mesh)]
             S = dict(zip(mesh.axis_names, mesh.axis_sizes))["stage"]
         checked = _applies(check_pipeline, Pipeline(S, 1), self._info(mesh))
         if isinstance(checked, Infeasible):
@@ -173,10 +173,30 @@ class PipelineTries:
             )
         return out
 
+    def _unpipelined(self, graph: Graph, mesh) -> OneLoop | None:
+        """`pipeline_stages="auto"`'s try without a pipeline on `mesh`: where the step's
+        layers are unrolled in Python and the pipeline tries are priced on them rolled
+        into one loop (`_one_loop`), a `OneLoop` priced the same way (the 96-layer
+        GPT-3 step's such try was 58k ops, 55 CPU-s, against 4 s for any scanned try);
+        None (the step as it is) otherwise."""
+        o = self.o
+        if (
+            not self._one_loop()
+            or self.call.in_specs is not None  # pins the user's leaves, not the roll's
+            or (o.grad_accumulation or 1) > 1
+            or self.remat_layers is not None
+            or not self._stacks(self.base)
+        ):
+            return None
+        got = self._looped(graph, 1, mesh, proxy=True)
+        if isinstance(got, Infeasible) or got[1] is None:
+            return None
+        return OneLoop(*got)
+
     def _rescheduling(self, pipelined):
         """The ZB-H1 form of a lock-step 1F1B try whose plans `_other_schedule` prices
         again (`pipeline_stages="auto"`, no schedule asked for); None otherwise."""
-        o = self.o
+        o, pipelined = self.o, pipeline_of(pipelined)
         if (
             o.pipeline_stages != "auto"
             or o.pipeline_schedule is not None
@@ -281,6 +301,8 @@ class PipelineTries:
         built and searched as it will run; its plans, then the entries after it other
         than its own, made into the plan as `_first_that_fits` makes them."""
         step_s, k, _, mesh, _, _, pipelined = found.ranked[0]
+        if isinstance(pipelined, OneLoop):
+            return self._realized_unpipelined(graph, found, notes, lead)
         pipe = pipelined.pipe
         if self.o.pipeline_schedule is None and (pipe.schedule == "zb-h1" or pipelined.fallback):
             # a lock-step try's plans priced again (`_other_schedule`): searched as such;
@@ -312,6 +334,36 @@ class PipelineTries:
             else f"rolled into loops over its {pipe.stages} stages: {got.why.splitlines()[0]}"
         )
         note = f"{name}: {step_s * 1e3:.4g} ms as priced with its layers in one loop; {again}"
+        out = self._first_that_fits(
+            graph, replace(found, ranked=ranked + rest), (*notes, note), lead
+        )
+        return out.realize() if isinstance(out, Proxy) else out
+
+    def _realized_unpipelined(
+        self, graph: Graph, found, notes: tuple[str, ...], lead: tuple[str, ...]
+    ):
+        """`_realized` of a `OneLoop` try: the step searched as it runs (`graph`, its
+        layers unrolled) on the try's mesh."""
+        step_s, k, _, mesh, _, _, _ = found.ranked[0]
+        rest = [r for r in found.ranked if not (r[1] == k and isinstance(r[6], OneLoop))]
+        name = f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}"
+        log.info("mesh %s: searching it again with its layers unrolled", name)
+        problem = self._built(graph, self._info(mesh), None)
+        problem, result, other = self._searched_try(problem, mesh, None, {}, False)
+        ranked = []
+        if not isinstance(result, Infeasible):
+            ranked = sorted(
+                self._entries(k, mesh, problem, result, None, other), key=lambda r: r[:3]
+            )
+        again = (
+            f"{ranked[0][0] * 1e3:.4g} ms searched again as it runs"
+            if ranked
+            else f"searched again as it runs: {result.why.splitlines()[0]}"
+        )
+        note = (
+            f"{name} without a pipeline: {step_s * 1e3:.4g} ms as priced with its layers in "
+            f"one loop; {again}"
+        )
         out = self._first_that_fits(
             graph, replace(found, ranked=ranked + rest), (*notes, note), lead
         )
@@ -459,8 +511,9 @@ def random_per_microbatch(pipelined: PipelinedScans) -> str | None:
     )
 
 
-def graph_of(graph: Graph, pipelined: PipelinedScans | None) -> Graph:
-    """The graph a try searches: the rolled one when its pipeline rolled the layers."""
+def graph_of(graph: Graph, pipelined: PipelinedScans | OneLoop | None) -> Graph:
+    """The graph a try searches: the rolled one when its pipeline (or `OneLoop`) rolled
+    the layers."""
     return pipelined.graph if pipelined is not None and pipelined.graph is not None else graph
 
 
@@ -468,9 +521,11 @@ def roll_of(pipelined: PipelinedScans | None) -> Roll | None:
     return None if pipelined is None else pipelined.roll
 
 
-def proxied(pipelined: PipelinedScans | None) -> bool:
+def proxied(pipelined: PipelinedScans | OneLoop | None) -> bool:
     """Whether a try is priced on its unrolled stack rolled into one loop over all the
-    layers (`PipelineTries._looped`'s `proxy`), not on the loops over stages that run."""
+    layers (`PipelineTries._looped`'s `proxy`, `OneLoop`), not as it runs."""
+    if isinstance(pipelined, OneLoop):
+        return True
     roll = roll_of(pipelined)
     return roll is not None and roll.stages != pipelined.pipe.stages
 

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from autopar.compile.calls import pipeline_of
 from autopar.compile.clock import try_name
 from autopar.ir.graph import Graph
 from autopar.search import workers
@@ -80,7 +81,7 @@ def ahead(
         phase="tries",
         skip=skip,
         label=lambda i: try_name(
-            dict(zip(tries[i][1].axis_names, tries[i][1].axis_sizes)), tries[i][2]
+            dict(zip(tries[i][1].axis_names, tries[i][1].axis_sizes)), pipeline_of(tries[i][2])
         ),
     )
 
