@@ -19,6 +19,7 @@ from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
 from autopar.search.polish import lean_arguments, polish
 from autopar.search.result import SearchResult, SolverInfo
+from autopar.search.transplant import transplant
 
 log = logging.getLogger("autopar")  # shown by `autopar.compile.progress`
 
@@ -79,7 +80,7 @@ def _dp(
     runner = sol.info.get("runner_up")
     if runner is not None and not (recipe and g.total(runner) >= engines.DATA_GATHER_PENALTY):
         info["alternates"] = [g.lift_choice(list(runner), pinned)]
-    return g.lift_choice(list(sol.choice), pinned)
+    return transplant(problem, g.lift_choice(list(sol.choice), pinned), pinned)
 
 
 def _recursive(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
@@ -90,6 +91,7 @@ def _recursive(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) ->
     ZeRO-3 plan: 3.8% lower objective, 2.3% higher final price); the driver keeps the
     cheaper."""
     plan, before = engines.recursive_plans(problem, pinned)
+    plan = transplant(problem, plan, pinned)
     if plan != before:
         info["alternates"] = [before]
     return plan

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import re
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -92,7 +93,7 @@ from autopar.search.solvers.costgraph import CostGraph, Solution
 from autopar.search.solvers.dp import solve_dp
 from autopar.search.solvers.forest import forest_descent
 
-__all__ = ["Layers", "find_layers", "quotient", "solve_dp_layered"]
+__all__ = ["Layers", "find_layers", "layer_labels", "quotient", "solve_dp_layered"]
 
 # How many layers at each end of a group keep their own strategies.
 KEEP = 1
@@ -163,6 +164,17 @@ def _ends_kept(family: str, keep: int) -> int:
     layer slots `passes.roll` writes outside its loops (the optimizer, once per slot,
     over all stages' rows), alike by construction; so two slots make a family."""
     return 0 if family == _SLOTS else keep
+
+
+_LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def layer_labels(problem: Problem) -> list[tuple[str, int] | None]:
+    """Each cost-graph node's layer (family, index), or None, for every family of two or
+    more layers (no ends kept apart); once per problem."""
+    if problem not in _LABELS:
+        _LABELS[problem] = _label(problem, 0)
+    return _LABELS[problem]
 
 
 def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
