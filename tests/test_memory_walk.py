@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 import autopar
 from autopar.cost.model import FUSED_OPS
@@ -84,6 +85,7 @@ def _reference_peak(problem, choice, settled) -> tuple[int, int]:
     return int(args + max(0.0, float(live[: len(nodes)].max(initial=0.0)))), args
 
 
+@pytest.mark.slow
 def test_memory_walk_equals_the_op_by_op_walk(monkeypatch):
     import autopar.compile.driver as driver
     from autopar.search import memory

@@ -51,7 +51,13 @@ MESHES = {
 # Every model on every mesh with the default engine, plus every explicit engine on the
 # 2x4 mesh for the GPT. The GPTs on the 1-D meshes (8 and 1x8) are the slow tier: the
 # 2-D meshes cover them and the smaller models run on every mesh.
-SLOW_CASES = {("gpt", "data8"), ("gpt", "data1xmodel8"), ("gpt_scan", "data1xmodel8")}
+# slow: the default run keeps each model on its 2-D meshes (data parallelism is in them too)
+SLOW_CASES = {
+    ("gpt", "data8"),
+    ("gpt", "data1xmodel8"),
+    ("gpt_scan", "data1xmodel8"),
+    ("cnn", "data8"),
+}
 CASES = [
     pytest.param(
         model,

@@ -51,8 +51,15 @@ def _pipelined(microbatches: int | None = 4, schedule: str | None = None):
     "schedule",
     # the alternating 1F1B trains like jax.jit in the default run too, in its branched
     # form and on an unrolled Llama (test_alternating_1f1b_branches_train_like_jax_jit,
-    # test_llama_unrolled_pipelines_with_the_alternating_1f1b)
-    [None, "gpipe", pytest.param("1f1b-async", marks=pytest.mark.slow), "zb-h1", "interleaved"],
+    # test_llama_unrolled_pipelines_with_the_alternating_1f1b), and the lock-step 1F1B
+    # (None) on the unrolled decoders of test_pipeline_unrolled.py, rolled into scans
+    [
+        pytest.param(None, marks=pytest.mark.slow),
+        "gpipe",
+        pytest.param("1f1b-async", marks=pytest.mark.slow),
+        "zb-h1",
+        "interleaved",
+    ],
 )
 def test_pipelined_training_matches_single_device(schedule):
     """Default (1F1B: the loops interleaved, the loss head per micro-batch on the last
@@ -431,6 +438,7 @@ def test_microbatch_count_is_chosen_by_the_cost_model(monkeypatch):
     assert plan.cost.step_s == pytest.approx(prices[best], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_stage_count_on_a_device_count_shapes_the_stage_axis():
     """`pipeline_stages=S` with `mesh=N` searches N devices as a 'stage' axis of S over
     the shapes of N / S (it used to search no stage axis at all, and every shape failed

@@ -550,6 +550,7 @@ print("CLASSIFIED")
 """
 
 
+@pytest.mark.slow
 def test_integer_label_loss_in_a_tensor_parallel_pipeline_compiles_and_trains():
     """optax's integer-label cross entropy gathers with batching dims (and its gradient
     scatters with them); in a pipeline whose stages split tensors (`recursive`'s plan of
