@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
+import autopar
 from autopar.ir.capture import capture
 from autopar.ir.graph import Graph
 from autopar.passes.stacks import Block, LayerStack, find_stacks
@@ -659,3 +660,36 @@ def test_a_first_layer_whose_backward_differs_is_named_as_left_out():
     (stack,) = find_stacks(capture(step, (params, x)))
     assert len(stack.forward) == 3 and stack.left_out == (0,)
     assert "layer 0 left out" in stack.describe()
+
+
+def test_two_layers_alike_but_for_the_first_ones_backward_are_explained():
+    """Two blocks, the first applied straight to an argument of the step: its backward
+    lacks the input-gradient ops, so no two layers are alike and no stack is found.
+    `pipeline_stages=2` said only that no stack of repeated layers was found, and
+    `remat="full"` that nothing was rematerialized; both now name the layers and why."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(2):
+                x = x + nn.relu(nn.Dense(32, name=f"blocks_{i}")(x))
+            return nn.Dense(1, name="head")(x)
+
+    model, tx = Net(), optax.sgd(0.1)
+    x = jnp.ones((16, 32))
+    params = model.init(jax.random.key(0), x)
+
+    def step(params, opt_state, x):
+        g = jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        updates, opt_state = tx.update(g, opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    args = (params, tx.init(params), x)
+    assert find_stacks(capture(step, args)) == ()
+    why = r"the 2 layers of .*blocks_<i> have the same forward ops, but the backward ops of layer 0"
+    with pytest.raises(autopar.PipelineError, match=why):
+        autopar.parallelize(step, mesh={"stage": 2, "data": 4}, pipeline_stages=2).plan(*args)
+    with pytest.warns(UserWarning, match="remat") as caught:
+        plan = autopar.parallelize(step, mesh={"data": 8}, remat="full").plan(*args)
+    assert plan.remat is None
+    assert any(re.search(why, str(w.message)) for w in caught), [str(w.message) for w in caught]

@@ -137,9 +137,11 @@ def offline_warning(plan: Plan, budget: float) -> str:
     )
 
 
-def no_layer_loop() -> str:
+def no_layer_loop(near: str | None = None) -> str:
     """Why a graph offers no layers to pipeline: neither a loop nor a stack unrolled
-    in Python (`passes.stacks` found none)."""
+    in Python (`passes.stacks` found none); `near`, `stacks.why_no_stack`'s reason."""
+    if near:
+        return f"it has no loop over layers, and no stack of layers unrolled in Python: {near}"
     return (
         "it has no loop over layers and no stack of repeated layers unrolled in Python was "
         "found (layers are told apart by their parameters' paths: `h_0`, `layers/3`, ...; "

@@ -33,7 +33,7 @@ from autopar.passes.pipeline import (
 from autopar.passes.remat import rematerialize
 from autopar.passes.rescale import rescaled
 from autopar.passes.roll import Roll, roll
-from autopar.passes.stacks import find_stacks
+from autopar.passes.stacks import find_stacks, why_no_stack
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
 from autopar.search.piped import rescheduled
@@ -285,7 +285,7 @@ class PipelineTries:
                         + (f" ({s.why_left_out()})" if s.left_out else "")
                         for s in stacks
                     )
-                    or no_layer_loop()
+                    or no_layer_loop(why_no_stack(base))
                 )
                 head = (
                     f"{S} stages: "  # `notes.no_pipeline_why` groups the meshes by reason

@@ -69,7 +69,7 @@ from autopar.passes.remat_unrolled import (
     cheapest_contractions,
     remat_layers,
 )
-from autopar.passes.stacks import find_stacks
+from autopar.passes.stacks import find_stacks, why_no_stack
 
 # POLICIES, from most to least memory, are spelled once in remat_unrolled
 SAVEABLE = CONTRACTIONS
@@ -445,6 +445,8 @@ def rematerialize(
     if policy == "none" or not unrolled:
         return out, report
     stacks, done = find_stacks(out), set()  # done: stacks by their first layer's params
+    if not stacks and not report.applied:
+        report = replace(report, near=why_no_stack(out) or "")
     while stack := next((s for s in stacks if s.forward[0].params not in done), None):
         done.add(stack.forward[0].params)
         first, n = len(done) == 1, len(stack.forward)

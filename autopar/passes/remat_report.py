@@ -46,6 +46,7 @@ class RematReport:
     # the step's other stacks (an encoder-decoder's decoder), each all of its layers
     others: tuple[tuple[str, tuple[LayerRemat, ...]], ...] = ()
     skipped: tuple[str, ...] = ()  # other stacks left alone (`layers` counts the first's)
+    near: str = ""  # where no stack was found, layers alike but for their backward ops
 
     @property
     def applied(self) -> bool:
@@ -84,7 +85,8 @@ class RematReport:
                 f"that {self.policy!r} would recompute (the backward pass already recomputes "
                 "them, as under jax.checkpoint / nn.remat)"
             )
-        return "no forward/backward scan pair and no stack of layers unrolled in Python was found"
+        none = "no forward/backward scan pair and no stack of layers unrolled in Python was found"
+        return f"{none}: {self.near}" if self.near else none
 
     def notes(self) -> tuple[str, ...]:
         """Lines for a plan's warnings/notes."""
