@@ -636,6 +636,18 @@ def test_48_layers_fast():
     assert elapsed < 5.0, f"{elapsed:.2f} s for {len(graph.nodes)} nodes"
 
 
+class BlocksOnTheArgument(nn.Module):
+    """`n` residual blocks, the first applied straight to the step's argument."""
+
+    n: int
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.n):
+            x = x + nn.relu(nn.Dense(32, name=f"blocks_{i}")(x))
+        return nn.Dense(1, name="head")(x)
+
+
 def test_a_first_layer_whose_backward_differs_is_named_as_left_out():
     """Blocks applied straight to an argument of the step: JAX computes no gradient for
     that argument, so the first block's backward lacks the input-gradient ops the
@@ -643,14 +655,7 @@ def test_a_first_layer_whose_backward_differs_is_named_as_left_out():
     why (remat covered 3 of 4 layers and `pipeline_stages=2` said "3 layers do not
     split into 2 stages", with no word of the fourth)."""
 
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for i in range(4):
-                x = x + nn.relu(nn.Dense(32, name=f"blocks_{i}")(x))
-            return nn.Dense(1, name="head")(x)
-
-    model = Net()
+    model = BlocksOnTheArgument(4)
     x = jnp.ones((16, 32))
     params = model.init(jax.random.key(0), x)
 
@@ -668,14 +673,7 @@ def test_two_layers_alike_but_for_the_first_ones_backward_are_explained():
     `pipeline_stages=2` said only that no stack of repeated layers was found, and
     `remat="full"` that nothing was rematerialized; both now name the layers and why."""
 
-    class Net(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for i in range(2):
-                x = x + nn.relu(nn.Dense(32, name=f"blocks_{i}")(x))
-            return nn.Dense(1, name="head")(x)
-
-    model, tx = Net(), optax.sgd(0.1)
+    model, tx = BlocksOnTheArgument(2), optax.sgd(0.1)
     x = jnp.ones((16, 32))
     params = model.init(jax.random.key(0), x)
 
