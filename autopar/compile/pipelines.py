@@ -33,7 +33,8 @@ from autopar.passes.pipeline import (
 from autopar.passes.remat import rematerialize
 from autopar.passes.rescale import rescaled
 from autopar.passes.roll import Roll, roll
-from autopar.passes.stacks import find_stacks, why_no_stack
+from autopar.passes.stack_misses import why_no_stack
+from autopar.passes.stacks import find_stacks
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
 from autopar.search.piped import rescheduled

@@ -69,7 +69,8 @@ from autopar.passes.remat_unrolled import (
     cheapest_contractions,
     remat_layers,
 )
-from autopar.passes.stacks import find_stacks, why_no_stack
+from autopar.passes.stack_misses import why_no_stack
+from autopar.passes.stacks import find_stacks
 
 # POLICIES, from most to least memory, are spelled once in remat_unrolled
 SAVEABLE = CONTRACTIONS

@@ -83,12 +83,12 @@ class LayerStack:
             return ""
         return (
             f"layer {', '.join(map(str, self.left_out))} left out: its forward ops are the "
-            f"others' but its backward ops differ, {_BACKWARD_DIFFERS}"
+            f"others' but its backward ops differ, {BACKWARD_DIFFERS}"
         )
 
 
 # why a layer's backward ops differ from its stack's when its forward ops do not
-_BACKWARD_DIFFERS = (
+BACKWARD_DIFFERS = (
     "as when the stack's first layer reads an argument of the step, whose gradient JAX "
     "does not compute; a layer before the stack, or a step that differentiates that "
     "argument too, makes them alike"
@@ -126,18 +126,6 @@ def find_stacks(graph: Graph, min_layers: int = 2) -> tuple[LayerStack, ...]:
                 taken |= ids
                 found.append(stack)
     return tuple(sorted(found, key=lambda s: s.forward[0].nodes[0]))
-
-
-def why_no_stack(graph: Graph, min_layers: int = 2) -> str | None:
-    """Where `find_stacks` finds no stack but some `min_layers` layers of a template have
-    the same forward ops and differ only in their backward ops (two blocks, the first
-    applied to an argument of the step): which, and why; None otherwise."""
-    phase = phases(graph)
-    for template, layers in _candidates(graph, phase, min_layers):
-        why = _Stack(graph, phase, template, layers).alike_forward(min_layers)
-        if why is not None:
-            return why
-    return None
 
 
 def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
@@ -552,7 +540,7 @@ class _Stack:
         owner.update(tent)
 
     def stacks(self, min_layers: int) -> list[LayerStack]:
-        got = self._keyed()
+        got = self.keyed()
         if got is None:
             return []
         fblocks, bblocks, keys, linked, diff = got
@@ -569,31 +557,7 @@ class _Stack:
 
         return [replace(self._stack(r, fblocks, bblocks, diff), left_out=left_out(r)) for r in runs]
 
-    def alike_forward(self, min_layers: int) -> str | None:
-        """`why_no_stack` for this template: None where `stacks` finds a stack, or no
-        `min_layers` linked layers have the same forward ops."""
-        got = self._keyed()
-        if got is None:
-            return None
-        _, _, keys, linked, _ = got
-        same = lambda a, b: keys[a] == keys[b] and linked[a]  # noqa: E731
-        if any(len(r) >= min_layers for r in _runs(list(range(self.n)), same)):
-            return None
-        alike = lambda a, b: keys[a][0] == keys[b][0] and linked[a]  # noqa: E731
-        run = max(_runs(list(range(self.n)), alike), key=len)
-        if len(run) < min_layers:
-            return None
-        backs = Counter(keys[k][1] for k in run)
-        # the most common backward, or on a tie the longest (a first layer applied to an
-        # argument of the step lacks the input gradient's ops)
-        common = max(backs, key=lambda b: (backs[b], len(b)))
-        odd = ", ".join(str(self.layers[k].index) for k in run if keys[k][1] != common)
-        return (
-            f"the {len(run)} layers of {self.template} have the same forward ops, but the "
-            f"backward ops of layer {odd} differ from the others', {_BACKWARD_DIFFERS}"
-        )
-
-    def _keyed(self):
+    def keyed(self):
         """Each layer's forward and backward blocks, their op sequences and whether each
         layer feeds the next; None where the template's layers hold no forward ops."""
         g, n = self.g, self.n
