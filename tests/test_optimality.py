@@ -59,13 +59,17 @@ def test_dp_and_recursive_near_the_ilp_optimum_at_tiny_widths():
         assert got[engine] <= limit, got
 
 
-def test_dp_reaches_the_ilp_optimum_under_a_clipped_optimizer():
-    """A 4-layer MLP (LayerNorm, Dense with bias, written in a Python loop) trained by
-    `optax.chain(clip_by_global_norm, adamw)` on 8 devices: dp's plan split the squares
-    of the global norm over the devices and carried their sum as a Partial value through
-    the adds of every gradient to one all-reduce at the root (10 us of latency, 1.40x the
-    ILP). Only a move of the whole chain at once removes it, which a random forest
-    seldom holds; the cone rounds of the forest descent do (`solvers.forest`)."""
+@pytest.mark.parametrize("layers, batch", [(4, 1024), (6, 128)])
+def test_dp_reaches_the_ilp_optimum_under_a_clipped_optimizer(layers, batch):
+    """An MLP (LayerNorm, Dense with bias, written in a Python loop) trained by
+    `optax.chain(clip_by_global_norm, adamw)` on 8 devices. 4 layers, batch 1024: dp's
+    plan split the squares of the global norm over the devices and carried their sum as
+    a Partial value through the adds of every gradient to one all-reduce at the root
+    (10 us of latency, 1.40x the ILP). Only a move of the whole chain at once removes
+    it, which a random forest seldom holds; the cone rounds of the forest descent do
+    (`solvers.forest`). 6 layers, batch 128: the optimum runs the step whole (every op
+    latency-bound), and every engine returned data parallelism (1.84x): dp now also
+    starts from the replicated plan (`layouts.replicated_plan`)."""
     import types
 
     import flax.linen as nn
@@ -76,7 +80,7 @@ def test_dp_reaches_the_ilp_optimum_under_a_clipped_optimizer():
     class MLP(nn.Module):
         @nn.compact
         def __call__(self, x):
-            for i in range(4):
+            for i in range(layers):
                 x = x + nn.Dense(256, name=f"layers_{i}")(nn.LayerNorm(name=f"ln_{i}")(x))
             return nn.Dense(8, name="head")(x)
 
@@ -92,8 +96,8 @@ def test_dp_reaches_the_ilp_optimum_under_a_clipped_optimizer():
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, value
 
-    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
-    y = jax.ShapeDtypeStruct((1024,), jnp.int32)
+    x = jax.ShapeDtypeStruct((batch, 256), jnp.float32)
+    y = jax.ShapeDtypeStruct((batch,), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), x)
     args = (params, jax.eval_shape(tx.init, params), x, y)
     got = ratios(types.SimpleNamespace(fn=step, args=args), {"data": 8}, ("dp",))

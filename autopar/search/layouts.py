@@ -125,6 +125,26 @@ def data_pins(problem: Problem) -> dict[int, int]:
     return {i: batch_spec(problem, i) if batch[i] else least(i) for i in range(problem.num_inputs)}
 
 
+def replicated_plan(problem: Problem) -> list[int]:
+    """Every node's first strategy that splits nothing and sums nothing (its first
+    strategy where it has none): the step run whole on every device."""
+    memo: dict[int, int] = {}  # per strategy table (repeated layers share theirs)
+
+    def whole(strats) -> int:
+        if id(strats) not in memo:
+            memo[id(strats)] = next(
+                (
+                    k
+                    for k, s in enumerate(strats)
+                    if not any(any(sp.dims) or sp.partial for sp in (*s.in_specs, *s.out_specs))
+                ),
+                0,
+            )
+        return memo[id(strats)]
+
+    return [whole(strats) for strats in problem.strategies]
+
+
 def optimizer_state_inputs(problem: Problem) -> set[int]:
     """Input positions of optimizer state: arrays a differentiated step updates but its
     forward pass never reads (optax's moments, whatever the argument is called), and
