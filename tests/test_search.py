@@ -541,7 +541,7 @@ def test_data_recipe_keeps_the_classifier_head_batch_split():
     `data` recipe's solve, from its own guess and from recursive's plan, kept the pooled
     features and the labels gathered and the classifier head replicated (two all-gathers
     plain data parallelism does not have); from the plan data parallelism runs
-    (`engines.batch_wave`) its descent reaches one that gathers nothing."""
+    (`recipes.batch_wave`) its descent reaches one that gathers nothing."""
     from benchmarks.user_models_defs import mobilenet
 
     case = mobilenet({"batch": 8, "res": 64, "width": 256})
@@ -574,7 +574,7 @@ def test_data_recipe_never_takes_a_runner_up_that_gathers_the_batch():
 def test_data_recipe_reads_a_broadcast_dropout_mask_where_the_batch_is_split():
     """An NNX decoder with dropout (embedding, attention and MLP; the attention's mask
     broadcast over batch and heads, `[1, 1, T, T]`, made from the rng key alone) and a
-    clipped AdamW: data parallelism as it runs (`engines.batch_wave`) decided such
+    clipped AdamW: data parallelism as it runs (`recipes.batch_wave`) decided such
     values before the split activations they meet, so they took the split cheapest to
     compute (over T) and the activations were gathered, a layer's attention run
     replicated (and it followed each Partial gradient into a split optimizer update,

@@ -259,3 +259,24 @@ def find_aliases(graph: Graph) -> dict[int, int]:
         if len(cands) == 1 and cands[0] not in aliases.values():
             aliases[o] = cands[0]
     return aliases
+
+
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def _simple(v) -> bool:
+    """Whether a primitive param is plain data (axes, dimension numbers, flags), which
+    tells ops apart, rather than a function or jaxpr."""
+    return all(map(_simple, v)) if type(v) is tuple else type(v) in _SIMPLE
+
+
+def signature(graph: Graph, node: Node) -> tuple:
+    """An op's structure: primitive, operand and result types, plain-data params; two
+    layers' ops with equal signatures compute the same function of their operands."""
+    vals = graph.values
+    return (
+        node.op,
+        tuple(vals[v] for v in node.inputs),
+        tuple(vals[v] for v in node.outputs),
+        tuple((k, v) for k, v in node.params.items() if _simple(v)),
+    )

@@ -40,9 +40,9 @@ import numpy as np
 from autopar.errors import PipelineError
 from autopar.ir.capture import capture, lines_from
 from autopar.ir.eval import bind_node, run_nodes
-from autopar.ir.graph import Graph, find_aliases, without_dead
+from autopar.ir.graph import Graph, find_aliases, signature, without_dead
 from autopar.passes.roll_units import per_layer_ops
-from autopar.passes.stacks import LayerStack, indexed_names, signature
+from autopar.passes.stacks import LayerStack, indexed_names
 
 SCOPE = "rolled_layers"  # name scope of the loops `roll` writes
 

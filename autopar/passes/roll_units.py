@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.passes.stacks import signature
+from autopar.ir.graph import signature
 
 # `r` below is `autopar.passes.roll`'s analysis of one stack (`_Rolling`: the graph `g`,
 # stages `S`, slots `k`, `leaf`, `rows`, `loops`, `stack`); not imported, as roll

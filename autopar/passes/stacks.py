@@ -36,7 +36,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from autopar.ir.graph import BACKWARD, FORWARD, OTHER, Graph, Node, phases
+from autopar.ir.graph import BACKWARD, FORWARD, OTHER, Graph, phases, signature
 
 __all__ = ["Block", "LayerStack", "find_stacks", "indexed_names", "signature"]
 
@@ -227,27 +227,6 @@ def _runs(items: list[int], same) -> list[list[int]]:
         else:
             out.append([item])
     return out
-
-
-_SIMPLE = (bool, int, float, str, type(None))
-
-
-def _simple(v) -> bool:
-    """Whether a primitive param is plain data (axes, dimension numbers, flags), which
-    tells ops apart, rather than a function or jaxpr."""
-    return all(map(_simple, v)) if type(v) is tuple else type(v) in _SIMPLE
-
-
-def signature(graph: Graph, node: Node) -> tuple:
-    """An op's structure: primitive, operand and result types, plain-data params; two
-    layers' ops with equal signatures compute the same function of their operands."""
-    vals = graph.values
-    return (
-        node.op,
-        tuple(vals[v] for v in node.inputs),
-        tuple(vals[v] for v in node.outputs),
-        tuple((k, v) for k, v in node.params.items() if _simple(v)),
-    )
 
 
 class _Stack:

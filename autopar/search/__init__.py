@@ -14,7 +14,7 @@ from typing import Any
 
 from autopar.cost.model import Cost
 from autopar.errors import MemoryBudgetError, format_bytes
-from autopar.search import engines, layouts, workers
+from autopar.search import engines, layouts, recipes, workers
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate, total_time
 from autopar.search.polish import lean_arguments, polish
@@ -30,7 +30,7 @@ def dp_starts(problem: Problem, g, pinned: Mapping[int, int], recipe: bool = Fal
     rounds (from the plan after them, dp's descent on the tiny Llama of
     `tests/test_optimality.py` on data 2 x model 4 stopped 36% higher); for a recipe
     (`data`, `fsdp`) whose plan pays a gather penalty, its plan as data parallelism
-    runs (`engines.batch_wave`, whose descent takes more rounds: MobileNet's improved
+    runs (`recipes.batch_wave`, whose descent takes more rounds: MobileNet's improved
     for 18); otherwise plans from Megatron's layout with each mesh axis as the tensor
     axis (`_tensor_start`, completed by `recursive` and by propagation), which descend
     further only while they beat dp's own plan. On GPT-6.7B's step (data 4 x model 4)
@@ -40,7 +40,7 @@ def dp_starts(problem: Problem, g, pinned: Mapping[int, int], recipe: bool = Fal
 
     plans = [(lambda p, pins: engines.recursive_plans(p, pins)[1], (30, 3), 0.0)]
     if recipe:
-        plans.append((engines.batch_wave, POLISH, engines.DATA_GATHER_PENALTY))
+        plans.append((recipes.batch_wave, POLISH, recipes.DATA_GATHER_PENALTY))
     else:
         mesh = problem.mesh
         for axis in (a for a, n in zip(mesh.axis_names, mesh.axis_sizes) if n > 1):
@@ -78,7 +78,7 @@ def _dp(
     # recipe's runner-up that pays the gather penalty is no recipe plan (a ResNet's
     # `data` runner-up gathered the images and ran replicated, cheaper at batch 16).
     runner = sol.info.get("runner_up")
-    if runner is not None and not (recipe and g.total(runner) >= engines.DATA_GATHER_PENALTY):
+    if runner is not None and not (recipe and g.total(runner) >= recipes.DATA_GATHER_PENALTY):
         info["alternates"] = [g.lift_choice(list(runner), pinned)]
     best = transplant(problem, g.lift_choice(list(sol.choice), pinned), pinned)
     if recipe:
@@ -130,11 +130,11 @@ ENGINES: dict[str, Engine] = {
     # solved on a problem that penalizes gathering a split value: `data` is data
     # parallelism (batch split, parameters replicated), never a gathered batch
     "data": lambda p, pins, info: _dp(
-        engines.data_problem(p), {**layouts.data_pins(p), **pins}, info, recipe=True
+        recipes.data_problem(p), {**layouts.data_pins(p), **pins}, info, recipe=True
     ),
     # ZeRO-3: parameters sharded and gathered where used, the rest data parallel
     "fsdp": lambda p, pins, info: _dp(
-        engines.zero3_problem(p), {**layouts.fsdp_pins(p), **pins}, info, recipe=True
+        recipes.zero3_problem(p), {**layouts.fsdp_pins(p), **pins}, info, recipe=True
     ),
     "propagate": lambda p, pins, info: engines.propagate(p, pins),
 }
