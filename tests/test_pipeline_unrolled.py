@@ -693,12 +693,12 @@ def test_a_default_1f1b_that_gives_way_to_gpipe_says_so(monkeypatch):
     assert any("runs GPipe, not the default 1F1B" in w for w in plan.warnings)
 
 
-def test_nnx_dropout_layers_pipeline_under_gpipe_and_keep_their_rng_counts():
+def test_nnx_dropout_layers_pipeline_under_1f1b_and_keep_their_rng_counts():
     """NNX blocks that hold `nnx.Dropout` update their rng count layer by layer: a
-    result of the step that the rolled forward loop makes, which the 1F1B pipeline
-    does not hand back. The plan was made 1F1B and the first call failed with a bare
-    `KeyError` in the lowering; now the pipeline gives way to GPipe, says why, and the
-    counts advance as under `nnx.jit`."""
+    result of the step that the rolled forward loop makes besides its saved
+    activations. The 1F1B pipeline once handed back none (the plan gave way to GPipe,
+    whose stages hold every micro-batch's activations); it now folds such results over
+    the micro-batches as GPipe does, and the counts advance as under `nnx.jit`."""
     model = NNXModel(nnx.Rngs(0, dropout=1), rate=0.1)
     ref = NNXModel(nnx.Rngs(0, dropout=1), rate=0.1)
     opts = [nnx.Optimizer(m, optax.adamw(1e-2, eps=EPS), wrt=nnx.Param) for m in (model, ref)]
@@ -715,11 +715,67 @@ def test_nnx_dropout_layers_pipeline_under_gpipe_and_keep_their_rng_counts():
         for i in range(2):
             loss = par(model, opts[0], _batch(i))
             nnx.jit(step)(ref, opts[1], _batch(i))
-    assert plan.pipeline["schedule"] == "gpipe"
-    assert any("made layer by layer" in str(w.message) for w in caught)
+    assert plan.pipeline["schedule"] == "1f1b" and plan.pipeline["fused"]
+    assert not any("runs GPipe" in str(w.message) for w in caught)
     assert jnp.isfinite(loss)
     counts = [int(b.drop.rngs.count[...]) for b in model.blocks]
     assert counts == [int(b.drop.rngs.count[...]) for b in ref.blocks] and counts[0] > 0
+
+
+class Probed(nn.Module):
+    """A GPT-2 block that sows a per-example statistic of its input."""
+
+    @nn.compact
+    def __call__(self, x):
+        self.sow("intermediates", "sq", jnp.mean(x * x, axis=(1, 2)))
+        return GPT2Block(name="block")(x)
+
+
+class ProbedGPT(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(VOCAB, D, name="wte")(ids)
+        for i in range(LAYERS):
+            x = Probed(name=f"h_{i}")(x)
+        return nn.Dense(VOCAB, name="lm_head")(nn.LayerNorm(name="ln_f")(x))
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        "1f1b",
+        pytest.param("zb-h1", marks=pytest.mark.slow),
+        pytest.param("1f1b-async", marks=pytest.mark.slow),
+    ],
+)
+def test_per_layer_results_of_the_step_pipeline_under_1f1b_like_jax_jit(schedule):
+    """A step that returns what every layer sows (a per-example statistic, [B] per
+    layer) besides its loss: the forward loop makes it layer by layer, micro-batch by
+    micro-batch, and 1F1B gathers it into the whole batch's (it used to give way to
+    GPipe)."""
+    model, tx = ProbedGPT(), optax.adamw(1e-2, eps=EPS)
+    params = model.init(jax.random.key(0), _batch(0))
+
+    def step(params, opt_state, ids):
+        def loss_fn(p):
+            logits, state = model.apply(p, ids, mutable=["intermediates"])
+            return _loss(logits, ids), state["intermediates"]
+
+        (loss, probes), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, probes
+
+    par, ref = _parallel(step, schedule), jax.jit(step)
+    a = b = (params, tx.init(params))
+    for i in range(2):
+        *a, loss_a, probes_a = ref(*a, _batch(i))
+        *b, loss_b, probes_b = par(*b, _batch(i))
+        assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+        assert_trees_close(probes_b, probes_a, what=f"per-layer statistics, step {i}")
+    assert_trees_close(b, a, what="params and optimizer state after 2 steps")
+    plan = par.plan(params, tx.init(params), _batch(0))
+    assert plan.pipeline["schedule"] == schedule and plan.pipeline["fused"]
+    assert not any("runs GPipe" in w for w in plan.warnings)
 
 
 def test_nnx_dropout_pipelines_where_autopar_picks_the_mesh():

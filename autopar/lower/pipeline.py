@@ -203,20 +203,28 @@ class PipelinedLoop:
     def out0(self) -> list:
         return [jnp.zeros((self.pipe.microbatches, *t.shape), t.dtype) for t in self.carry_types]
 
-    def ys0(self) -> list:
+    def _ys(self, only: Sequence[int] | None) -> list[int]:
+        return list(range(len(self.y_labels))) if only is None else list(only)
+
+    def ys0(self, only: Sequence[int] | None = None) -> list:
+        """Buffers of the per-layer outputs (those numbered in `only`; all by default)."""
         M, k = self.pipe.microbatches, self.k
         return [
-            jnp.zeros((k, *stack, *t.shape) if lab in (SUM, SAME) else (k, M, *t.shape), t.dtype)
-            for t, lab, stack in zip(self.y_types, self.y_labels, self.stacks)
+            jnp.zeros(
+                (k, *self.stacks[j], *t.shape) if lab in (SUM, SAME) else (k, M, *t.shape), t.dtype
+            )
+            for j in self._ys(only)
+            for t, lab in [(self.y_types[j], self.y_labels[j])]
         ]
 
-    def accumulate(self, ys, y, mc, active, c=None) -> list:
-        """Micro-batch `mc`'s per-layer outputs folded into their buffers (interleaved:
-        chunk `c`'s rows)."""
+    def accumulate(self, ys, y, mc, active, c=None, only: Sequence[int] | None = None) -> list:
+        """Micro-batch `mc`'s per-layer outputs (those numbered in `only`) folded into
+        their buffers (interleaved: chunk `c`'s rows)."""
+        labels = [self.y_labels[j] for j in self._ys(only)]
         if c is None:
-            return [_accumulate(b, v, lab, mc, active) for b, v, lab in zip(ys, y, self.y_labels)]
+            return [_accumulate(b, v, lab, mc, active) for b, v, lab in zip(ys, y, labels)]
         out = []
-        for b, v, lab in zip(ys, y, self.y_labels):
+        for b, v, lab in zip(ys, y, labels):
             rows = jax.lax.dynamic_slice_in_dim(b, c * self.kc, self.kc, axis=0)
             rows = _accumulate(rows, v, lab, mc, active)
             out.append(jax.lax.dynamic_update_slice_in_dim(b, rows, c * self.kc, axis=0))
@@ -238,12 +246,13 @@ class PipelinedLoop:
     def finish_carry(self, out) -> list:
         return [uncut(c, lab) for c, lab in zip(out, self.labels.outs[: self.n_k])]
 
-    def finish_ys(self, ys) -> list:
+    def finish_ys(self, ys, only: Sequence[int] | None = None) -> list:
+        js = self._ys(only)
         return [
-            (jnp.moveaxis(y, 1, 0) if stack else y)
-            if lab in (SUM, SAME)
-            else uncut(y, lab + 1, lead=1)
-            for y, lab, stack in zip(ys, self.y_labels, self.stacks)
+            (jnp.moveaxis(y, 1, 0) if self.stacks[j] else y)
+            if self.y_labels[j] in (SUM, SAME)
+            else uncut(y, self.y_labels[j] + 1, lead=1)
+            for y, j in zip(ys, js)
         ]
 
 
@@ -346,6 +355,9 @@ def run_1f1b(
     head_ext = [(v, lab) for v, lab in fused.head_ins if v not in F.outputs]
     head_vals = {v for kind, v in src if kind == "head"} | {v for v, _ in fused.head_outs}
     kept_carry = [j for j, v in enumerate(f_outs[: fw.n_k]) if v in keep]
+    # per-layer results of the forward loop the rest of the step reads (an NNX dropout
+    # layer's rng count): folded over the micro-batches as GPipe folds them
+    kept_ys = [j for j, v in enumerate(ys_f) if v in keep]
     b_ext = sorted(b_in)
     n_f, n_b = len(f_in), len(b_ext)
 
@@ -396,6 +408,8 @@ def run_1f1b(
             ]
             on_last = on & (s == S - 1) & last(c)
             st["fout"] = _collect(st["fout"], [fc[j] for j in kept_carry], mc, on_last)
+            fys = [fy[j] for j in kept_ys]
+            st["fys"] = fw.accumulate(st["fys"], fys, mc, on, c, only=kept_ys)
             st["fc"] = fc
 
         def forward(st, m, c=None):
@@ -480,6 +494,7 @@ def run_1f1b(
                 jnp.zeros((R, fw.kc, *fw.y_types[j].shape), fw.y_types[j].dtype) for j in res_ys
             ],
             "fout": [o for j, o in enumerate(fw.out0()) if j in kept_carry],
+            "fys": fw.ys0(kept_ys),
             "hacc": {v: _head_buffer(v, lab, fused, M) for v, lab in fused.head_outs},
             "bout": bw.out0(),
             "bys": bw.ys0(),
@@ -496,7 +511,14 @@ def run_1f1b(
             st = slots.lock_step(st, s, S, M, fw, bw, forward, turn, backward)
         total = lambda xs: [jax.lax.psum(x, axis) for x in xs]
         bys = [from_chunks(y, axis, S, V) for y in st["bys"]]
-        return (*total(st["fout"]), *total(st["hacc"].values()), *total(st["bout"]), *bys)
+        fys = [from_chunks(y, axis, S, V) for y in st["fys"]]
+        return (
+            *total(st["fout"]),
+            *total(st["hacc"].values()),
+            *total(st["bout"]),
+            *bys,
+            *fys,
+        )
 
     n_h = len(fused.head_outs)
     in_specs = (
@@ -504,9 +526,9 @@ def run_1f1b(
         *(bw.spec(i) for i in b_ext),
         *(PartitionSpec() for _ in head_ext),
     )
-    out_specs = (PartitionSpec(),) * (len(kept_carry) + n_h + bw.n_k) + (
-        PartitionSpec(axis),
-    ) * len(bw.y_labels)
+    out_specs = (PartitionSpec(),) * (len(kept_carry) + n_h + bw.n_k) + (PartitionSpec(axis),) * (
+        len(bw.y_labels) + len(kept_ys)
+    )
     f = jax.shard_map(
         staged,
         mesh=mesh,
@@ -523,10 +545,13 @@ def run_1f1b(
     results = list(f(*args))
     fout, results = results[: len(kept_carry)], results[len(kept_carry) :]
     hacc, results = results[:n_h], results[n_h:]
-    bout, bys = results[: bw.n_k], results[bw.n_k :]
+    bout, results = results[: bw.n_k], results[bw.n_k :]
+    bys, fys = results[: len(bw.y_labels)], results[len(bw.y_labels) :]
     f_results: list = [None] * len(f_outs)
     for j, c in zip(kept_carry, fout):
         f_results[j] = uncut(c, fw.labels.outs[j])
+    for j, y in zip(kept_ys, fw.finish_ys(fys, only=kept_ys)):
+        f_results[fw.n_k + j] = y
     heads = {v: a if lab == SUM else uncut(a, lab) for (v, lab), a in zip(fused.head_outs, hacc)}
     return f_results, [*bw.finish_carry(bout), *bw.finish_ys(bys)], heads
 

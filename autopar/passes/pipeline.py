@@ -429,6 +429,19 @@ def layer_ranges(node: Node, pipe: Pipeline) -> list[tuple[int, int]]:
     return [(s * k, (s + 1) * k) for s in range(pipe.stages)]
 
 
+def ancestors(graph: Graph, start: int) -> set[int]:
+    """Ids of the nodes node `start` depends on (itself included)."""
+    producer = graph.producer
+    out, todo = {start}, [start]
+    while todo:
+        for v in graph.nodes[todo.pop()].inputs:
+            p = producer.get(v)
+            if p is not None and p not in out:
+                out.add(p)
+                todo.append(p)
+    return out
+
+
 def descendants(graph: Graph, start: int) -> set[int]:
     """Ids of the nodes that depend on node `start`'s outputs (itself included)."""
     consumers = graph.consumers
@@ -473,26 +486,18 @@ def _region(graph: Graph, micro: Graph, F: Node, B: Node, f_labels: ScanLabels, 
     ys = set(F.outputs[n_kf:])
     after_f, after_b = descendants(graph, F.id), descendants(graph, B.id)
     # a per-layer output the step keeps besides the backward's saved activations (a
-    # dropout layer's updated rng count in an NNX model): 1F1B hands back none
-    for n in graph.nodes:
-        if (
-            n.id != B.id
-            and n.id in after_b
-            and (v := next((x for x in n.inputs if x in ys), None)) is not None
-        ):
-            raise PipelineError(
-                f"1F1B: the loop at {F.key} hands {graph.values[v]} to {n.key}, after the "
-                "backward loop, as well as its saved activations to the backward loop; "
-                "use pipeline_schedule='gpipe'"
-            )
-    kept = next((v for v in graph.outputs if v in ys), None)
-    if kept is not None:
-        raise PipelineError(
-            f"1F1B: the loop at {F.key} makes {graph.values[kept]}, a result of the step "
-            "made layer by layer (the updated state of a layer's rng, say), which the 1F1B "
-            "pipeline does not hand back; use pipeline_schedule='gpipe'"
-        )
+    # dropout layer's updated rng count in an NNX model) is folded over the micro-batches
+    # as GPipe folds it (`autopar.lower.pipeline.run_1f1b`)
     between = [n for n in graph.nodes if n.id in after_f - after_b - {F.id}]
+    # what reads a per-layer result (not the saved activations the backward loop reads)
+    # and leads nowhere into the backward loop runs after the pipeline, on the results
+    # gathered over the micro-batches: the roll's slicing of them into the user's leaves
+    into_b = ancestors(graph, B.id)
+    reads_ys = set()
+    for n in between:
+        if any(v in ys or producer.get(v) in reads_ys for v in n.inputs):
+            reads_ys.add(n.id)
+    between = [n for n in between if n.id in into_b or n.id not in reads_ys]
     made = {v for n in between for v in n.outputs}
     ext = dict.fromkeys(
         v for n in between for v in n.inputs if v not in made and v not in graph.consts

@@ -396,8 +396,9 @@ def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float
     """In a 1F1B pipeline a stage holds the saved activations of at most 2S - 1
     micro-batches (lock-step) or S (alternating: stage s holds S - s, and every stage
     has the first stage's buffer), or, interleaved, `(v + 1) S - 1` chunks' of the `M
-    v` (`interleaved_slots`); the head's values one micro-batch's worth, but for the
-    values the rest of the step reads from it."""
+    v` (`interleaved_slots`), and the whole of one the rest of the step reads too; the
+    head's values one micro-batch's worth, but for the values the rest of the step
+    reads from it."""
     pipe = pipelined.pipe
     S, V = pipe.stages, pipe.virtual
     held = S if pipe.schedule == "1f1b-async" else 2 * S - 1
@@ -407,9 +408,14 @@ def _fused_residency(graph: Graph, pipelined: PipelinedScans) -> dict[int, float
     out = {}
     for fz in pipelined.fused:
         F, B = graph.nodes[fz.forward], graph.nodes[fz.backward]
+        members = fz.members()
+        # a per-layer result the rest of the step reads is gathered whole besides
+        read = set(graph.outputs) | {
+            v for n in graph.nodes if n.id not in members for v in n.inputs
+        }
         for v in F.outputs[F.params["num_carry"] :]:
             if v in B.inputs:
-                out[v] = min(M, held) / M
+                out[v] = min(M, held) / M + (v in read)
         kept = {v for v, _ in fz.head_outs}
         for h in fz.head:
             out.update((v, 1 / M) for v in graph.nodes[h].outputs if v not in kept)
