@@ -723,12 +723,13 @@ def test_nnx_dropout_layers_pipeline_under_1f1b_and_keep_their_rng_counts():
 
 
 class Probed(nn.Module):
-    """A GPT-2 block that sows a per-example statistic of its input."""
+    """A GPT-2 block that sows a per-example statistic of its output."""
 
     @nn.compact
     def __call__(self, x):
+        x = GPT2Block(name="block")(x)
         self.sow("intermediates", "sq", jnp.mean(x * x, axis=(1, 2)))
-        return GPT2Block(name="block")(x)
+        return x
 
 
 class ProbedGPT(nn.Module):

@@ -505,6 +505,26 @@ def test_layers_written_inline_join_their_siblings():
         assert len(paths) == 6 and len(b.state) == 12  # AdamW's mu and nu mirrors
 
 
+def sowing_step_graph(model: nn.Module, into_loss: bool) -> Graph:
+    """The captured AdamW step of a model whose layers sow `intermediates`: added to
+    the loss (an aux loss, `into_loss`) or returned by the step."""
+    tx, ids = optax.adamw(1e-3), jnp.zeros((2, 8), jnp.int32)
+    params = model.init(jax.random.key(0), ids)["params"]
+
+    def train_step(params, opt_state, ids):
+        def loss_fn(p):
+            logits, sown = model.apply({"params": p}, ids, mutable=["intermediates"])
+            aux = 0.01 * sum(jax.tree.leaves(sown)) if into_loss else 0.0
+            return logits.mean() + aux, sown
+
+        (loss, sown), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        out = (optax.apply_updates(params, updates), opt_state, loss)
+        return out if into_loss else (*out, sown)
+
+    return capture(train_step, (params, tx.init(params), ids))
+
+
 class MoE(nn.Module):
     """Top-2 of 4 experts, one-hot dispatch, and a Switch-style load-balancing loss
     sown for the train step to add up over the layers."""
@@ -539,26 +559,52 @@ def test_a_load_balancing_loss_summed_over_the_layers_stays_in_each_layer():
                 x = MoEBlock(name=f"block_{i}")(x)
             return nn.Dense(64)(x)
 
-    model, tx = Model(), optax.adamw(1e-3)
-    ids = jnp.zeros((2, 8), jnp.int32)
-    params = model.init(jax.random.key(0), ids)["params"]
-
-    def train_step(params, opt_state, ids):
-        def loss_fn(p):
-            logits, sown = model.apply({"params": p}, ids, mutable=["intermediates"])
-            return logits.mean() + 0.01 * sum(jax.tree.leaves(sown))
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    graph = capture(train_step, (params, tx.init(params), ids))
+    graph = sowing_step_graph(Model(), into_loss=True)
     (stack,) = find_stacks(graph)
     check_stack(graph, stack, 4, "params/block_<i>", backward=True)
     for blk in stack.forward:  # the layer's aux loss with it
         named = layer_named(graph, blk.index, r"jvp\(Model\)/block_{i}/MoE_0")
         live = {i for i in named if any(graph.consumers.get(y) for y in graph.nodes[i].outputs)}
         assert live <= set(blk.nodes), sorted(live - set(blk.nodes))[:5]
+
+
+class Probed(nn.Module):
+    """A residual MLP block that sows a per-example statistic of its input or output."""
+
+    of_output: bool
+
+    @nn.compact
+    def __call__(self, x):
+        if not self.of_output:
+            self.sow("intermediates", "sq", jnp.mean(x * x, axis=(1, 2)))
+        x = x + nn.Dense(32)(jax.nn.gelu(nn.Dense(64)(nn.LayerNorm()(x))))
+        if self.of_output:
+            self.sow("intermediates", "sq", jnp.mean(x * x, axis=(1, 2)))
+        return x
+
+
+@pytest.mark.parametrize("of_output", [False, True])
+def test_a_statistic_each_layer_sows_stays_in_its_layer(of_output):
+    """A step that returns what each layer sows: of the layer's output, the statistic
+    sits between the layer and the next one's norm, where the data alone would give
+    it to the next layer's head; the first layer then had none, matched nothing and
+    was left out (3 layers of 4). It belongs to the layer whose module sows it."""
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(64, 32)(ids)
+            for i in range(4):
+                x = Probed(of_output, name=f"h_{i}")(x)
+            return nn.Dense(64)(x)
+
+    graph = sowing_step_graph(Model(), into_loss=False)
+    (stack,) = find_stacks(graph)
+    check_stack(graph, stack, 4, "params/h_<i>", backward=True)
+    for blk in stack.forward:  # the statistic with the layer that sows it
+        sums = [i for i in blk.nodes if graph.nodes[i].op == "reduce_sum"]
+        stat = [i for i in sums if graph.nodes[i].name_stack.endswith(f"h_{blk.index}")]
+        assert len(stat) == 1, (blk.index, [graph.nodes[i].name_stack for i in sums])
 
 
 def widening_graph(widths: tuple[int, ...]) -> Graph:

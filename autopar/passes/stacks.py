@@ -5,8 +5,9 @@ Block(name=f"layers_{i}")(x)`, NNX's list of blocks), so a captured graph repeat
 block's ops n times; a pass that treats a layer as a unit (solve it once, cut pipeline
 stages between layers) needs each layer's ops. Module names cannot be relied on (NNX
 and plain JAX carry none), so ops are assigned by dataflow from each layer's parameters;
-the only names read are the `jvp(`/`transpose(` wrappers JAX writes under `grad`, which
-tell forward from backward (the optimizer's ops are in neither). docs/algorithms.md,
+names read: the `jvp(`/`transpose(` wrappers JAX writes under `grad` (forward, backward;
+the optimizer's ops are in neither), and a layer's own name for what it sows of its
+output (step 3), which the data alone give the next layer. docs/algorithms.md,
 "Layer stacks in unrolled graphs", has the whole story; in short:
 
 1. `_candidates`: inputs whose paths differ in one integer-ending component share a
@@ -21,9 +22,8 @@ tell forward from backward (the optimizer's ops are in neither). docs/algorithms
 3. `_split`: the rest (the gap to the next layer) is cut where one value alone is
    live, the residual stream or its cotangent: before the cut is this layer's tail,
    after it the next layer's head (a side output, an aux loss, stays with its layer;
-   their sum across layers is in none). `_ends` matches the open ends (the first layer's
-   head, the last one's tail) op by op from their neighbours'. Cotangent sums across
-   layers (of an encoder output every decoder layer reads) belong to no layer.
+   their sum across layers is in none). `_ends` matches the open ends (the first head,
+   the last tail) from their neighbours'. Cotangent sums across layers belong to none.
 4. `_absorb`: parameter-free ops (RoPE tables, a mask's broadcast) join the one layer
    that reads them. A run stops where a block's op signatures change or a layer does
    not read the previous one's output. A few linear sweeps: 60k ops take ~1 s.
@@ -253,6 +253,14 @@ class _Stack:
     def seq(self, ids: Iterable[int]) -> tuple[int, ...]:
         return tuple(self.sig(i) for i in sorted(ids))
 
+    def _scoped(self, i: int, k: int) -> bool:
+        """Whether op `i` runs in layer `k`'s module: its name stack names the layer."""
+        comps, idx = self.g.nodes[i].name_stack.split("/"), str(self.layers[k].index)
+        if (names := indexed_names(self.template)) == ("",):  # `layers/<i>`: named 0..n-1
+            parent = self.template.rsplit("/", 2)[-2] if "/" in self.template else ""
+            return any(a == parent and c == idx for a, c in zip(comps, comps[1:]))
+        return any(c == f"{nm}{idx}" for c in comps for nm in names)
+
     # ------------------------------------------------------------------ labels and cuts
     def _label(self, order: list, src: dict[int, int], pick) -> tuple[dict[int, int], set[int]]:
         """Per op of `order` (one phase, program order), `pick` (max: forward, min:
@@ -370,6 +378,11 @@ class _Stack:
                 for c in self.cons.get(y, ())
             ):
                 feeds.add(nd.id)
+        outs, returned = set(self.g.outputs), set()  # ops whose results only the step returns
+        for nd in reversed(order):
+            cs = {c for y in nd.outputs for c in self.cons.get(y, ())}
+            if all(y in outs or self.cons.get(y) for y in nd.outputs) and cs <= returned:
+                returned.add(nd.id)
         first_core: dict[int, int] = {}
         for i in sorted(core, reverse=True):
             first_core[lab[i]] = i
@@ -379,9 +392,14 @@ class _Stack:
             if nd.id not in lab or nd.id in core or nd.id in feeds:
                 continue
             made = [self.prod.get(x) for x in nd.inputs if x not in self.g.consts]
-            if not made or not all(i in core or i in side or i in across for i in made):
-                continue
             b, nxt = lab[nd.id], first_core.get(lab[nd.id] + step)
+            # what the layer's own module makes for the step's results only (a statistic
+            # of its output it sows; by data alone, the next layer's head) may read it all
+            sown = nd.id in returned and self._scoped(nd.id, b)
+            if not made or not all(
+                i in core or i in side or i in across or (sown and lab.get(i) == b) for i in made
+            ):
+                continue
             own = all(lab.get(i) == b and i not in across for i in made)
             (side if own and (nxt is None or nd.id < nxt) else across).add(nd.id)
         return side, across
