@@ -731,9 +731,28 @@ def test_two_layers_alike_but_for_the_first_ones_backward_are_explained():
     args = (params, tx.init(params), x)
     assert find_stacks(capture(step, args)) == ()
     why = r"the 2 layers of .*blocks_<i> have the same forward ops, but the backward ops of layer 0"
+    why += r".*first layer reads an argument of the step"
     with pytest.raises(autopar.PipelineError, match=why):
         autopar.parallelize(step, mesh={"stage": 2, "data": 4}, pipeline_stages=2).plan(*args)
     with pytest.warns(UserWarning, match="remat") as caught:
         plan = autopar.parallelize(step, mesh={"data": 8}, remat="full").plan(*args)
     assert plan.remat is None
     assert any(re.search(why, str(w.message)) for w in caught), [str(w.message) for w in caught]
+
+
+def test_layers_alike_but_for_a_backward_not_made_by_an_argument_name_the_first_difference():
+    """A ResNet block's two 3x3 convolutions (`conv_<i>`) have the same forward ops and
+    different backward ops, but neither reads an argument of the step: the message
+    names the first backward op that differs, not the hint about arguments."""
+    from benchmarks.user_models_defs import MODELS
+
+    builder, _, (cfg, _) = MODELS["resnet"]
+    case = builder(cfg)
+    with pytest.raises(autopar.PipelineError) as caught:
+        autopar.parallelize(case.step, mesh={"stage": 2, "data": 2}, pipeline_stages=2).plan(
+            *case.args(concrete=False)
+        )
+    text = str(caught.value)
+    assert re.search(r"layers of .*conv_<i> have the same forward ops", text), text
+    assert re.search(r"\d+ ops against \d+, the first that differs at .*bn_0", text), text
+    assert "reads an argument" not in text, text

@@ -1,7 +1,8 @@
 """Why no layer stack was found where layers look alike: their forward ops are the
 same, their backward ops are not (two blocks, the first applied straight to an argument
-of the step, whose gradient JAX does not compute). Run only where `find_stacks` found
-nothing, for the messages that say so (`pipeline_stages=`, `remat=`)."""
+of the step, whose gradient JAX does not compute; otherwise the first backward op that
+differs is named). Run only where `find_stacks` found nothing, for the messages that
+say so (`pipeline_stages=`, `remat=`)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _alike_forward(st: _Stack, min_layers: int) -> str | None:
     got = st.keyed()
     if got is None:
         return None
-    _, _, keys, linked, _ = got
+    fblocks, bblocks, keys, linked, _ = got
     layers = list(range(st.n))
     same = lambda a, b: keys[a] == keys[b] and linked[a]  # noqa: E731
     if any(len(r) >= min_layers for r in _runs(layers, same)):
@@ -42,8 +43,25 @@ def _alike_forward(st: _Stack, min_layers: int) -> str | None:
     # the most common backward, or on a tie the longest (a first layer applied to an
     # argument of the step lacks the input gradient's ops)
     common = max(backs, key=lambda b: (backs[b], len(b)))
-    odd = ", ".join(str(st.layers[k].index) for k in run if keys[k][1] != common)
-    return (
+    odd = [k for k in run if keys[k][1] != common]
+    text = (
         f"the {len(run)} layers of {st.template} have the same forward ops, but the "
-        f"backward ops of layer {odd} differ from the others', {BACKWARD_DIFFERS}"
+        f"backward ops of layer {', '.join(str(st.layers[k].index) for k in odd)} differ "
+        "from the others'"
+    )
+    g, params = st.g, set(st.param)
+    reads_argument = odd == [run[0]] and any(  # the hint's case, or what differs
+        x in g.inputs and x not in params for i in fblocks[run[0]] for x in g.nodes[i].inputs
+    )
+    if reads_argument:
+        return f"{text}, {BACKWARD_DIFFERS}"
+    ref = next(k for k in run if keys[k][1] == common)
+    mine, theirs = sorted(bblocks[odd[0]]), sorted(bblocks[ref])
+    at = next((q for q, (a, b) in enumerate(zip(mine, theirs)) if st.sig(a) != st.sig(b)), None)
+    if at is None:  # one is the other's start: the longer one's next op is the first change
+        at, mine = min(len(mine), len(theirs)), mine if len(mine) > len(theirs) else theirs
+    where = g.nodes[mine[at]].key if at < len(mine) else "its end"
+    return (
+        f"{text}: {len(bblocks[odd[0]])} ops against {len(bblocks[ref])}, the first that "
+        f"differs at {where}; layers whose gradients are computed alike make a stack"
     )
