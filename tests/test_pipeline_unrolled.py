@@ -779,6 +779,61 @@ def test_per_layer_results_of_the_step_pipeline_under_1f1b_like_jax_jit(schedule
     assert not any("runs GPipe" in w for w in plan.warnings)
 
 
+def _mlp_specs(params, opt_state, spec):
+    """`in_specs=` pinning every layer's MLP up-projection (`c_fc` kernel) to `spec`."""
+    P = jax.sharding.PartitionSpec
+    pin = lambda path, _: (
+        spec
+        if "c_fc" in jax.tree_util.keystr(path) and "kernel" in jax.tree_util.keystr(path)
+        else None
+    )  # noqa: E731, E501
+    return (
+        jax.tree_util.tree_map_with_path(pin, params),
+        jax.tree.map(lambda _: None, opt_state),
+        P(),
+    )
+
+
+def test_in_specs_pin_the_leaves_of_a_pipelined_unrolled_stack():
+    """`in_specs=` on the user's per-layer leaves of a stack rolled into a pipeline: each
+    layer's `c_fc` kernel split over `model` along its input dim, a layout the search
+    would not pick (it raised "cannot pin the leaves" before); every layer's leaf comes
+    back laid out so on its stage, and the steps equal `jax.jit`'s."""
+    P = jax.sharding.PartitionSpec
+    step, params, opt_state = _linen(GPT2(n=4))
+    specs = _mlp_specs(params, opt_state, P("model", None))
+    par = autopar.parallelize(step, mesh=MESH, pipeline_stages=2, microbatches=M, in_specs=specs)
+    ref = jax.jit(step)
+    a = b = (params, opt_state)
+    for i in range(2):
+        *a, loss_a = ref(*a, _batch(i))
+        *b, loss_b = par(*b, _batch(i))
+        assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+    assert_trees_close(b, a, what="params and optimizer state after 2 steps")
+    plan = par.plan(params, opt_state, _batch(0))
+    assert plan.pipeline["rolled"]["layers"] == 4
+    for i in range(4):
+        kernel = b[0]["params"][f"h_{i}"]["c_fc"]["kernel"]
+        assert _on_stage(kernel, i // 2, par.mesh)
+        assert kernel.sharding.spec == P("model", None), (i, kernel.sharding.spec)
+
+
+def test_in_specs_that_differ_across_pipelined_layers_say_so():
+    P = jax.sharding.PartitionSpec
+    step, params, opt_state = _linen(GPT2(n=4))
+    specs = _mlp_specs(params, opt_state, P(None, "model"))
+    specs[0]["params"]["h_1"]["c_fc"]["kernel"] = P("model", None)
+    par = autopar.parallelize(step, mesh=MESH, pipeline_stages=2, microbatches=M, in_specs=specs)
+    with pytest.raises(autopar.MeshError, match=r"c_fc/kernel.*differ; the layers of a pipelined"):
+        par.plan(params, opt_state, _batch(0))
+    specs[0]["params"]["h_1"]["c_fc"]["kernel"] = P(None, "model")
+    for i in range(4):
+        specs[0]["params"][f"h_{i}"]["c_fc"]["kernel"] = P("stage", None)
+    par = autopar.parallelize(step, mesh=MESH, pipeline_stages=2, microbatches=M, in_specs=specs)
+    with pytest.raises(autopar.MeshError, match=r"names the 'stage' axis"):
+        par.plan(params, opt_state, _batch(0))
+
+
 def test_nnx_dropout_pipelines_where_autopar_picks_the_mesh():
     """NNX's dropout traced under a mesh adds `reshard`s. With several meshes to try
     (`mesh=8`) the whole batch is traced under none, so the micro-batch traces are too:

@@ -401,7 +401,7 @@ class _Driver(PipelineTries):
         under the other schedule, `_other_schedule`). `alone`: the call's only try; `i`:
         its index, for the first searches made side by side (`firsts_ahead`)."""
         o = self.o
-        pins = self._pins(problem, problem.graph is not self.graph, reused)
+        pins = self._pins(problem, pipelined if problem.graph is not self.graph else None, reused)
         if isinstance(pins, MeshError):
             return problem, Infeasible(pins), ()
         checked = isinstance(mesh, Mesh)
@@ -431,16 +431,15 @@ class _Driver(PipelineTries):
         gc.freeze()
         return problem
 
-    def _pins(self, problem: Problem, rolled: bool, reused: dict[int, Spec]):
+    def _pins(self, problem: Problem, rolled, reused: dict[int, Spec]):
         """The user's `in_specs=` and a reused plan's specs as pins on `problem`'s
-        arguments, or the MeshError saying why they cannot apply."""
-        call = self.call
-        if call.in_specs is not None and rolled:
-            return MeshError(
-                f"{self.name}: in_specs= cannot pin the leaves of layers unrolled in Python "
-                "once they are rolled into a pipeline; drop in_specs= or pipeline_stages="
-            )
-        pins = user_pins(problem, call.dyn, call.in_specs) if call.in_specs is not None else {}
+        arguments, or the MeshError saying why they cannot apply. `rolled`: the try's
+        pipeline where its graph is the step's layers rolled into loops (`passes.roll`),
+        whose pins then say how each stage holds its layers' leaves."""
+        call, pins, pipe = self.call, {}, pipeline_of(rolled)
+        if call.in_specs is not None:  # (a `OneLoop` is not tried with in_specs=)
+            roll, axis = (pipe.roll, pipe.pipe.axis) if pipe is not None else (None, "")
+            pins = user_pins(problem, call.dyn, call.in_specs, roll, axis)
         if not isinstance(pins, MeshError):
             pins.update(spec_pins(problem, reused))
         return pins
@@ -459,13 +458,13 @@ class _Driver(PipelineTries):
         ):
             return {}, {}, {}
         build = lambda info: self._built(graph, info, None)  # noqa: E731
-        pins = lambda problem: self._pins(problem, False, reused)  # noqa: E731
+        pins = lambda problem: self._pins(problem, None, reused)  # noqa: E731
         return screen(graph, tries, self.clock, self._info, build, pins, o.memory_budget)
 
     def _first_tasks(self, problem: Problem, reused: dict) -> dict:
         """`search.first_tasks` of a screened shape's problem ({} where its pins fail:
         the walk's search of it says why)."""
-        pins = self._pins(problem, False, reused)
+        pins = self._pins(problem, None, reused)
         if isinstance(pins, MeshError):
             return {}
         return first_tasks(problem, self.o.engine, self.o.memory_budget, pins, self.clock)

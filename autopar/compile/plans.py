@@ -13,6 +13,7 @@ from autopar.errors import MeshError, PlanError, did_you_mean
 from autopar.ir._compat import broadcast_prefix
 from autopar.ir.graph import Graph
 from autopar.passes.pipeline import PipelinedScans, layer_ranges
+from autopar.passes.roll import Roll
 from autopar.plan.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
 from autopar.search.evaluate import output_specs
 from autopar.search.piped import moved_cost, weight_slot_seconds
@@ -20,10 +21,14 @@ from autopar.search.problem import Problem
 from autopar.sharding import MeshInfo, Spec
 
 
-def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int] | MeshError:
+def user_pins(
+    problem: Problem, dyn_args: tuple, in_specs: Any, roll: Roll | None = None, axis: str = ""
+) -> dict[int, int] | MeshError:
     """Cost-graph pins for the argument specs the user fixed (`in_specs=`), or the
     MeshError naming the spec this mesh cannot apply (the caller raises it when the
-    mesh was the only one to try)."""
+    mesh was the only one to try). On a graph whose unrolled layers `roll` rolled into
+    loops over stages, a group's pin is its layers' one spec with dim 0 split over the
+    stage axis `axis` first (`rolled_specs`)."""
     from jax.sharding import PartitionSpec
 
     is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
@@ -43,6 +48,10 @@ def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int
             f"None or a pytree of them per argument): {e}"
         )
     g, mesh = problem.graph, problem.mesh
+    if roll is not None:
+        flat = rolled_specs(roll, flat, g, axis)
+        if isinstance(flat, MeshError):
+            return flat
     pins: dict[int, int] = {}
     for i, pspec in enumerate(flat):
         if pspec is None:
@@ -75,6 +84,46 @@ def user_pins(problem: Problem, dyn_args: tuple, in_specs: Any) -> dict[int, int
             )
         pins[i] = match[0]
     return pins
+
+
+def rolled_specs(roll: Roll, flat: list, graph: Graph, axis: str) -> list | MeshError:
+    """The user's spec per flat leaf as one per rolled input: a leaf's own, or for a
+    group (one leaf of the same slot per stage, `passes.roll`) its layers' one spec
+    with dim 0 split over the stage axis (`axis`) first, so that each stage holds its layer's
+    leaf laid out as given (`lower.rolled.member_spec` is the inverse)."""
+    from jax.sharding import PartitionSpec
+
+    out: list = []
+    for i, (ms, stacked) in enumerate(zip(roll.inputs, roll.stacked_in)):
+        if len(ms) == 1:
+            out.append(flat[ms[0]])
+            continue
+        given = {flat[m] for m in ms}
+        path = graph.input_paths[i]
+        if len(given) > 1:
+            return MeshError(
+                f"in_specs for the leaves of {path} (one per layer of a stack unrolled in "
+                f"Python, rolled into a pipeline): {sorted(map(str, given))} differ; the "
+                "layers of a pipelined stack share one layout (give every layer's leaf the "
+                "same spec, or None to let autopar decide)"
+            )
+        (pspec,) = given
+        if pspec is None:
+            out.append(None)
+            continue
+        named = [a for d in pspec if d for a in ((d,) if isinstance(d, str) else d)]
+        if axis in named:
+            return MeshError(
+                f"in_specs for the leaves of {path}: {pspec} names the {axis!r} axis, "
+                "which the pipeline splits the layers over; leave it out of a layer's spec"
+            )
+        if stacked:  # a group of scalars: one row per stage
+            out.append(PartitionSpec(axis))
+            continue
+        first = pspec[0] if len(pspec) else None
+        head = (first,) if isinstance(first, str) else tuple(first or ())
+        out.append(PartitionSpec((axis, *head), *pspec[1:]))
+    return out
 
 
 def reusable_specs(plan: Plan, graph: Graph, mesh: MeshInfo) -> dict[int, Spec]:
