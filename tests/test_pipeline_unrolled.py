@@ -834,6 +834,42 @@ def test_in_specs_that_differ_across_pipelined_layers_say_so():
         par.plan(params, opt_state, _batch(0))
 
 
+def test_a_pipelined_unrolled_plan_describes_and_restores_the_users_leaves(tmp_path):
+    """`Plan.in_specs` / `in_shardings` of a stack rolled into a pipeline give the
+    user's own pytree, each layer's leaves on its stage's devices (they described the
+    rolled program's groups, and on a plan-cache hit raised: "Too few leaves"), so
+    `autopar.checkpoint.restore` puts a saved state where the step takes it, and
+    training resumes as if uninterrupted."""
+    import autopar.checkpoint as ckpt
+
+    step, params, opt_state = _linen(GPT2(n=4))
+    par = _parallel(step)
+    state = (params, opt_state)
+    *state, _ = par(*state, _batch(0))
+    ckpt.save(tmp_path / "ckpt", tuple(state))
+    *after, loss = par(*state, _batch(1))
+    for cache in (None, tmp_path / "cache", tmp_path / "cache"):  # searched, stored, hit
+        plan = autopar.parallelize(
+            step, mesh=MESH, pipeline_stages=2, microbatches=M, cache_dir=cache
+        ).plan(*state, _batch(1))
+        shardings = plan.in_shardings
+        assert jax.tree.structure(plan.in_specs, is_leaf=lambda x: x is None or isinstance(
+            x, jax.sharding.PartitionSpec)) == jax.tree.structure((*state, _batch(1)))  # fmt: skip
+        for i in range(4):
+            leaves = jax.tree.leaves(shardings[0]["params"][f"h_{i}"])
+            assert leaves and all(
+                sh.device_set == set(par.mesh.devices[i // 2].flat) for sh in leaves
+            )
+    again = autopar.Plan.from_json(plan.to_json())  # the plan file keeps the leaves
+    assert again.user_inputs == plan.user_inputs and any(r.stage == 1 for r in again.user_inputs)
+    restored = ckpt.restore(tmp_path / "ckpt", tuple(plan.in_shardings[:2]))
+    for i in range(4):
+        assert _on_stage(restored[0]["params"][f"h_{i}"]["c_fc"]["kernel"], i // 2, par.mesh)
+    *again, loss_again = par(*restored, _batch(1))
+    assert_trees_close(loss_again, loss, what="loss after resuming")
+    assert_trees_close(again, after, what="state after resuming")
+
+
 def test_nnx_dropout_pipelines_where_autopar_picks_the_mesh():
     """NNX's dropout traced under a mesh adds `reshard`s. With several meshes to try
     (`mesh=8`) the whole batch is traced under none, so the micro-batch traces are too:

@@ -227,7 +227,7 @@ class _Driver(PipelineTries):
                 looped, rolled = got
             mismatch = plan_mismatch(o.given_plan, looped, self._info(mesh))
             if mismatch is None:
-                plan = attach(o.given_plan, looped, mesh)
+                plan = attach(o.given_plan, looped, mesh, graph)
                 return self._replay(looped, plan, mesh, rolled)
             if not o.allow_partial:
                 raise PlanError(mismatch)
@@ -485,7 +485,7 @@ class _Driver(PipelineTries):
             if problem is None:  # searched in a worker (`compile.tries`): built again here
                 problem = self._built(graph_of(graph, pipelined), self._info(mesh), pipelined)
             with self.clock.phase("plan"):
-                plan = make_plan(problem, result.pick(name), o.profile, mesh, pipelined)
+                plan = make_plan(problem, result.pick(name), o.profile, mesh, pipelined, graph)
                 plan = replace(
                     plan,
                     precision=o.precision,

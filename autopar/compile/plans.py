@@ -12,6 +12,7 @@ from autopar.cost.model import matmul_rates
 from autopar.errors import MeshError, PlanError, did_you_mean
 from autopar.ir._compat import broadcast_prefix
 from autopar.ir.graph import Graph
+from autopar.lower.rolled import member_spec
 from autopar.passes.pipeline import PipelinedScans, layer_ranges
 from autopar.passes.roll import Roll
 from autopar.plan.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
@@ -166,11 +167,21 @@ def _stage_layers(node, pipelined: PipelinedScans) -> list[tuple[int, int]]:
 
 
 def make_plan(
-    problem: Problem, result, profile, jax_mesh, pipelined: PipelinedScans | None = None
+    problem: Problem,
+    result,
+    profile,
+    jax_mesh,
+    pipelined: PipelinedScans | None = None,
+    user: Graph | None = None,
 ) -> Plan:
+    """The plan of `result` on `problem`; `user`: the function as traced where the
+    problem's graph is its unrolled layers rolled into a pipeline (`pipelined.roll`),
+    whose leaves `Plan.user_inputs` then describe."""
     g = problem.graph
     inputs, outputs, ops = _records(problem, result.choice)
-    pipeline = None
+    pipeline, leaves = None, None
+    if pipelined is not None and pipelined.roll is not None and user is not None:
+        leaves = user_leaves(pipelined.roll, inputs, user, pipelined.pipe.axis)
     if pipelined is not None:
         keys = op_keys(g)
         # each op's priced seconds under the chosen strategy (the schedule's slot times)
@@ -229,11 +240,31 @@ def make_plan(
         candidates=result.candidates,
         search_info={**result.solver_info, "matmul_rates": matmul_rates(g, profile)},
         function=g.name,
-        in_tree=g.in_tree,
+        in_tree=g.in_tree if leaves is None else user.in_tree,
         out_tree=g.out_tree,
         jax_mesh=jax_mesh,
         pipeline=pipeline,
+        user_inputs=leaves,
     )
+
+
+def user_leaves(roll: Roll, inputs: tuple, user: Graph, axis: str) -> tuple[TensorRecord, ...]:
+    """The user's leaves as a rolled program's `inputs` hold them: a leaf as it is, a
+    group's member on its stage's sub-mesh (`lower.rolled.member_spec`; replicated there
+    where the group is not split stage-major, as `lower.rolled.RolledIO` hands it back)."""
+    out: list = [None] * len(user.inputs)
+    for r, ms, stacked in zip(inputs, roll.inputs, roll.stacked_in):
+        for s, m in enumerate(ms):
+            t = user.values[user.inputs[m]]
+            rec = TensorRecord(user.input_paths[m], t.shape, t.dtype_name, r.spec)
+            if len(ms) > 1:
+                member = member_spec(r.spec.to_pspec(), axis, stacked)
+                spec = (
+                    Spec.replicated(t.rank) if member is None else Spec.from_pspec(member, t.rank)
+                )
+                rec = replace(rec, spec=spec, stage=s)
+            out[m] = rec
+    return tuple(out)
 
 
 def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
@@ -338,13 +369,14 @@ def bind_plan(plan: Plan, graph: Graph, mesh: MeshInfo, jax_mesh) -> Plan:
     return attach(plan, graph, jax_mesh)
 
 
-def attach(plan: Plan, graph: Graph, jax_mesh) -> Plan:
+def attach(plan: Plan, graph: Graph, jax_mesh, user: Graph | None = None) -> Plan:
     """`plan` with the traced function's pytrees and the mesh it runs on (checked
-    against it by `plan_mismatch`)."""
+    against it by `plan_mismatch`); `user`: the function as traced where `graph` is
+    its layers rolled into a pipeline (the pytree `Plan.user_inputs` stand for)."""
     return Plan(
         **{
             **plan.__dict__,
-            "in_tree": graph.in_tree,
+            "in_tree": (user or graph).in_tree if plan.user_inputs else graph.in_tree,
             "out_tree": graph.out_tree,
             "jax_mesh": jax_mesh,
         }

@@ -11,14 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.cost.model import Cost
-from autopar.errors import PlanError, format_bytes
+from autopar.errors import PlanError
 from autopar.ir.graph import Graph
-from autopar.ir.ops import CONTRACTIONS
-from autopar.passes.roll import SCOPE as ROLL_SCOPE
-from autopar.plan.schedule import schedule_line, timeline
 from autopar.sharding import MeshInfo, Spec
 
 FORMAT = "autopar.plan/1"
@@ -44,18 +42,23 @@ class TensorRecord:
     shape: tuple[int, ...]
     dtype: str
     spec: Spec
+    # a leaf of a pipelined layer unrolled in Python (`Plan.user_inputs`): the stage
+    # whose devices alone hold it, `spec` being its layout on that stage's sub-mesh
+    stage: int | None = None
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "path": self.path,
             "shape": list(self.shape),
             "dtype": self.dtype,
             "spec": _spec_json(self.spec),
         }
+        return d if self.stage is None else {**d, "stage": self.stage}
 
     @staticmethod
     def from_json(d: dict) -> TensorRecord:
-        return TensorRecord(d["path"], tuple(d["shape"]), d["dtype"], _spec_from(d["spec"]))
+        spec = _spec_from(d["spec"])
+        return TensorRecord(d["path"], tuple(d["shape"]), d["dtype"], spec, d.get("stage"))
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,10 @@ class Plan:
     # of a stack of layers unrolled in Python, how many (the first ones) `remat` covers;
     # None: all of them (or no such stack)
     remat_layers: int | None = None
+    # where such a stack is rolled into a pipeline, `inputs` are the rolled program's
+    # (a group per layer slot); these are the function's own leaves, each layer's on its
+    # stage (`TensorRecord.stage`): what `in_specs` and `in_shardings` give
+    user_inputs: tuple[TensorRecord, ...] | None = None
     # wall seconds of each phase of the `.plan()` call that made this plan ("capture",
     # "build", one per engine, "polish", "compile check", ..., "other", "total"; see
     # `autopar.compile.clock`); not in the plan file unless `to_json(timings=True)`
@@ -245,18 +252,22 @@ class Plan:
     @property
     def in_specs(self):
         """PartitionSpecs shaped like the (non-static) args; a {path: spec} dict when the
-        plan was loaded from a file and not yet bound to a function."""
-        return self._tree(self.in_tree, self.inputs)
+        plan was loaded from a file and not yet bound to a function. A leaf of a layer
+        unrolled in Python and pipelined: its spec on its stage's sub-mesh."""
+        return self._tree(self.in_tree, self.user_inputs or self.inputs)
 
     @property
     def out_specs(self):
         return self._tree(self.out_tree, self.outputs)
 
-    def _shardings(self, specs):
+    def _require_devices(self) -> None:
         if not isinstance(self.jax_mesh, jax.sharding.Mesh):
             raise PlanError(
                 "this plan's mesh has no devices (abstract planning); shardings need a concrete jax.sharding.Mesh"
             )
+
+    def _shardings(self, specs):
+        self._require_devices()
         return jax.tree_util.tree_map(
             lambda s: NamedSharding(self.jax_mesh, s),
             specs,
@@ -265,7 +276,26 @@ class Plan:
 
     @property
     def in_shardings(self):
-        return self._shardings(self.in_specs)
+        """Shardings shaped like the (non-static) args; a leaf of a layer unrolled in
+        Python and pipelined lives on its stage's devices only (`TensorRecord.stage`)."""
+        if self.user_inputs is None:
+            return self._shardings(self.in_specs)
+        self._require_devices()
+        axis, mesh = self.pipeline["axis"], self.jax_mesh
+        k = mesh.axis_names.index(axis)
+        names = tuple(a for a in mesh.axis_names if a != axis)
+        types = tuple(t for a, t in zip(mesh.axis_names, mesh.axis_types) if a != axis)
+        subs = [
+            jax.sharding.Mesh(np.take(mesh.devices, s, axis=k), names, axis_types=types)
+            for s in range(mesh.devices.shape[k])
+        ]
+        out = [
+            NamedSharding(mesh if r.stage is None else subs[r.stage], r.spec.to_pspec())
+            for r in self.user_inputs
+        ]
+        if self.in_tree is None:
+            return {r.path: sh for r, sh in zip(self.user_inputs, out)}
+        return jax.tree_util.tree_unflatten(self.in_tree, out)
 
     @property
     def out_shardings(self):
@@ -297,6 +327,8 @@ class Plan:
         }
         if self.remat_layers is not None:
             d["remat_layers"] = self.remat_layers
+        if self.user_inputs is not None:
+            d["user_inputs"] = [r.to_json() for r in self.user_inputs]
         if timings and self.phases:
             d["phases"] = dict(self.phases)
         if timings and self.worker_phases:
@@ -341,6 +373,11 @@ class Plan:
                 grad_accumulation=d.get("grad_accumulation"),
                 remat=d.get("remat"),
                 remat_layers=d.get("remat_layers"),
+                user_inputs=(
+                    tuple(TensorRecord.from_json(r) for r in d["user_inputs"])
+                    if "user_inputs" in d
+                    else None
+                ),
                 phases=d.get("phases"),
                 worker_phases=d.get("worker_phases"),
             )
@@ -398,175 +435,11 @@ class Plan:
         return total, replicated
 
     def summary(self) -> str:
-        c = self.cost
-        axes = " x ".join(f"{a}={s}" for a, s in zip(self.mesh.axis_names, self.mesh.axis_sizes))
-        lines = [
-            f"autopar plan for {self.function or 'function'} on mesh {axes} ({self.cluster.get('name', '?')}), "
-            f"engine {self.engine}"
-            + (
-                f", planned in {self.phases['total']:.2f} s"
-                if self.phases and "total" in self.phases
-                else f", searched in {self.search_seconds:.2f} s"
-                if self.search_seconds
-                else ""
-            ),
-            f"  predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + comm {c.comm_s * 1e3:.3f} ms; "
-            f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)})",
-        ]
-        replicated = self.replicated_share()
-        if replicated is not None and self.mesh.num_devices > 1:
-            lines.append(
-                f"  work: {100 * (1 - replicated):.0f}% of the ops' compute split over devices, "
-                f"{100 * replicated:.0f}% replicated (run whole on every device)"
-            )
-        if self.phases:
-            lines.append("  time: " + _phase_line(self.phases))
-        if self.worker_phases:
-            lines.append(
-                "  side by side, in the workers (overlapping): "
-                + ", ".join(
-                    f"{k} {v:.2f} s"
-                    for k, v in sorted(self.worker_phases.items(), key=lambda kv: -kv[1])
-                    if v >= 0.005
-                )
-            )
-        if self.cache:
-            c2 = self.cache
-            lines.append(
-                f"  plan cache: {c2.get('status')}"
-                + (
-                    f" (the search it saved took {c2['searched_s']:.2f} s)"
-                    if c2.get("searched_s")
-                    else ""
-                )
-                + (f", {c2['path']}" if c2.get("path") else "")
-            )
-        if self.compiled_memory_bytes is not None:
-            lines.append(f"  compiled by XLA: {format_bytes(self.compiled_memory_bytes)}/device")
-        for k, b in sorted(c.comm_bytes.items()):
-            lines.append(f"  {k:<28} {format_bytes(b)}")
-        if self.candidates:
-            lines.append(
-                "  candidates: "
-                + ", ".join(
-                    f"{k} {v.step_s * 1e3:.3f} ms/{format_bytes(v.peak_memory_bytes)}"
-                    for k, v in self.candidates.items()
-                )
-            )
-        if self.grad_accumulation:
-            lines.append(
-                f"  gradient accumulation: {self.grad_accumulation} micro-batches a step "
-                "(the grad_accumulation/scan op)"
-            )
-        if self.pipeline:
-            p = self.pipeline
-            lines.append(
-                f"  pipeline: {p['stages']} stages over '{p['axis']}', {p['microbatches']} micro-batches, "
-                f"{p['schedule']}"
-                + "".join(
-                    f" ({_loop_pair(f)} interleaved, {len(f['head'])} head ops on the last stage)"
-                    for f in p.get("fused", ())
-                )
-                + "; "
-                + (
-                    f"{p['virtual_stages']} virtual stages each (virtual stage u on stage "
-                    "u mod S); "
-                    if p.get("virtual_stages", 1) > 1
-                    else ""
-                )
-                + "; ".join(
-                    f"{s['op']}: layers " + " | ".join(f"{a}-{b - 1}" for a, b in s["stages"])
-                    for s in p["scans"]
-                )
-            )
-            lines.append("  " + schedule_line(timeline(p)))
-            for f in p.get("fused", ()):
-                if "moved_seconds" in f:  # interleaved: the weights in chunk order
-                    lines.append(
-                        f"  interleaving moves the loops' per-layer inputs into chunk order "
-                        f"and their gradients back: {f['moved_seconds'] * 1e3:.4g} ms of "
-                        f"collective-permutes a step, {f['moved_bytes'] / 2**20:.4g} MiB/device "
-                        "held"
-                    )
-        for name, info in self.search_info.items():
-            if name == "skipped":  # engines `auto` left out, with why
-                lines += [f"  {e}: not run ({why})" for e, why in info.items()]
-                continue
-            if name == "matmul_rates":  # the rate each dtype's contractions are priced at
-                rates = ", ".join(f"{k} at {v}" for k, v in info.items())
-                lines.append(f"  matmul rates: {rates or 'no contractions'}")
-                continue
-            gap = info.get("gap")
-            notes = []
-            if "optimal" in info:
-                notes.append(
-                    ("proven optimal" if info["optimal"] else "not proven optimal")
-                    + " under the cost model"
-                    + (f" (gap {gap:.2%})" if isinstance(gap, float) and gap > 0 else "")
-                )
-            if info.get("polished_s"):
-                notes.append(
-                    f"{'then ' if notes else ''}polished {info['polished_s'] * 1e6:.1f} µs "
-                    "faster with all-reduces combined"
-                )
-            if info.get("lean_arguments_bytes"):
-                notes.append(
-                    f"arguments {format_bytes(info['lean_arguments_bytes'])} smaller per device "
-                    "at the same price"
-                )
-            lines.append(f"  {name}: " + "; ".join(notes))
-        for w in self.warnings:
-            lines.append(f"  {'note' if is_note(w) else 'warning'}: {w}")
-        return "\n".join(lines)
+        from autopar.plan.summary import summary  # the text (a module of its own)
+
+        return summary(self)
 
     def __str__(self) -> str:
-        lines = [self.summary(), "", "inputs:"]
-        width = max((len(r.path) for r in self.inputs + self.outputs), default=10)
-        for r in self.inputs:
-            lines.append(f"  {r.path:<{width}}  {r.dtype}{list(r.shape)}  {r.spec}")
-        lines.append("outputs:")
-        for r in self.outputs:
-            lines.append(f"  {r.path:<{width}}  {r.dtype}{list(r.shape)}  {r.spec}")
-        lines.append("ops (contractions and gathers; `autopar inspect --by op` lists all):")
-        lines += _op_lines(self.ops, "  ")
-        return "\n".join(lines)
+        from autopar.plan.summary import text
 
-
-def _phase_line(phases: dict) -> str:
-    """`capture 0.15 s + build 2.31 s + ... = 8.21 s` (the phases add up to the total)."""
-    parts = [f"{k} {v:.2f} s" for k, v in phases.items() if k != "total" and v >= 0.005]
-    total = phases.get("total")
-    return " + ".join(parts or ["0 s"]) + (f" = {total:.2f} s" if total is not None else "")
-
-
-_SHOWN = (*sorted(CONTRACTIONS), "gather", "scatter-add")
-
-
-def _op_lines(ops, indent: str) -> list[str]:
-    lines = []
-    for o in ops:
-        if o.op in _SHOWN:
-            lines.append(f"{indent}{o.source:<22} {o.op:<20} {o.strategy}")
-        elif o.body is not None:
-            lines.append(
-                f"{indent}{o.source:<22} {o.op:<20} body searched once ({o.body.engine}), "
-                f"{o.body.cost.step_s * 1e3:.3f} ms a step:"
-            )
-            lines += _op_lines(o.body.ops, indent + "  ")
-        elif o.branches is not None:
-            for k, b in enumerate(o.branches):
-                lines.append(
-                    f"{indent}{o.source:<22} {o.op:<20} branch {k} ({b.engine}), "
-                    f"{b.cost.step_s * 1e3:.3f} ms:"
-                )
-                lines += _op_lines(b.ops, indent + "  ")
-    return lines
-
-
-def _loop_pair(fused: dict) -> str:
-    """The forward and backward loops a 1F1B pipeline interleaves, as the summary names
-    them: the user's `scan`s by their keys, the loops autopar rolled an unrolled layer
-    stack into as such (their keys name autopar's own scope)."""
-    if all(fused[k].startswith(ROLL_SCOPE + "/") for k in ("forward", "backward")):
-        return "the rolled layers' forward and backward loops"
-    return f"{fused['forward']} and {fused['backward']}"
+        return text(self)
