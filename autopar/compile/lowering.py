@@ -8,7 +8,8 @@ import jax
 from jax.sharding import AbstractMesh, NamedSharding
 
 from autopar.ir.capture import abstractify_tree
-from autopar.plan.plan import Plan, TensorRecord
+from autopar.plan.plan import Plan
+from autopar.plan.records import TensorRecord
 
 
 def compiled_memory(compiled) -> int:

@@ -15,7 +15,8 @@ from autopar.ir.graph import Graph
 from autopar.lower.rolled import member_spec
 from autopar.passes.pipeline import PipelinedScans, layer_ranges
 from autopar.passes.roll import Roll
-from autopar.plan.plan import BodyRecord, OpRecord, Plan, TensorRecord, fingerprint, op_keys
+from autopar.plan.plan import Plan, fingerprint, op_keys
+from autopar.plan.records import BodyRecord, OpRecord, TensorRecord
 from autopar.search.evaluate import output_specs
 from autopar.search.piped import moved_cost, weight_slot_seconds
 from autopar.search.problem import Problem

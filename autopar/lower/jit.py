@@ -30,7 +30,8 @@ from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
 from autopar.passes.pipeline import Fused, PipelinedScans, sunk_fills
 from autopar.passes.precision import upcast_operands
 from autopar.passes.zero_bubble import WeightSplit, split_weight_grads
-from autopar.plan.plan import BodyRecord, Plan, TensorRecord
+from autopar.plan.plan import Plan
+from autopar.plan.records import BodyRecord, TensorRecord
 from autopar.sharding import Spec
 from autopar.strategies.linear import LOCAL_OPS
 from autopar.strategies.settle import settle_partials

@@ -15,9 +15,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.cost.model import Cost
-from autopar.errors import PlanError
+from autopar.errors import PlanError, format_bytes
 from autopar.ir.graph import Graph
-from autopar.sharding import MeshInfo, Spec
+from autopar.ir.ops import CONTRACTIONS
+from autopar.passes.roll import SCOPE as ROLL_SCOPE
+from autopar.plan.records import OpRecord, TensorRecord
+from autopar.plan.schedule import schedule_line, timeline
+from autopar.sharding import MeshInfo
 
 FORMAT = "autopar.plan/1"
 
@@ -34,134 +38,6 @@ _NOTE_RE = re.compile(
 def is_note(text: str) -> bool:
     """Whether a plan warning is informational (printed as `note:`)."""
     return bool(_NOTE_RE.match(text))
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    spec: Spec
-    # a leaf of a pipelined layer unrolled in Python (`Plan.user_inputs`): the stage
-    # whose devices alone hold it, `spec` being its layout on that stage's sub-mesh
-    stage: int | None = None
-
-    def to_json(self) -> dict:
-        d = {
-            "path": self.path,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "spec": _spec_json(self.spec),
-        }
-        return d if self.stage is None else {**d, "stage": self.stage}
-
-    @staticmethod
-    def from_json(d: dict) -> TensorRecord:
-        spec = _spec_from(d["spec"])
-        return TensorRecord(d["path"], tuple(d["shape"]), d["dtype"], spec, d.get("stage"))
-
-
-@dataclass(frozen=True)
-class OpRecord:
-    key: str  # stable: name stack + primitive + index
-    op: str
-    source: str
-    strategy: str
-    in_specs: tuple[Spec, ...]
-    out_specs: tuple[Spec, ...]
-    compute_s: float
-    body: BodyRecord | None = None  # a scan's body plan
-    branches: tuple[BodyRecord, ...] | None = None  # a cond's branch plans
-    # the library line (Flax, optax, ...) that made the op when `source`, the user's
-    # line, is not it; "" otherwise (and in plans written before the field)
-    library_source: str = ""
-
-    def to_json(self) -> dict:
-        d = {
-            "key": self.key,
-            "op": self.op,
-            "source": self.source,
-            "strategy": self.strategy,
-            "in_specs": [_spec_json(s) for s in self.in_specs],
-            "out_specs": [_spec_json(s) for s in self.out_specs],
-            "compute_s": self.compute_s,
-        }
-        if self.library_source:
-            d["library_source"] = self.library_source
-        if self.body is not None:
-            d["body"] = self.body.to_json()
-        if self.branches is not None:
-            d["branches"] = [b.to_json() for b in self.branches]
-        return d
-
-    @staticmethod
-    def from_json(d: dict) -> OpRecord:
-        return OpRecord(
-            d["key"],
-            d["op"],
-            d["source"],
-            d["strategy"],
-            tuple(_spec_from(s) for s in d["in_specs"]),
-            tuple(_spec_from(s) for s in d["out_specs"]),
-            float(d["compute_s"]),
-            BodyRecord.from_json(d["body"]) if "body" in d else None,
-            tuple(BodyRecord.from_json(b) for b in d["branches"]) if "branches" in d else None,
-            d.get("library_source", ""),
-        )
-
-
-@dataclass(frozen=True)
-class BodyRecord:
-    """A scan body's plan, searched once and used for every step of the loop: the
-    body's inputs (consts, carry, one slice of each xs), outputs and ops, as in a
-    Plan; `cost` is one step's. A cond branch's plan too: its inputs are the cond's
-    operands, its outputs the cond's results in the cond's specs (the branch reshards
-    into them), `cost` the branch's own."""
-
-    engine: str
-    inputs: tuple[TensorRecord, ...]
-    outputs: tuple[TensorRecord, ...]
-    ops: tuple[OpRecord, ...]
-    cost: Cost
-
-    def to_json(self) -> dict:
-        return {
-            "engine": self.engine,
-            "cost": self.cost.to_json(),
-            "inputs": [r.to_json() for r in self.inputs],
-            "outputs": [r.to_json() for r in self.outputs],
-            "ops": [o.to_json() for o in self.ops],
-        }
-
-    @staticmethod
-    def from_json(d: dict) -> BodyRecord:
-        return BodyRecord(
-            d["engine"],
-            tuple(TensorRecord.from_json(r) for r in d["inputs"]),
-            tuple(TensorRecord.from_json(r) for r in d["outputs"]),
-            tuple(OpRecord.from_json(o) for o in d["ops"]),
-            Cost.from_json(d["cost"]),
-        )
-
-
-def _spec_json(s: Spec) -> dict | list:
-    return {"dims": s.to_json(), "partial": list(s.partial)} if s.partial else s.to_json()
-
-
-def _spec_from(d) -> Spec:
-    key = str(d)  # a plan repeats a few specs many times (a large plan loads in 1/3 the time)
-    spec = _SPECS.get(key)
-    if spec is None:
-        if isinstance(d, dict):
-            spec = Spec(Spec.from_json(d["dims"]).dims, tuple(d["partial"]))
-        else:
-            spec = Spec.from_json(d)
-        if len(_SPECS) < 100_000:
-            _SPECS[key] = spec
-    return spec
-
-
-_SPECS: dict[str, Spec] = {}
 
 
 def fingerprint(graph: Graph) -> str:
@@ -435,11 +311,175 @@ class Plan:
         return total, replicated
 
     def summary(self) -> str:
-        from autopar.plan.summary import summary  # the text (a module of its own)
-
-        return summary(self)
+        c = self.cost
+        axes = " x ".join(f"{a}={s}" for a, s in zip(self.mesh.axis_names, self.mesh.axis_sizes))
+        lines = [
+            f"autopar plan for {self.function or 'function'} on mesh {axes} ({self.cluster.get('name', '?')}), "
+            f"engine {self.engine}"
+            + (
+                f", planned in {self.phases['total']:.2f} s"
+                if self.phases and "total" in self.phases
+                else f", searched in {self.search_seconds:.2f} s"
+                if self.search_seconds
+                else ""
+            ),
+            f"  predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + comm {c.comm_s * 1e3:.3f} ms; "
+            f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)})",
+        ]
+        replicated = self.replicated_share()
+        if replicated is not None and self.mesh.num_devices > 1:
+            lines.append(
+                f"  work: {100 * (1 - replicated):.0f}% of the ops' compute split over devices, "
+                f"{100 * replicated:.0f}% replicated (run whole on every device)"
+            )
+        if self.phases:
+            lines.append("  time: " + _phase_line(self.phases))
+        if self.worker_phases:
+            lines.append(
+                "  side by side, in the workers (overlapping): "
+                + ", ".join(
+                    f"{k} {v:.2f} s"
+                    for k, v in sorted(self.worker_phases.items(), key=lambda kv: -kv[1])
+                    if v >= 0.005
+                )
+            )
+        if self.cache:
+            c2 = self.cache
+            lines.append(
+                f"  plan cache: {c2.get('status')}"
+                + (
+                    f" (the search it saved took {c2['searched_s']:.2f} s)"
+                    if c2.get("searched_s")
+                    else ""
+                )
+                + (f", {c2['path']}" if c2.get("path") else "")
+            )
+        if self.compiled_memory_bytes is not None:
+            lines.append(f"  compiled by XLA: {format_bytes(self.compiled_memory_bytes)}/device")
+        for k, b in sorted(c.comm_bytes.items()):
+            lines.append(f"  {k:<28} {format_bytes(b)}")
+        if self.candidates:
+            lines.append(
+                "  candidates: "
+                + ", ".join(
+                    f"{k} {v.step_s * 1e3:.3f} ms/{format_bytes(v.peak_memory_bytes)}"
+                    for k, v in self.candidates.items()
+                )
+            )
+        if self.grad_accumulation:
+            lines.append(
+                f"  gradient accumulation: {self.grad_accumulation} micro-batches a step "
+                "(the grad_accumulation/scan op)"
+            )
+        if self.pipeline:
+            p = self.pipeline
+            lines.append(
+                f"  pipeline: {p['stages']} stages over '{p['axis']}', {p['microbatches']} micro-batches, "
+                f"{p['schedule']}"
+                + "".join(
+                    f" ({_loop_pair(f)} interleaved, {len(f['head'])} head ops on the last stage)"
+                    for f in p.get("fused", ())
+                )
+                + "; "
+                + (
+                    f"{p['virtual_stages']} virtual stages each (virtual stage u on stage "
+                    "u mod S); "
+                    if p.get("virtual_stages", 1) > 1
+                    else ""
+                )
+                + "; ".join(
+                    f"{s['op']}: layers " + " | ".join(f"{a}-{b - 1}" for a, b in s["stages"])
+                    for s in p["scans"]
+                )
+            )
+            lines.append("  " + schedule_line(timeline(p)))
+            for f in p.get("fused", ()):
+                if "moved_seconds" in f:  # interleaved: the weights in chunk order
+                    lines.append(
+                        f"  interleaving moves the loops' per-layer inputs into chunk order "
+                        f"and their gradients back: {f['moved_seconds'] * 1e3:.4g} ms of "
+                        f"collective-permutes a step, {f['moved_bytes'] / 2**20:.4g} MiB/device "
+                        "held"
+                    )
+        for name, info in self.search_info.items():
+            if name == "skipped":  # engines `auto` left out, with why
+                lines += [f"  {e}: not run ({why})" for e, why in info.items()]
+                continue
+            if name == "matmul_rates":  # the rate each dtype's contractions are priced at
+                rates = ", ".join(f"{k} at {v}" for k, v in info.items())
+                lines.append(f"  matmul rates: {rates or 'no contractions'}")
+                continue
+            gap = info.get("gap")
+            notes = []
+            if "optimal" in info:
+                notes.append(
+                    ("proven optimal" if info["optimal"] else "not proven optimal")
+                    + " under the cost model"
+                    + (f" (gap {gap:.2%})" if isinstance(gap, float) and gap > 0 else "")
+                )
+            if info.get("polished_s"):
+                notes.append(
+                    f"{'then ' if notes else ''}polished {info['polished_s'] * 1e6:.1f} µs "
+                    "faster with all-reduces combined"
+                )
+            if info.get("lean_arguments_bytes"):
+                notes.append(
+                    f"arguments {format_bytes(info['lean_arguments_bytes'])} smaller per device "
+                    "at the same price"
+                )
+            lines.append(f"  {name}: " + "; ".join(notes))
+        for w in self.warnings:
+            lines.append(f"  {'note' if is_note(w) else 'warning'}: {w}")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
-        from autopar.plan.summary import text
+        lines = [self.summary(), "", "inputs:"]
+        width = max((len(r.path) for r in self.inputs + self.outputs), default=10)
+        for r in self.inputs:
+            lines.append(f"  {r.path:<{width}}  {r.dtype}{list(r.shape)}  {r.spec}")
+        lines.append("outputs:")
+        for r in self.outputs:
+            lines.append(f"  {r.path:<{width}}  {r.dtype}{list(r.shape)}  {r.spec}")
+        lines.append("ops (contractions and gathers; `autopar inspect --by op` lists all):")
+        lines += _op_lines(self.ops, "  ")
+        return "\n".join(lines)
 
-        return text(self)
+
+def _phase_line(phases: dict) -> str:
+    """`capture 0.15 s + build 2.31 s + ... = 8.21 s` (the phases add up to the total)."""
+    parts = [f"{k} {v:.2f} s" for k, v in phases.items() if k != "total" and v >= 0.005]
+    total = phases.get("total")
+    return " + ".join(parts or ["0 s"]) + (f" = {total:.2f} s" if total is not None else "")
+
+
+_SHOWN = (*sorted(CONTRACTIONS), "gather", "scatter-add")
+
+
+def _op_lines(ops, indent: str) -> list[str]:
+    lines = []
+    for o in ops:
+        if o.op in _SHOWN:
+            lines.append(f"{indent}{o.source:<22} {o.op:<20} {o.strategy}")
+        elif o.body is not None:
+            lines.append(
+                f"{indent}{o.source:<22} {o.op:<20} body searched once ({o.body.engine}), "
+                f"{o.body.cost.step_s * 1e3:.3f} ms a step:"
+            )
+            lines += _op_lines(o.body.ops, indent + "  ")
+        elif o.branches is not None:
+            for k, b in enumerate(o.branches):
+                lines.append(
+                    f"{indent}{o.source:<22} {o.op:<20} branch {k} ({b.engine}), "
+                    f"{b.cost.step_s * 1e3:.3f} ms:"
+                )
+                lines += _op_lines(b.ops, indent + "  ")
+    return lines
+
+
+def _loop_pair(fused: dict) -> str:
+    """The forward and backward loops a 1F1B pipeline interleaves, as the summary names
+    them: the user's `scan`s by their keys, the loops autopar rolled an unrolled layer
+    stack into as such (their keys name autopar's own scope)."""
+    if all(fused[k].startswith(ROLL_SCOPE + "/") for k in ("forward", "backward")):
+        return "the rolled layers' forward and backward loops"
+    return f"{fused['forward']} and {fused['backward']}"

@@ -7,7 +7,8 @@ from collections import Counter
 from collections.abc import Iterable
 
 from autopar.errors import format_bytes
-from autopar.plan.plan import Plan, TensorRecord
+from autopar.plan.plan import Plan
+from autopar.plan.records import TensorRecord
 from autopar.tools.inspect.format import (
     format_delta_bytes,
     format_delta_seconds,

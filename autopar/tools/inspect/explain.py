@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.errors import PlanError, format_bytes
-from autopar.plan.plan import OpRecord, Plan
+from autopar.plan.plan import Plan
+from autopar.plan.records import OpRecord
 from autopar.tools.inspect.format import (
     format_delta_bytes,
     format_delta_seconds,

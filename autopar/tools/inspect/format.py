@@ -13,7 +13,8 @@ import numpy as np
 
 from autopar.errors import format_bytes
 from autopar.passes.roll import SCOPE as ROLL_SCOPE
-from autopar.plan.plan import OpRecord, Plan, TensorRecord
+from autopar.plan.plan import Plan
+from autopar.plan.records import OpRecord, TensorRecord
 from autopar.sharding import MeshInfo, Spec
 
 # Path components that hold a model's arrays rather than name a part of the model.

@@ -9,7 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from autopar.ir.ops import CONTRACTIONS
-from autopar.plan.plan import Plan, TensorRecord
+from autopar.plan.plan import Plan
+from autopar.plan.records import TensorRecord
 from autopar.sharding import Spec
 from autopar.tools.inspect.format import (
     LAYER_RE,
