@@ -835,9 +835,10 @@ def test_in_specs_that_differ_across_pipelined_layers_say_so():
 
 
 def test_a_pipelined_unrolled_plan_describes_and_restores_the_users_leaves(tmp_path):
-    """`Plan.in_specs` / `in_shardings` of a stack rolled into a pipeline give the
-    user's own pytree, each layer's leaves on its stage's devices (they described the
-    rolled program's groups, and on a plan-cache hit raised: "Too few leaves"), so
+    """`Plan.in_specs` / `in_shardings` (and `out_...`) of a stack rolled into a pipeline
+    give the user's own pytrees, each layer's leaves on its stage's devices (they
+    described the rolled program's groups, and on a plan-cache hit raised: "Too few
+    leaves"), so
     `autopar.checkpoint.restore` puts a saved state where the step takes it, and
     training resumes as if uninterrupted."""
     import autopar.checkpoint as ckpt
@@ -853,15 +854,25 @@ def test_a_pipelined_unrolled_plan_describes_and_restores_the_users_leaves(tmp_p
             step, mesh=MESH, pipeline_stages=2, microbatches=M, cache_dir=cache
         ).plan(*state, _batch(1))
         shardings = plan.in_shardings
-        assert jax.tree.structure(plan.in_specs, is_leaf=lambda x: x is None or isinstance(
-            x, jax.sharding.PartitionSpec)) == jax.tree.structure((*state, _batch(1)))  # fmt: skip
+        is_spec = lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+        assert jax.tree.structure(plan.in_specs, is_leaf=is_spec) == jax.tree.structure(
+            (*state, _batch(1))
+        )
+        assert jax.tree.structure(plan.out_specs, is_leaf=is_spec) == jax.tree.structure(
+            (*after, loss)
+        )
         for i in range(4):
             leaves = jax.tree.leaves(shardings[0]["params"][f"h_{i}"])
             assert leaves and all(
                 sh.device_set == set(par.mesh.devices[i // 2].flat) for sh in leaves
             )
+            kernel = plan.out_shardings[0]["params"][f"h_{i}"]["c_fc"]["kernel"]
+            assert kernel == after[0]["params"][f"h_{i}"]["c_fc"]["kernel"].sharding
     again = autopar.Plan.from_json(plan.to_json())  # the plan file keeps the leaves
     assert again.user_inputs == plan.user_inputs and any(r.stage == 1 for r in again.user_inputs)
+    assert again.user_outputs == plan.user_outputs and len(again.user_outputs) == len(
+        jax.tree.leaves((*after, loss))
+    )
     restored = ckpt.restore(tmp_path / "ckpt", tuple(plan.in_shardings[:2]))
     for i in range(4):
         assert _on_stage(restored[0]["params"][f"h_{i}"]["c_fc"]["kernel"], i // 2, par.mesh)

@@ -180,9 +180,10 @@ def make_plan(
     whose leaves `Plan.user_inputs` then describe."""
     g = problem.graph
     inputs, outputs, ops = _records(problem, result.choice)
-    pipeline, leaves = None, None
+    pipeline, leaves, results = None, None, None
     if pipelined is not None and pipelined.roll is not None and user is not None:
         leaves = user_leaves(pipelined.roll, inputs, user, pipelined.pipe.axis)
+        results = user_leaves(pipelined.roll, outputs, user, pipelined.pipe.axis, outputs=True)
     if pipelined is not None:
         keys = op_keys(g)
         # each op's priced seconds under the chosen strategy (the schedule's slot times)
@@ -242,22 +243,30 @@ def make_plan(
         search_info={**result.solver_info, "matmul_rates": matmul_rates(g, profile)},
         function=g.name,
         in_tree=g.in_tree if leaves is None else user.in_tree,
-        out_tree=g.out_tree,
+        out_tree=g.out_tree if results is None else user.out_tree,
         jax_mesh=jax_mesh,
         pipeline=pipeline,
         user_inputs=leaves,
+        user_outputs=results,
     )
 
 
-def user_leaves(roll: Roll, inputs: tuple, user: Graph, axis: str) -> tuple[TensorRecord, ...]:
-    """The user's leaves as a rolled program's `inputs` hold them: a leaf as it is, a
-    group's member on its stage's sub-mesh (`lower.rolled.member_spec`; replicated there
-    where the group is not split stage-major, as `lower.rolled.RolledIO` hands it back)."""
-    out: list = [None] * len(user.inputs)
-    for r, ms, stacked in zip(inputs, roll.inputs, roll.stacked_in):
+def user_leaves(
+    roll: Roll, records: tuple, user: Graph, axis: str, outputs: bool = False
+) -> tuple[TensorRecord, ...]:
+    """The user's leaves (`outputs`: results) as a rolled program's `records` hold them:
+    a leaf as it is, a group's member on its stage's sub-mesh (`lower.rolled.member_spec`;
+    replicated there where the group is not split stage-major, as `lower.rolled.RolledIO`
+    hands it back)."""
+    values, paths = (
+        (user.outputs, user.output_paths) if outputs else (user.inputs, user.input_paths)
+    )
+    groups = (roll.outputs, roll.stacked_out) if outputs else (roll.inputs, roll.stacked_in)
+    out: list = [None] * len(values)
+    for r, ms, stacked in zip(records, *groups):
         for s, m in enumerate(ms):
-            t = user.values[user.inputs[m]]
-            rec = TensorRecord(user.input_paths[m], t.shape, t.dtype_name, r.spec)
+            t = user.values[values[m]]
+            rec = TensorRecord(paths[m], t.shape, t.dtype_name, r.spec)
             if len(ms) > 1:
                 member = member_spec(r.spec.to_pspec(), axis, stacked)
                 spec = (
@@ -373,12 +382,13 @@ def bind_plan(plan: Plan, graph: Graph, mesh: MeshInfo, jax_mesh) -> Plan:
 def attach(plan: Plan, graph: Graph, jax_mesh, user: Graph | None = None) -> Plan:
     """`plan` with the traced function's pytrees and the mesh it runs on (checked
     against it by `plan_mismatch`); `user`: the function as traced where `graph` is
-    its layers rolled into a pipeline (the pytree `Plan.user_inputs` stand for)."""
+    its layers rolled into a pipeline (the pytrees `Plan.user_inputs`/`user_outputs`
+    stand for)."""
     return Plan(
         **{
             **plan.__dict__,
             "in_tree": (user or graph).in_tree if plan.user_inputs else graph.in_tree,
-            "out_tree": graph.out_tree,
+            "out_tree": (user or graph).out_tree if plan.user_outputs else graph.out_tree,
             "jax_mesh": jax_mesh,
         }
     )

@@ -40,6 +40,10 @@ def is_note(text: str) -> bool:
     return bool(_NOTE_RE.match(text))
 
 
+def _records(rows: list | None) -> tuple[TensorRecord, ...] | None:
+    return None if rows is None else tuple(TensorRecord.from_json(r) for r in rows)
+
+
 def fingerprint(graph: Graph) -> str:
     """Hash of what a plan depends on: arg/result paths and types, and the op sequence
     (scan bodies included)."""
@@ -104,6 +108,7 @@ class Plan:
     # (a group per layer slot); these are the function's own leaves, each layer's on its
     # stage (`TensorRecord.stage`): what `in_specs` and `in_shardings` give
     user_inputs: tuple[TensorRecord, ...] | None = None
+    user_outputs: tuple[TensorRecord, ...] | None = None  # the same for the results
     # wall seconds of each phase of the `.plan()` call that made this plan ("capture",
     # "build", one per engine, "polish", "compile check", ..., "other", "total"; see
     # `autopar.compile.clock`); not in the plan file unless `to_json(timings=True)`
@@ -134,7 +139,7 @@ class Plan:
 
     @property
     def out_specs(self):
-        return self._tree(self.out_tree, self.outputs)
+        return self._tree(self.out_tree, self.user_outputs or self.outputs)
 
     def _require_devices(self) -> None:
         if not isinstance(self.jax_mesh, jax.sharding.Mesh):
@@ -156,6 +161,16 @@ class Plan:
         Python and pipelined lives on its stage's devices only (`TensorRecord.stage`)."""
         if self.user_inputs is None:
             return self._shardings(self.in_specs)
+        return self._staged(self.in_tree, self.user_inputs)
+
+    @property
+    def out_shardings(self):
+        if self.user_outputs is None:
+            return self._shardings(self.out_specs)
+        return self._staged(self.out_tree, self.user_outputs)
+
+    def _staged(self, tree, records):
+        """Shardings of `records`, a stage's leaf on that stage's sub-mesh."""
         self._require_devices()
         axis, mesh = self.pipeline["axis"], self.jax_mesh
         k = mesh.axis_names.index(axis)
@@ -167,15 +182,11 @@ class Plan:
         ]
         out = [
             NamedSharding(mesh if r.stage is None else subs[r.stage], r.spec.to_pspec())
-            for r in self.user_inputs
+            for r in records
         ]
-        if self.in_tree is None:
-            return {r.path: sh for r, sh in zip(self.user_inputs, out)}
-        return jax.tree_util.tree_unflatten(self.in_tree, out)
-
-    @property
-    def out_shardings(self):
-        return self._shardings(self.out_specs)
+        if tree is None:
+            return {r.path: sh for r, sh in zip(records, out)}
+        return jax.tree_util.tree_unflatten(tree, out)
 
     # ---- files --------------------------------------------------------------------------
     def to_json(self, timings: bool = False) -> dict:
@@ -203,8 +214,9 @@ class Plan:
         }
         if self.remat_layers is not None:
             d["remat_layers"] = self.remat_layers
-        if self.user_inputs is not None:
-            d["user_inputs"] = [r.to_json() for r in self.user_inputs]
+        for key in ("user_inputs", "user_outputs"):
+            if getattr(self, key) is not None:
+                d[key] = [r.to_json() for r in getattr(self, key)]
         if timings and self.phases:
             d["phases"] = dict(self.phases)
         if timings and self.worker_phases:
@@ -249,11 +261,8 @@ class Plan:
                 grad_accumulation=d.get("grad_accumulation"),
                 remat=d.get("remat"),
                 remat_layers=d.get("remat_layers"),
-                user_inputs=(
-                    tuple(TensorRecord.from_json(r) for r in d["user_inputs"])
-                    if "user_inputs" in d
-                    else None
-                ),
+                user_inputs=_records(d.get("user_inputs")),
+                user_outputs=_records(d.get("user_outputs")),
                 phases=d.get("phases"),
                 worker_phases=d.get("worker_phases"),
             )
