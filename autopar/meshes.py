@@ -135,3 +135,15 @@ def equivalent(a: MeshInfo, b: MeshInfo) -> bool:
         ):
             return True
     return False
+
+
+def stage_meshes(mesh: Mesh, axis: str) -> list[Mesh]:
+    """Per index of `axis`, the mesh of its devices with that axis dropped (a pipeline
+    stage's sub-mesh, where a layer unrolled in Python keeps its leaves)."""
+    k = mesh.axis_names.index(axis)
+    names = tuple(a for a in mesh.axis_names if a != axis)
+    types = tuple(t for a, t in zip(mesh.axis_names, mesh.axis_types) if a != axis)
+    return [
+        Mesh(np.take(mesh.devices, s, axis=k), names, axis_types=types)
+        for s in range(mesh.devices.shape[k])
+    ]

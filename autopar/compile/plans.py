@@ -59,7 +59,7 @@ def user_pins(
         if pspec is None:
             continue
         t = g.values[g.inputs[i]]
-        named = [a for d in pspec if d for a in ((d,) if isinstance(d, str) else d)]
+        named = _named_axes(pspec)
         unknown = [a for a in named if a not in mesh.axis_names]
         if unknown or len(pspec) > t.rank:
             return MeshError(
@@ -88,6 +88,11 @@ def user_pins(
     return pins
 
 
+def _named_axes(pspec) -> list[str]:
+    """The mesh axes a PartitionSpec names, in order, repeats kept."""
+    return [a for d in pspec if d for a in ((d,) if isinstance(d, str) else d)]
+
+
 def rolled_specs(roll: Roll, flat: list, graph: Graph, axis: str) -> list | MeshError:
     """The user's spec per flat leaf as one per rolled input: a leaf's own, or for a
     group (one leaf of the same slot per stage, `passes.roll`) its layers' one spec
@@ -113,7 +118,7 @@ def rolled_specs(roll: Roll, flat: list, graph: Graph, axis: str) -> list | Mesh
         if pspec is None:
             out.append(None)
             continue
-        named = [a for d in pspec if d for a in ((d,) if isinstance(d, str) else d)]
+        named = _named_axes(pspec)
         if axis in named:
             return MeshError(
                 f"in_specs for the leaves of {path}: {pspec} names the {axis!r} axis, "

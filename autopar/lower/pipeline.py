@@ -209,12 +209,12 @@ class PipelinedLoop:
     def ys0(self, only: Sequence[int] | None = None) -> list:
         """Buffers of the per-layer outputs (those numbered in `only`; all by default)."""
         M, k = self.pipe.microbatches, self.k
+        shape = lambda j: (  # noqa: E731
+            (k, *self.stacks[j]) if self.y_labels[j] in (SUM, SAME) else (k, M)
+        )
         return [
-            jnp.zeros(
-                (k, *self.stacks[j], *t.shape) if lab in (SUM, SAME) else (k, M, *t.shape), t.dtype
-            )
+            jnp.zeros((*shape(j), *self.y_types[j].shape), self.y_types[j].dtype)
             for j in self._ys(only)
-            for t, lab in [(self.y_types[j], self.y_labels[j])]
         ]
 
     def accumulate(self, ys, y, mc, active, c=None, only: Sequence[int] | None = None) -> list:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autopar.meshes import stage_meshes
 from autopar.passes.roll import Roll
 
 __all__ = ["RolledIO", "abstract_inputs", "member_spec"]
@@ -65,12 +66,7 @@ class RolledIO:
     def __init__(self, roll: Roll, mesh: Mesh, in_specs: Sequence[PartitionSpec], axis: str):
         self.roll, self.mesh, self.axis = roll, mesh, axis
         k = mesh.axis_names.index(axis)
-        names = tuple(a for a in mesh.axis_names if a != axis)
-        types = tuple(t for a, t in zip(mesh.axis_names, mesh.axis_types) if a != axis)
-        self.subs = [
-            Mesh(np.take(mesh.devices, s, axis=k), names, axis_types=types)
-            for s in range(mesh.devices.shape[k])
-        ]
+        self.subs = stage_meshes(mesh, axis)
         self.stage_of = {d: idx[k] for idx, d in np.ndenumerate(mesh.devices)}
         self.in_specs = list(in_specs)
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.cost.model import Cost
 from autopar.errors import PlanError, format_bytes
 from autopar.ir.graph import Graph
 from autopar.ir.ops import CONTRACTIONS
+from autopar.meshes import stage_meshes
 from autopar.passes.roll import SCOPE as ROLL_SCOPE
 from autopar.plan.records import OpRecord, TensorRecord
 from autopar.plan.schedule import schedule_line, timeline
@@ -172,14 +172,8 @@ class Plan:
     def _staged(self, tree, records):
         """Shardings of `records`, a stage's leaf on that stage's sub-mesh."""
         self._require_devices()
-        axis, mesh = self.pipeline["axis"], self.jax_mesh
-        k = mesh.axis_names.index(axis)
-        names = tuple(a for a in mesh.axis_names if a != axis)
-        types = tuple(t for a, t in zip(mesh.axis_names, mesh.axis_types) if a != axis)
-        subs = [
-            jax.sharding.Mesh(np.take(mesh.devices, s, axis=k), names, axis_types=types)
-            for s in range(mesh.devices.shape[k])
-        ]
+        mesh = self.jax_mesh
+        subs = stage_meshes(mesh, self.pipeline["axis"])
         out = [
             NamedSharding(mesh if r.stage is None else subs[r.stage], r.spec.to_pspec())
             for r in records
