@@ -17,6 +17,8 @@ from autopar.errors import MemoryBudgetError, format_bytes
 from autopar.search import engines, layouts, recipes, workers
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate, total_time
+from autopar.search.fold import fold as folding
+from autopar.search.fold import folded_engine
 from autopar.search.polish import lean_arguments, polish
 from autopar.search.result import SearchResult, SolverInfo
 from autopar.search.transplant import transplant
@@ -120,23 +122,29 @@ def _ilp(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[
 ILP_TIME_LIMIT_S = 60.0
 
 
+def _recipe(problem: Problem, pinned: Mapping[int, int], info: SolverInfo) -> list[int]:
+    return _dp(problem, pinned, info, recipe=True)
+
+
 # An engine maps (problem, pinned nodes, info to fill) to one strategy index per node.
 Engine = Callable[[Problem, Mapping[int, int], SolverInfo], list[int]]
 ENGINES: dict[str, Engine] = {
-    "recursive": _recursive,
-    "dp": _dp,
+    # all but the yardstick search a deep stack's problem folded to three of its layers
+    # (`search.fold`: repeated layers searched once, flat in depth) and lift the plan
+    "recursive": folded_engine(_recursive),
+    "dp": folded_engine(_dp),
     "ilp": _ilp,
     # Baselines fix the arguments' specs and let `dp` complete the rest optimally.
     # solved on a problem that penalizes gathering a split value: `data` is data
     # parallelism (batch split, parameters replicated), never a gathered batch
-    "data": lambda p, pins, info: _dp(
-        recipes.data_problem(p), {**layouts.data_pins(p), **pins}, info, recipe=True
+    "data": lambda p, pins, info: folded_engine(_recipe)(
+        recipes.data_problem(p), {**layouts.data_pins(p), **pins}, info
     ),
     # ZeRO-3: parameters sharded and gathered where used, the rest data parallel
-    "fsdp": lambda p, pins, info: _dp(
-        recipes.zero3_problem(p), {**layouts.fsdp_pins(p), **pins}, info, recipe=True
+    "fsdp": lambda p, pins, info: folded_engine(_recipe)(
+        recipes.zero3_problem(p), {**layouts.fsdp_pins(p), **pins}, info
     ),
-    "propagate": lambda p, pins, info: engines.propagate(p, pins),
+    "propagate": folded_engine(lambda p, pins, info: engines.propagate(p, pins)),
 }
 # The argument specs a recipe engine fixes (the equal-price memory polish keeps them).
 RECIPE_PINS = {"data": layouts.data_pins, "fsdp": layouts.fsdp_pins}
@@ -228,7 +236,9 @@ class _Runner:
 
         timed = {"stop": stop} if getattr(self.clock, "deadline", None) is not None else {}
         with self.clock.phase("polish"):
-            moved, saved = polish(self.problem, choice, pins, **timed)
+            # the moves looked for in one copy of each repeated layer (`search.fold`)
+            folded = folding(self.problem, pins)
+            moved, saved = polish(self.problem, choice, pins, folded=folded, **timed)
         if cut:
             self.clock.skip(f"the rest of the latency polish of {key} on {self.problem.mesh.shape}")
         if saved > 0:

@@ -332,13 +332,14 @@ def solve_dp_layered(
         return _with_starts(g, solve_dp(g, memory_budget), starts)
     t0 = time.perf_counter()
     layers = find_layers(problem, pinned, keep)
-    if layers.merged == 0:
-        # nothing to fold (a shallow model): the graph is as small as a quotient, so
-        # its guessed kernel gets the quotient's polish (patience 3 left GPT-1.3B's
-        # data-parallel plan a layer norm split on its hidden dim, a 64 MiB all-to-all
-        # a later forest removes)
-        return _with_starts(g, solve_dp(g, memory_budget, polish=POLISH), starts)
-    q, idx = quotient(g, layers.phi)
+    # nothing to fold (a shallow model, or a problem `search.fold` folded already): the
+    # graph is as small as a quotient, so its guessed kernel gets the quotient's polish
+    # (patience 3 left GPT-1.3B's data-parallel plan a layer norm split on its hidden
+    # dim, a 64 MiB all-to-all a later forest removes), its second solve and its cones
+    if layers.merged:
+        q, idx = quotient(g, layers.phi)
+    else:
+        q, idx = g, np.arange(g.num_nodes())
     detect_s = time.perf_counter() - t0
     sol = solve_dp(q, memory_budget, polish=POLISH)
     tried = {"free": sol.cost}
@@ -359,6 +360,8 @@ def solve_dp_layered(
         sol = _with_starts(q, sol, [(_on_quotient(f, rep), *rest) for f, *rest in starts])
         tried["start"] = sol.info.get("start_cost")
     choice = tuple(int(sol.choice[k]) for k in idx)
+    if sol.optimal and not layers.merged:
+        return sol
     if not sol.optimal:
         # the quotient ties the merged layers' nodes together, so a chain through
         # them (a clipped optimizer's global norm summed over every layer's gradients)

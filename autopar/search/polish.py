@@ -32,6 +32,7 @@ from autopar.cost.model import COMBINABLE
 from autopar.search.build import Problem
 from autopar.search.combiner import combined_latency
 from autopar.search.evaluate import output_spec
+from autopar.search.fold import Fold
 from autopar.sharding import Spec
 from autopar.strategies.settle import settle_spec
 
@@ -40,14 +41,17 @@ MAX_TRIALS = 200  # priced changes per plan
 MIN_GAIN_S = 1e-8  # a change must save more than this, else it is noise
 
 
-def latency_bound_moves(problem: Problem, choice: Sequence[int]) -> Iterator[tuple[int, int]]:
+def latency_bound_moves(
+    problem: Problem, choice: Sequence[int], readers: Sequence[int] | None = None
+) -> Iterator[tuple[int, int]]:
     """(op, strategy) changes that would drop a reshard paying a collective the combiner
     leaves alone and whose time is mostly latency: the reader's strategies that read
-    the value as made, the producer's that make it as read."""
+    the value as made, the producer's that make it as read. `readers`: only the reshards
+    into these graph nodes (default all)."""
     g, n_in, strategies = problem.graph, problem.num_inputs, problem.strategies
     index = _SPECS.setdefault(problem, {})
     seen: set[tuple[int, int]] = set()
-    for node in g.nodes:
+    for node in g.nodes if readers is None else map(g.nodes.__getitem__, readers):
         v = n_in + node.id
         for j, x in enumerate(node.inputs):
             if x not in problem.source:
@@ -184,19 +188,35 @@ def polish(
     choice: Sequence[int],
     pinned: Mapping[int, int] = {},  # noqa: B006
     stop: Callable[[], bool] | None = None,
+    folded: Fold | None = None,
 ) -> tuple[list[int], float]:
     """(`choice` after the polish, predicted seconds it saved); it ends early, keeping
     the changes made so far, once `stop()` says so (`time_limit=`). Each trial is
     priced by its delta (`Pricing`), and so is the saving (it equals the full price's
-    change; `tests/test_planning_time.py`)."""
+    change; `tests/test_planning_time.py`).
+
+    `folded` (the `search.fold` the engine searched): the moves are looked for in one
+    copy of each repeated layer's op, and each is made in every copy at once (the plan
+    stays layer-uniform, and the search of moves does not grow with depth)."""
     best = list(choice)
     pricing: Pricing | None = None
     trials = 0
     changed = False
     local = None
+    members = folded.members if folded is not None else None
+    readers = None
+    if members is not None:
+        n_in = problem.num_inputs
+        readers = sorted(m[0] - n_in for m in members if m[0] >= n_in)
+
+    def copies(x: int, s: int) -> list[tuple[int, int]]:
+        if members is None:
+            return [(x, s)]
+        return [(y, s) for y in members[folded.idx[x]]]
+
     for _ in range(MAX_ROUNDS):
         improved = False
-        for x, s in list(latency_bound_moves(problem, best)):
+        for x, s in list(latency_bound_moves(problem, best, readers)):
             if x in pinned or s == best[x] or trials >= MAX_TRIALS:
                 continue
             if stop is not None and stop():
@@ -207,7 +227,13 @@ def polish(
                 continue
             pricing = pricing or Pricing(problem, best)
             trials += 1
-            if pricing.delta(x, s) < -MIN_GAIN_S:
+            group = copies(x, s)
+            if any(y in pinned for y, _ in group):
+                continue
+            if len(group) > 1:
+                if _move_all(pricing, group) < -MIN_GAIN_S:
+                    best, improved, changed = list(pricing.choice), True, True
+            elif pricing.delta(x, s) < -MIN_GAIN_S:
                 pricing.commit()
                 best, improved, changed = list(pricing.choice), True, True
             else:
