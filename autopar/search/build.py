@@ -164,7 +164,12 @@ class Problem:
         return cg_node - self.num_inputs
 
     def cost_graph(self) -> CostGraph:
-        return CostGraph(self.node_time, self.node_mem, self.edges)
+        """The cost graph of the tables, made once (its arrays are checked as made)."""
+        made = self.__dict__.get("_cost_graph")
+        if made is None:
+            made = CostGraph(self.node_time, self.node_mem, self.edges)
+            object.__setattr__(self, "_cost_graph", made)
+        return made
 
     def neighbours(self) -> list[list[int]]:
         nb: list[list[int]] = [[] for _ in self.strategies]

@@ -177,8 +177,21 @@ def layer_labels(problem: Problem) -> list[tuple[str, int] | None]:
     return _LABELS[problem]
 
 
+# graph -> {keep: labels}: the labels read the graph's names and dataflow neighbours, so
+# the problems a search makes of one graph (a recipe's, other pins) share them
+_GRAPH_LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
-    """Each cost-graph node's layer (family, index), or None for global nodes."""
+    """Each cost-graph node's layer (family, index), or None for global nodes; once per
+    graph and `keep`."""
+    per = _GRAPH_LABELS.setdefault(problem.graph, {})
+    if keep not in per:
+        per[keep] = _labelled(problem, keep)
+    return list(per[keep])
+
+
+def _labelled(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
     names = _names(problem)
     segs = [_segments(nm) for nm in names]
     indices: dict[str, set[int]] = {}
