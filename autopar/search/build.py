@@ -144,6 +144,10 @@ class Problem:
         default_factory=dict, repr=False
     )
 
+    # per cost-graph node, how many nodes of the step it stands for (a problem
+    # `search.fold` folded: a representative of its merged copies); None: one each
+    copies: np.ndarray | None = field(default=None, repr=False)
+
     def compute_time(self) -> tuple[np.ndarray, ...]:
         return self.node_time if self.node_compute is None else self.node_compute
 

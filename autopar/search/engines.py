@@ -450,7 +450,8 @@ def _penalty_kind(problem: Problem, v: int):
     n_in = problem.num_inputs
     if v < n_in:
         return ("input",)
-    return id(problem.strategies[v]), problem.graph.memo(_operand_kinds)[v - n_in]
+    copies = 1 if problem.copies is None else int(problem.copies[v])
+    return id(problem.strategies[v]), problem.graph.memo(_operand_kinds)[v - n_in], copies
 
 
 def _operand_kinds(g: Graph) -> list[int]:
@@ -504,6 +505,8 @@ def _replication_penalty(problem: Problem):
                     for ai, axis in enumerate(names):
                         if axis in spec.partial:
                             out[ai, i] += b
-        return out / bw[:, None]
+        # a folded problem's node stands for its copies: each would pay it
+        copies = 1 if problem.copies is None else int(problem.copies[v])
+        return out * (copies / bw[:, None])
 
     return penalty

@@ -188,6 +188,7 @@ def _fold(problem: Problem, pinned: Mapping[int, int]) -> Fold | None:
         conds=by_node(problem.conds),
         node_compute=None if problem.node_compute is None else tuple(summed(problem.node_compute)),
         loop_comm=by_node(problem.loop_comm),
+        copies=np.bincount(idx, weights=problem.copies, minlength=len(keep)).astype(np.int64),
     )
     assert folded.num_inputs == n_in_new
     return Fold(folded, idx, n, layers.groups)
