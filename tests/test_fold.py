@@ -121,3 +121,18 @@ def test_a_folded_node_pays_d_recs_replication_penalty_once_per_copy():
     )
     assert full(m[0]).any()
     np.testing.assert_allclose(folded(k), len(m) * full(m[0]))
+
+
+def test_dp_on_a_folded_problem_solves_it_as_the_quotient():
+    """A folded problem has no layers left to merge, but dp guesses on it as on the
+    quotient it is: the second solve (state bytes priced) and the cone rounds run, and
+    the plan is the cheapest of them (without them, an 8-layer Llama-style step planned
+    2.4% dearer folded than whole)."""
+    from autopar.search import layers as LY
+
+    f = FO.fold(gpt_problem(6))
+    q = f.problem.cost_graph()
+    got = LY.solve_dp_layered(f.problem, q)
+    tried = {k: v for k, v in got.info["layers"]["starts"].items() if k != "cones_s" and v}
+    assert {"free", "state_priced", "cones"} <= set(tried)
+    assert got.cost == pytest.approx(min(tried.values()))
