@@ -349,9 +349,9 @@ def solve_dp_layered(
         # nothing to fold (a shallow model): the graph is as small as a quotient, so its
         # guessed kernel gets the quotient's polish (patience 3 left GPT-1.3B's
         # data-parallel plan a layer norm split on its hidden dim, a 64 MiB all-to-all a
-        # later forest removes). The second solve below would change plans here too,
-        # either way as compiled: T5 with Adafactor 0.70x -> 0.61x the best hand layout,
-        # the MoE-10B suite row 0.996x -> 1.068x (its compute mispriced by the model)
+        # later forest removes). The second solve below would change plans here too (T5
+        # with Adafactor on data 2 x model 2: 0.70x -> 0.61x the best hand layout, as
+        # compiled), not yet measured on the suite on its own
         return _with_starts(g, solve_dp(g, memory_budget, polish=POLISH), starts)
     # a quotient, or a problem `search.fold` folded already: solved as a quotient, with
     # its second solve and cone rounds (without them, folded, an 8-layer Llama-style
