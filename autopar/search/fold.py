@@ -40,7 +40,7 @@ import numpy as np
 
 from autopar.ir.graph import Graph
 from autopar.search.build import Problem
-from autopar.search.layers import KEEP, find_layers, quotient
+from autopar.search.layers import KEEP, find_layers, quotient, summed
 
 __all__ = ["Fold", "fold", "folded_engine"]
 
@@ -110,19 +110,18 @@ def _fold(problem: Problem, pinned: Mapping[int, int]) -> Fold | None:
     g, n_in = problem.graph, problem.num_inputs
     n = len(phi)
     own = phi == np.arange(n)
-    # value id -> its representative's (a merged argument's, a merged node's outputs)
+    # value id -> its representative's (a merged argument's, a merged node's outputs);
+    # representative graph node -> its merged copies
     vmap: dict[int, int] = {}
+    copies: dict[int, list[int]] = {}
     for v in np.flatnonzero(~own):
         r = int(phi[v])
         if v < n_in:
             vmap[g.inputs[v]] = g.inputs[r]
-        else:
-            for a, b in zip(g.nodes[v - n_in].outputs, g.nodes[r - n_in].outputs):
-                vmap[a] = b
-    copies: dict[int, list[int]] = {}  # representative graph node -> its merged copies
-    for v in np.flatnonzero(~own):
-        if v >= n_in:
-            copies.setdefault(int(phi[v]) - n_in, []).append(int(v) - n_in)
+            continue
+        for a, b in zip(g.nodes[v - n_in].outputs, g.nodes[r - n_in].outputs):
+            vmap[a] = b
+        copies.setdefault(r - n_in, []).append(int(v) - n_in)
     kept_inputs = [i for i in range(n_in) if own[i]]
     kept_nodes = [node for node in g.nodes if own[n_in + node.id]]
     new_id = {node.id: j for j, node in enumerate(kept_nodes)}
@@ -161,19 +160,12 @@ def _fold(problem: Problem, pinned: Mapping[int, int]) -> Fold | None:
         name=g.name,
     )
     keep = np.flatnonzero(own)
-    n_in_new = len(kept_inputs)
     source = {x: (int(idx[u]), k) for x, (u, k) in problem.source.items() if own[u]}
-
-    def summed(table: Sequence[np.ndarray] | np.ndarray) -> Any:
-        out = [np.array(table[v], dtype=np.float64) for v in keep]
-        for v in np.flatnonzero(~own):
-            out[idx[v]] = out[idx[v]] + table[v]
-        return out
 
     def by_node(d: Mapping[int, Any]) -> dict[int, Any]:
         return {new_id[k]: v for k, v in d.items() if k in new_id}
 
-    flops = np.asarray(summed(problem.flops), dtype=np.float64)
+    flops = np.asarray(summed(problem.flops, phi, idx), dtype=np.float64)
     folded = replace(
         problem,
         graph=graph,
@@ -186,11 +178,12 @@ def _fold(problem: Problem, pinned: Mapping[int, int]) -> Fold | None:
         edges=q.edges,
         bodies=by_node(problem.bodies),
         conds=by_node(problem.conds),
-        node_compute=None if problem.node_compute is None else tuple(summed(problem.node_compute)),
+        node_compute=None
+        if problem.node_compute is None
+        else tuple(summed(problem.node_compute, phi, idx)),
         loop_comm=by_node(problem.loop_comm),
         copies=np.bincount(idx, weights=problem.copies, minlength=len(keep)).astype(np.int64),
     )
-    assert folded.num_inputs == n_in_new
     return Fold(folded, idx, n, layers.groups)
 
 

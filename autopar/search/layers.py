@@ -93,7 +93,7 @@ from autopar.search.solvers.costgraph import CostGraph, Solution
 from autopar.search.solvers.dp import solve_dp
 from autopar.search.solvers.forest import forest_descent
 
-__all__ = ["Layers", "find_layers", "layer_labels", "quotient", "solve_dp_layered"]
+__all__ = ["Layers", "find_layers", "layer_labels", "quotient", "solve_dp_layered", "summed"]
 
 # How many layers at each end of a group keep their own strategies.
 KEEP = 1
@@ -300,12 +300,7 @@ def quotient(g: CostGraph, phi: np.ndarray) -> tuple[CostGraph, np.ndarray]:
     idx = new[phi]
     if (idx < 0).any():
         raise ValueError("phi must map every node onto a node that maps to itself")
-    cost = [np.array(g.node_cost[v], dtype=np.float64) for v in keep]
-    mem = [np.array(g.node_mem[v], dtype=np.float64) for v in keep]
-    for v in np.flatnonzero(phi != np.arange(n)):
-        k = idx[v]
-        cost[k] += g.node_cost[v]
-        mem[k] += g.node_mem[v]
+    cost, mem = summed(g.node_cost, phi, idx), summed(g.node_mem, phi, idx)
     edges: dict[tuple[int, int], np.ndarray] = {}
     for (u, v), m in g.edges.items():
         a, b = int(idx[u]), int(idx[v])
@@ -319,6 +314,15 @@ def quotient(g: CostGraph, phi: np.ndarray) -> tuple[CostGraph, np.ndarray]:
         else:
             edges[a, b] = m
     return CostGraph(tuple(cost), tuple(mem), edges), idx
+
+
+def summed(table: Sequence, phi: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
+    """Per node ``v`` with ``phi(v) == v``, in order, ``table[v]`` (float64) plus the
+    entries of the nodes merged into it (``idx``: `quotient`'s map onto those nodes)."""
+    out = [np.array(table[v], dtype=np.float64) for v in np.flatnonzero(phi == np.arange(len(phi)))]
+    for v in np.flatnonzero(phi != np.arange(len(phi))):
+        out[idx[v]] = out[idx[v]] + table[v]
+    return out
 
 
 def _priced(g: CostGraph, nodes: list[int], lam: float) -> CostGraph:
