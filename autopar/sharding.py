@@ -106,6 +106,19 @@ class Spec:
             object.__setattr__(self, "_axis_dims", got)
         return got
 
+    def summed_into(self, dst: Spec) -> Spec:
+        """The dense layout this spec's pending sums leave on the way to `dst`: each
+        partial axis that `dst` shards a dim with (and this spec uses nowhere) is
+        reduce-scattered onto that dim, after the axes already there; the others are
+        all-reduced (`autopar.cost.model.reshard_steps` prices it so, the lowering
+        constrains the sum to it)."""
+        used, want = set(self.used_axes), dst.axis_dims()
+        grown = [list(d) for d in self.dims]
+        for a in self.partial:
+            if a in want and a not in used:
+                grown[want[a]].append(a)
+        return Spec(tuple(map(tuple, grown)))
+
     def gather_last(self, dst: Spec) -> Spec:
         """Where a reshard from this dense spec to dense `dst` stops before its
         all-gather: `dst`, plus the axes `dst` drops still in the dims they shard

@@ -115,16 +115,26 @@ def interpret(
                 x, have = env[v], produced[v]
                 if have == want:
                     return x
-            if have is not None and have.partial:
-                x = jnp.sum(x, axis=0, dtype=x.dtype)
             dense = want.without_partial()
-            if have is not None and not have.partial:
+            summed = have is not None and have.partial
+            if summed:
+                x = jnp.sum(x, axis=0, dtype=x.dtype)
+                # reduce-scattered as the cost model prices it (`Spec.summed_into`), then
+                # moved as a dense value: told only `dense`, XLA may sum whole and then
+                # send every block across the mesh (a collective-permute). Where no
+                # axis is scattered, or the scatter reaches `dense`, XLA sums as it likes.
+                scattered = have.summed_into(dense)
+                then_moved = scattered.dims not in (have.dims, dense.dims)
+                have = None
+                if then_moved and _divides(x.shape, scattered, mesh):
+                    x, have = constrain(x, scattered), scattered
+            if have is not None:
                 # one axis moved at a time, then the gather (`Spec.move_steps`)
                 steps = have.move_steps(dense) or (have.gather_last(dense),)
                 for mid in steps:
                     if mid not in (have, dense) and _divides(x.shape, mid, mesh):
                         x = constrain(x, mid)
-            if dense.dims or have is not None and have.partial:
+            if dense.dims or summed:
                 x = constrain(x, dense)
             return split(x, want) if want.partial else x
 
