@@ -202,8 +202,9 @@ def _reorder_steps(cur: Spec, dst: Spec) -> list[tuple[str, Axes, Spec]]:
     leave their dims for others, and, where an axis that stays on its dim changes its
     place there (`S[data,model]` to `S[model]`, to `S[model,data]`, or an axis leaving
     from in front of one that stays), a collective-permute of the whole local block
-    over the dim's axes from the first misplaced one on: the block a device holds
-    belongs on another device. Seen in XLA's SPMD partitioner on a 4 x 4 mesh
+    over the dim's axes from the first misplaced one on, before and after (the axes
+    that come in front of it too): the block a device holds belongs on another
+    device. Seen in XLA's SPMD partitioner on a 4 x 4 mesh
     (`tests/test_pricing_rules.py::test_reorders_priced_as_xla_compiles_them`);
     `S[data,model]` to `S[model]` was priced as an all-to-all over `model` alone, within a
     node, where XLA sends every block across the mesh (MoE-10B's plan, 4 ms more
@@ -217,7 +218,7 @@ def _reorder_steps(cur: Spec, dst: Spec) -> list[tuple[str, Axes, Spec]]:
         while k < len(c) and k < len(g) and c[k] == g[k]:
             k += 1
         if any(a in g for a in c[k:]):  # an axis that stays moves within its dim
-            permute += [a for a in c[k:] if a not in permute]
+            permute = list(dict.fromkeys((*permute, *c[k:], *g[k:])))
     steps: list[tuple[str, Axes, Spec]] = []
     if leave:
         steps.append(("all-to-all", tuple(leave), cur))
