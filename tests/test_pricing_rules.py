@@ -13,8 +13,8 @@ import cost_models
 from autopar.cost.model import CostModel, matmul_rates, node_flops, rate_dtype
 from autopar.ir.capture import capture
 from autopar.ir.ops import CONTRACTIONS
-from autopar.search.problem import build_problem
 from autopar.meshes import make_mesh
+from autopar.search.problem import build_problem
 from autopar.sharding import Spec, mesh_info
 
 F32 = jnp.float32
