@@ -518,6 +518,7 @@ def test_fused_chain_reads_a_value_once():
         ((("data", "model"),), (("model", "data"),)),  # the same axes in another order
         ((("data", "model"),), ("model", None, "data")),  # `data` leaves from in front
         (("data", "model"), (None, ("data", "model"))),  # `data` comes in front of `model`
+        (("data",), ("model",)),  # `model` sliced in front of `data`, then `data` gathered
     ],
 )
 def test_reorders_priced_as_xla_compiles_them(src, dst):
@@ -526,7 +527,8 @@ def test_reorders_priced_as_xla_compiles_them(src, dst):
     that leave (`cost.model._reorder_steps`). `S[data,model]` to `S[model]` was priced
     as an all-to-all over `model` alone: on MoE-10B's 4 x 4 mesh XLA sent those blocks
     across nodes, 4 ms a step more than predicted, and the plan compiled 1.07x the
-    best hand layout."""
+    best hand layout. Each reshard is compiled as autopar lowers it: through the
+    layout `Spec.move_steps` (else `Spec.gather_last`) names before the destination."""
     from jax.sharding import NamedSharding
 
     from autopar.cost.model import reshard_steps
@@ -535,16 +537,26 @@ def test_reorders_priced_as_xla_compiles_them(src, dst):
     mesh = make_mesh({"data": 2, "model": 4})
 
     def spec(p):
-        return Spec(tuple((e,) if isinstance(e, str) else e or () for e in (*p, None, None)[:3]))
+        return Spec.from_pspec(jax.P(*p), 3)
+
+    have, want = spec(src), spec(dst)
+    steps = have.move_steps(want) or (have.gather_last(want),)
+    via = [NamedSharding(mesh, s.to_pspec()) for s in steps]
+
+    def step(x):
+        x = x * 2
+        for s in via:
+            x = jax.lax.with_sharding_constraint(x, s)
+        return x
 
     f = jax.jit(
-        lambda x: x * 2,
+        step,
         in_shardings=NamedSharding(mesh, jax.P(*src)),
         out_shardings=NamedSharding(mesh, jax.P(*dst)),
     )
     text = f.lower(jax.ShapeDtypeStruct((64, 64, 64), jnp.float32)).compile().as_text()
     compiled = parse_collectives(text, mesh)
-    predicted = reshard_steps(spec(src), spec(dst))
+    predicted = reshard_steps(have, want)
     assert sorted(c.kind for c in compiled) == sorted(kind for kind, _, _ in predicted)
     # XLA's permute pairs devices across both axes (no one axis's groups): so the price
     [permute] = [set(axes) for kind, axes, _ in predicted if kind == "collective-permute"]

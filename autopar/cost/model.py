@@ -187,7 +187,7 @@ def reshard_steps(src: Spec, dst: Spec) -> tuple[tuple[str, Axes, Spec], ...]:
         for prev, nxt in zip((cur, *moves), moves):
             for d, now in zip(prev.dims, nxt.dims):  # the axis that left its dim (if any)
                 steps += [("all-to-all", (a,), prev) for a in d if a not in now]
-    elif moved:
+    else:
         steps += _reorder_steps(cur, dst)
     # 3. Axes `dst` adds are a local slice: free. The lowering slices them before it
     # gathers (`Spec.gather_last`), so the all-gather makes `dst`'s blocks.
@@ -197,14 +197,16 @@ def reshard_steps(src: Spec, dst: Spec) -> tuple[tuple[str, Axes, Spec], ...]:
 
 
 def _reorder_steps(cur: Spec, dst: Spec) -> list[tuple[str, Axes, Spec]]:
-    """The collectives XLA uses to reach `cur.gather_last(dst)` where no one-axis-at-a-
-    time path exists (`Spec.move_steps` is None): one all-to-all over the axes that
+    """The collectives XLA uses to reach `cur.gather_last(dst)` (where the lowering
+    stops before its all-gather) where no one-axis-at-a-time path exists
+    (`Spec.move_steps` is None, or no axis moves): one all-to-all over the axes that
     leave their dims for others, and, where an axis that stays on its dim changes its
-    place there (`S[data,model]` to `S[model]`, to `S[model,data]`, or an axis leaving
-    from in front of one that stays), a collective-permute of the whole local block
-    over the dim's axes from the first misplaced one on, before and after (the axes
-    that come in front of it too): the block a device holds belongs on another
-    device. Seen in XLA's SPMD partitioner on a 4 x 4 mesh
+    place there (`S[data,model]` to `S[model]`, to `S[model,data]`, an axis leaving
+    from in front of one that stays, or one sliced in front of it: `S[data]` to
+    `S[model]` passes through `S[model,data]`), a collective-permute of the whole local
+    block over the dim's axes from the first misplaced one on, before and after: the
+    block a device holds belongs on another device. Seen in XLA's SPMD partitioner on
+    2 x 4 and 4 x 4 meshes
     (`tests/test_pricing_rules.py::test_reorders_priced_as_xla_compiles_them`);
     `S[data,model]` to `S[model]` was priced as an all-to-all over `model` alone, within a
     node, where XLA sends every block across the mesh (MoE-10B's plan, 4 ms more
