@@ -10,7 +10,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 import cost_models
-from autopar.cost.model import CostModel, matmul_rates, node_flops, rate_dtype
+from autopar.cost.model import CostModel, matmul_rates, node_flops, rate_dtype, reshard_steps
 from autopar.ir.capture import capture
 from autopar.ir.ops import CONTRACTIONS
 from autopar.meshes import make_mesh
@@ -531,7 +531,6 @@ def test_reorders_priced_as_xla_compiles_them(src, dst):
     layout `Spec.move_steps` (else `Spec.gather_last`) names before the destination."""
     from jax.sharding import NamedSharding
 
-    from autopar.cost.model import reshard_steps
     from autopar.tools.hlo import parse_collectives
 
     mesh = make_mesh({"data": 2, "model": 4})

@@ -160,18 +160,18 @@ def reshard_steps(src: Spec, dst: Spec) -> tuple[tuple[str, Axes, Spec], ...]:
         return reshard_steps(src, dst.without_partial())
     steps: list[tuple[str, Axes, Spec]] = []
     dst_axis_dim = dst.axis_dims()
-    dims = src.dims
-    # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else all-reduce.
+    # 1. Pending sums: reduce-scatter onto a dim `dst` shards with that axis, else
+    # all-reduce (`Spec.summed_into`, the layout the lowering sums into).
+    dims = src.summed_into(dst).dims if src.partial else src.dims
     if src.partial:
-        used = src.used_axes
-        scatter = tuple(a for a in src.partial if a in dst_axis_dim and a not in used)
-        reduce = tuple(a for a in src.partial if a not in scatter)
+        scattered = {a for d in dims for a in d} - set(src.used_axes)
+        scatter = tuple(a for a in src.partial if a in scattered)
+        reduce = tuple(a for a in src.partial if a not in scattered)
         cur = src.without_partial()
         if reduce:
             steps.append(("all-reduce", reduce, cur))
         if scatter:
             steps.append(("reduce-scatter", scatter, cur))
-            dims = src.summed_into(dst).dims
     # 2. Axes that sit where `dst` does not want them: move (all-to-all) or gather.
     gather: list[str] = []
     moved: list[str] = []
