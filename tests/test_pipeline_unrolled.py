@@ -6,6 +6,7 @@ user's parameter pytree in and out and each layer's leaves on its own stage's de
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 
@@ -911,6 +912,70 @@ def test_layers_written_inline_pipeline_like_jax_jit():
     )
     assert plan.pipeline["rolled"]["template"] == "params/params/{ln_,mlp_}<i>"
     assert plan.pipeline["schedule"] == "1f1b"
+
+
+class PreNormOnArgument(nn.Module):
+    """Pre-norm transformer blocks (fused qkv, causal attention, GELU MLP) applied
+    straight to the step's argument, as a model given `inputs_embeds`."""
+
+    n: int
+
+    @nn.compact
+    def __call__(self, x):
+        from test_remat_unrolled import Block
+
+        for i in range(self.n):
+            x = Block(x.shape[-1], name=f"blocks_{i}")(x)
+        return nn.Dense(1, name="head")(x)
+
+
+@pytest.mark.parametrize("kind, n", [("dense", 4), ("dense", 5), ("prenorm", 4)])
+def test_blocks_on_an_argument_of_the_step_pipeline_like_jax_jit(kind, n):
+    """Blocks applied straight to the step's (float) argument: the first block's
+    backward lacks its input gradient, and where the block starts with a norm its
+    forward lacks the norm statistics' tangent ops too (JAX evaluates them without
+    one). Residual Dense blocks (an MLP stack without an embedding): with 4 all 4 are
+    rolled, the first stage computing the missing ops and dropping their results (the
+    stack was 3 layers, and `pipeline_stages=2` refused the model); with 5 the stack
+    without its first layer is what splits into 2 stages. Pre-norm transformer blocks:
+    all 4 rolled (the stack was 3). Losses, parameters and optimizer state equal
+    `jax.jit`'s over 3 steps; the stages hand a micro-batch's activation on."""
+    from test_stacks import BlocksOnTheArgument
+
+    model = BlocksOnTheArgument(n) if kind == "dense" else PreNormOnArgument(n)
+    shape = (B, 32) if kind == "dense" else (B, T, 32)
+    tx = optax.adamw(1e-2, eps=EPS)
+
+    def batch(i):
+        return jnp.sin(jnp.arange(B * T * 32.0)[: math.prod(shape)].reshape(shape) * 0.37 + i)
+
+    def step(params, opt_state, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - 1.0) ** 2))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = model.init(jax.random.key(0), batch(0))
+    par, ref = _parallel(step), jax.jit(step)
+    a = b = (params, tx.init(params))
+    for i in range(3):
+        *a, loss_a = ref(*a, batch(i))
+        *b, loss_b = par(*b, batch(i))
+        assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+    # the fused qkv's key bias has an exactly zero gradient, whose rounding noise Adam
+    # scales up (see EPS): 1.5e-5 apart there after 3 steps
+    tol = 1e-5 if kind == "dense" else 1e-4
+    assert_trees_close(b, a, rtol=tol, atol=tol, what="params and optimizer state after 3 steps")
+    assert jax.tree.structure(b) == jax.tree.structure(a)
+    plan = par.plan(params, tx.init(params), batch(0))
+    assert plan.pipeline["rolled"]["layers"] == 4
+    assert any("layer 0 reads an argument of the step" in w for w in plan.warnings)
+    first = n - 4  # the first rolled layer: 0, or 1 where layer 0 is left out
+    for layer in range(first, n):
+        leaves = jax.tree.leaves(b[0]["params"][f"blocks_{layer}"])
+        assert all(_on_stage(x, (layer - first) // 2, par.mesh) for x in leaves), layer
+    hlo = par.lower(params, tx.init(params), batch(0)).compile().as_text()
+    permuted = _permuted_shapes(hlo)  # per device: a micro-batch's rows, or a share of them
+    assert any(p[1:] == shape[1:] and (B // M) % p[0] == 0 for p in permuted), permuted
 
 
 def test_a_pipeline_of_one_stack_of_several_says_which_it_left_out():

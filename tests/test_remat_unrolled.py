@@ -138,8 +138,8 @@ def test_compiled_memory_drops_with_a_memory_aware_schedule():
     """XLA:CPU's default scheduler orders for concurrency and ignores memory, so on it
     neither `jax.checkpoint` nor this pass lowers an unrolled step's temporaries; with
     its memory scheduler (a DFS post-order) they drop. 8 layers, d=128, seq 256: a
-    stack fed by the input keeps > 3x less with full remat (292 -> 82 MiB when
-    written); with an embedding below the stack only ~1.4x (295 -> 213 MiB), as much
+    stack fed by the input keeps > 3x less with full remat (292 -> 59 MiB, its
+    first layer, on the argument, padded into the stack; 82 MiB without it); with an embedding below the stack only ~1.4x (295 -> 213 MiB), as much
     as `jax.checkpoint` on each layer keeps (213 MiB). XLA:CPU drops the barriers
     before it schedules, and its DFS, starting from the embedding's gradient (which
     the cotangent chain alone feeds), runs that chain through all layers, recomputation

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from helpers import assert_trees_close
 
 import autopar
 from autopar.ir.capture import capture
@@ -694,33 +695,9 @@ class BlocksOnTheArgument(nn.Module):
         return nn.Dense(1, name="head")(x)
 
 
-def test_a_first_layer_whose_backward_differs_is_named_as_left_out():
-    """Blocks applied straight to an argument of the step: JAX computes no gradient for
-    that argument, so the first block's backward lacks the input-gradient ops the
-    others have. The stack is the other three, and says which layer it left out and
-    why (remat covered 3 of 4 layers and `pipeline_stages=2` said "3 layers do not
-    split into 2 stages", with no word of the fourth)."""
-
-    model = BlocksOnTheArgument(4)
-    x = jnp.ones((16, 32))
-    params = model.init(jax.random.key(0), x)
-
-    def step(params, x):
-        return jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
-
-    (stack,) = find_stacks(capture(step, (params, x)))
-    assert len(stack.forward) == 3 and stack.left_out == (0,)
-    assert "layer 0 left out" in stack.describe()
-
-
-def test_two_layers_alike_but_for_the_first_ones_backward_are_explained():
-    """Two blocks, the first applied straight to an argument of the step: its backward
-    lacks the input-gradient ops, so no two layers are alike and no stack is found.
-    `pipeline_stages=2` said only that no stack of repeated layers was found, and
-    `remat="full"` that nothing was rematerialized; both now name the layers and why."""
-
-    model, tx = BlocksOnTheArgument(2), optax.sgd(0.1)
-    x = jnp.ones((16, 32))
+def _blocks_step(n: int, tx=None):
+    model, tx = BlocksOnTheArgument(n), tx or optax.sgd(0.1)
+    x = jnp.sin(jnp.arange(16 * 32.0).reshape(16, 32) * 0.37)
     params = model.init(jax.random.key(0), x)
 
     def step(params, opt_state, x):
@@ -728,7 +705,54 @@ def test_two_layers_alike_but_for_the_first_ones_backward_are_explained():
         updates, opt_state = tx.update(g, opt_state)
         return optax.apply_updates(params, updates), opt_state
 
-    args = (params, tx.init(params), x)
+    return step, (params, tx.init(params), x)
+
+
+def test_a_first_layer_on_an_argument_of_the_step_is_padded_into_the_stack():
+    """Blocks applied straight to an argument of the step: JAX computes no gradient for
+    that argument, so the first block's backward lacks the input gradient's ops (its
+    `g @ W.T` and the residual's `add_any`). The stack still holds all four layers
+    (it was the other three, "layer 0 left out", and `pipeline_stages=2` refused the
+    model): the two ops are named as pads, and written in they make the first layer's
+    backward op for op the others'; their results are read by nothing."""
+    from autopar.ir.graph import check_graph, signature
+    from autopar.passes import stack_pad
+
+    step, args = _blocks_step(4)
+    graph = capture(step, args)
+    (stack,) = find_stacks(graph)
+    assert len(stack.forward) == 4 and stack.left_out == () and len(stack.pads) == 2
+    assert {graph.nodes[p.like].op for p in stack.pads} == {"dot_general", "add_any"}
+    assert "layer 0 reads an argument of the step" in stack.describe()
+    g2, s2 = stack_pad.padded(stack, graph)
+    check_graph(g2)
+    assert len(g2.nodes) == len(graph.nodes) + 2 and s2.pads == ()
+    sigs = [[signature(g2, g2.nodes[i]) for i in b.nodes] for b in s2.backward]
+    assert all(sg == sigs[0] for sg in sigs)
+    new = set(range(len(graph.values), len(g2.values)))  # what the pads make: read by pads
+    assert all(set(n.outputs) <= new for n in g2.nodes if new & set(n.inputs))
+    assert not new & set(g2.outputs)
+    trimmed = stack_pad.trimmed(stack)  # what rolls where four layers do not split into the stages
+    assert len(trimmed.forward) == 3 and trimmed.left_out == (0,) and trimmed.pads == ()
+
+
+def test_two_layers_alike_but_for_the_first_ones_backward_make_a_stack(monkeypatch):
+    """Two blocks, the first applied straight to an argument of the step: padded, they
+    are a stack, so `pipeline_stages=2` pipelines them and `remat="full"` recomputes
+    both (no stack was found: the pipeline refused and remat did nothing). Where the
+    pads do not line up, both messages still name the layers and why."""
+    import autopar.passes.stack_pad as stack_pad
+
+    step, args = _blocks_step(2)
+    (stack,) = find_stacks(capture(step, args))
+    assert len(stack.forward) == 2 and stack.pads
+    plan = autopar.parallelize(step, mesh={"stage": 2, "data": 4}, pipeline_stages=2).plan(*args)
+    assert plan.pipeline["rolled"]["layers"] == 2
+    par = autopar.parallelize(step, mesh={"data": 8}, remat="full")
+    assert par.plan(*args).remat == "full"
+    assert_trees_close(par(*args), jax.jit(step)(*args), what="a remat step")
+
+    monkeypatch.setattr(stack_pad, "align", lambda *a: None)
     assert find_stacks(capture(step, args)) == ()
     why = r"the 2 layers of .*blocks_<i> have the same forward ops, but the backward ops of layer 0"
     why += r".*first layer reads an argument of the step"

@@ -34,6 +34,7 @@ from autopar.passes.remat import rematerialize
 from autopar.passes.rescale import rescaled
 from autopar.passes.roll import Roll, roll
 from autopar.passes.stack_misses import why_no_stack
+from autopar.passes.stack_pad import trimmed
 from autopar.passes.stacks import find_stacks
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
@@ -252,7 +253,7 @@ class PipelineTries:
             # the layers); the rolled loops are then rematerialized as scans are
             base = self.base
             stacks = self._stacks(base)
-            fits = [s for s in stacks if len(s.forward) % S == 0]
+            fits = [s for s in _with_trims(stacks) if len(s.forward) % S == 0]
             if self.remat_layers is not None:
                 self._rolled[key] = Infeasible(
                     PipelineError(
@@ -531,10 +532,16 @@ def proxied(pipelined: PipelinedScans | OneLoop | None) -> bool:
     return roll is not None and roll.stages != pipelined.pipe.stages
 
 
+def _with_trims(stacks) -> list:
+    """`stacks`, then each without a padded first layer (`stack_pad.trimmed`): what
+    rolls where the whole stack does not split into the stages."""
+    return [*stacks, *(t for s in stacks if (t := trimmed(s)) is not None)]
+
+
 def _roll_like(graph: Graph, stacks: list, like: Roll, mesh) -> Graph:
     """`graph` (the step traced again, at another batch size; `stacks`, its own) with
     the stack `like` rolled the same way."""
-    for stack in stacks:
+    for stack in _with_trims(stacks):
         if stack.template == like.template and len(stack.forward) == like.layers:
             got, again = roll(graph, stack, like.stages, mesh)
             if (again.inputs, again.outputs) == (like.inputs, like.outputs):

@@ -42,7 +42,8 @@ from autopar.ir.capture import capture, lines_from
 from autopar.ir.eval import bind_node, run_nodes
 from autopar.ir.graph import Graph, find_aliases, signature, without_dead
 from autopar.passes.roll_units import per_layer_ops
-from autopar.passes.stacks import LayerStack, indexed_names
+from autopar.passes.stack_pad import padded
+from autopar.passes.stacks import BACKWARD_DIFFERS, LayerStack, indexed_names
 
 SCOPE = "rolled_layers"  # name scope of the loops `roll` writes
 
@@ -499,6 +500,15 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
     """`graph` with `stack`'s layers run as loops over `stages` stages (module doc),
     and how its inputs and outputs stand for `graph`'s. Raises PipelineError, naming
     the op, where the stack does not roll."""
+    if stack.pads:  # its first layer reads an argument of the step (`stack_pad`)
+        got = padded(stack, graph)
+        if got is None:
+            raise PipelineError(
+                f"layer {stack.forward[0].index} of {stack.template} reads an argument of the "
+                "step, so its backward computes no input gradient, and the ops it lacks do not "
+                f"line up with the other layers'; {BACKWARD_DIFFERS.split('; ')[1]}"
+            )
+        graph, stack = got
     r = _Rolling(graph, stack, stages)
     g, S = graph, stages
     indices = [b.index for b in stack.forward]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from autopar.ir.graph import Graph, phases
+from autopar.passes.stack_pad import reads_argument
 from autopar.passes.stacks import BACKWARD_DIFFERS, _candidates, _runs, _Stack
 
 
@@ -49,11 +50,8 @@ def _alike_forward(st: _Stack, min_layers: int) -> str | None:
         f"backward ops of layer {', '.join(str(st.layers[k].index) for k in odd)} differ "
         "from the others'"
     )
-    g, params = st.g, set(st.param)
-    reads_argument = odd == [run[0]] and any(  # the hint's case, or what differs
-        x in g.inputs and x not in params for i in fblocks[run[0]] for x in g.nodes[i].inputs
-    )
-    if reads_argument:
+    g = st.g
+    if odd == [run[0]] and reads_argument(g, st.param, fblocks[run[0]]):  # the hint's case
         return f"{text}, {BACKWARD_DIFFERS}"
     ref = next(k for k in run if keys[k][1] == common)
     mine, theirs = sorted(bblocks[odd[0]]), sorted(bblocks[ref])

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from autopar.ir.graph import BACKWARD, FORWARD, OTHER, Graph, phases, signature
+from autopar.passes.stack_pad import Pad, first_layer_pads
 
 __all__ = ["Block", "LayerStack", "find_stacks", "indexed_names", "signature"]
 
@@ -71,10 +72,19 @@ class LayerStack:
     # the layers of the template next to the run that its forward ops match but its
     # backward ops do not, which the stack leaves out (said in `describe`)
     left_out: tuple[int, ...] = ()
+    # the ops the first layer's backward lacks (it reads an argument of the step, whose
+    # gradient JAX does not compute), which `stack_pad.padded` writes in for a roll
+    pads: tuple[Pad, ...] = ()
 
     def describe(self) -> str:
         ids = [i for b in self.forward + self.backward for i in b.nodes]
         text = f"{len(self.forward)} x {self.template}, ops {min(ids)}..{max(ids)}"
+        if self.pads:
+            text += (
+                f" (layer {self.forward[0].index} reads an argument of the step, whose "
+                f"gradient JAX does not compute: it lacks {len(self.pads)} ops of the "
+                "others', which a pipeline computes and drops)"
+            )
         return f"{text} ({self.why_left_out()})" if self.left_out else text
 
     def why_left_out(self) -> str:
@@ -542,17 +552,22 @@ class _Stack:
             return []
         fblocks, bblocks, keys, linked, diff = got
         same = lambda a, b: keys[a] == keys[b] and linked[a]  # noqa: E731
-        runs = [r for r in _runs(list(range(self.n)), same) if len(r) >= min_layers]
-
-        def left_out(r: list[int]) -> tuple[int, ...]:
-            ends = [(r[0] - 1, r[0]), (r[-1] + 1, r[-1])]
-            return tuple(
-                self.layers[k].index
-                for k, at in ends
-                if 0 <= k < self.n and keys[k][0] == keys[at][0] and linked[min(k, at)]
+        alike = lambda k, at: keys[k][0] == keys[at][0] and linked[min(k, at)]  # noqa: E731
+        out = []
+        for r in _runs(list(range(self.n)), same):
+            k = r[0] - 1  # a first layer on an argument of the step: padded, if it aligns
+            pads = (
+                first_layer_pads(self, k, r[0], fblocks, bblocks) if k >= 0 and linked[k] else None
             )
-
-        return [replace(self._stack(r, fblocks, bblocks, diff), left_out=left_out(r)) for r in runs]
+            r = [k, *r] if pads else r
+            if len(r) < min_layers:
+                continue
+            ends = [(r[0] - 1, r[0]), (r[-1] + 1, r[-1])]
+            off = tuple(self.layers[k].index for k, at in ends if 0 <= k < self.n and alike(k, at))
+            out.append(
+                replace(self._stack(r, fblocks, bblocks, diff), left_out=off, pads=pads or ())
+            )
+        return out
 
     def keyed(self):
         """Each layer's forward and backward blocks, their op sequences and whether each
