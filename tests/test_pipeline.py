@@ -489,8 +489,8 @@ def test_bad_pipeline_requests_say_what_to_do():
         autopar.parallelize(scan.step, mesh=MESH, pipeline_stages=2, virtual_stages=2)
     interleaved = dict(mesh=MESH, cluster=CLUSTER, pipeline_stages=2)
     interleaved["pipeline_schedule"] = "interleaved"
-    with pytest.raises(MicrobatchError, match="groups of the 2 stages; 1 micro-batches"):
-        autopar.parallelize(scan.step, microbatches=1, **interleaved).plan(
+    with pytest.raises(MicrobatchError, match="groups of the 2 stages; 3 micro-batches"):
+        autopar.parallelize(scan.step, microbatches=3, **interleaved).plan(
             *gpt.abstract_args(_cfg())
         )
     with pytest.raises(PipelineError, match=r"length \(\[4\]\) splits into 2 stages x 4 chunks"):

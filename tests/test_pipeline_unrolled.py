@@ -1003,6 +1003,15 @@ def test_a_stack_that_does_not_split_into_the_stages_says_so():
         _parallel(step).plan(params, opt_state, _batch(0))
 
 
+def test_one_micro_batch_says_so():
+    """`microbatches=1` blamed the model ("carries values that are not cut along the
+    batch"): with one micro-batch the batch dimension cannot be told apart, and the
+    stages would run in turn anyway. The error says so."""
+    step, params, opt_state = _linen(GPT2(n=4))
+    with pytest.raises(autopar.PipelineError, match=r"microbatches=1 gives its stages nothing"):
+        _parallel(step, microbatches=1).plan(params, opt_state, _batch(0))
+
+
 def test_a_saved_rolled_plan_replays_and_the_cache_hits(tmp_path):
     """A plan made on the rolled stack binds again: loaded from a file (no search) and
     from the plan cache; both roll the new trace the same way and train alike."""

@@ -157,8 +157,22 @@ class PipelineTries:
         counts = (
             [o.microbatches]
             if o.microbatches is not None
-            else [m for m in (S, 2 * S, 4 * S, 8 * S, 12 * S) if batch % m == 0] or [1]
+            else [m for m in (S, 2 * S, 4 * S, 8 * S, 12 * S) if batch % m == 0]
         )
+        if not counts or counts == [1]:  # one micro-batch: the stages would run in turn
+            why = (
+                f"a batch of {batch} examples does not split into {S}, {2 * S}, {4 * S}, "
+                f"{8 * S} or {12 * S} micro-batches"
+                if not counts
+                else "microbatches=1 gives its stages nothing to overlap: each would wait "
+                "for the one before"
+            )
+            return Infeasible(
+                PipelineError(
+                    f"{self.name}: {S} stages: {why}; give microbatches= a count of at least "
+                    f"2 that divides the batch ({S} or more keeps every stage busy)"
+                )
+            )
         out, skipped = [], []
         for m in counts:
             pipe = Pipeline(S, m, o.pipeline_schedule or "1f1b", virtual=o.virtual_stages)
