@@ -204,19 +204,39 @@ class GPT2Block(nn.Module):
         return x + GPT2MLP(name="mlp")(nn.LayerNorm(name="ln_2")(x))
 
 
+class GPT2ScanBlock(nn.Module):
+    """A block as `nn.scan` calls it: (carry, x) -> (carry, y)."""
+
+    heads: int
+
+    @nn.compact
+    def __call__(self, x, _):
+        return GPT2Block(self.heads, name="block")(x), None
+
+
 class GPT2(nn.Module):
     vocab: int
     d: int
     heads: int
     layers: int
     max_len: int = 1024
+    scan: bool = False  # the layers under `nn.scan` (MaxText-style), one stacked block
 
     @nn.compact
     def __call__(self, ids):
         wte = nn.Embed(self.vocab, self.d, name="wte")
         x = wte(ids) + nn.Embed(self.max_len, self.d, name="wpe")(jnp.arange(ids.shape[1]))
-        for i in range(self.layers):
-            x = GPT2Block(self.heads, name=f"h_{i}")(x)
+        if self.scan:
+            layers = nn.scan(
+                GPT2ScanBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.layers,
+            )
+            x, _ = layers(self.heads, name="h")(x, None)
+        else:
+            for i in range(self.layers):
+                x = GPT2Block(self.heads, name=f"h_{i}")(x)
         return wte.attend(nn.LayerNorm(name="ln_f")(x))  # tied LM head
 
 
@@ -242,7 +262,7 @@ def _lm_step(model, tx):
 
 
 def gpt2(c: dict) -> Case:
-    model = GPT2(c["vocab"], c["d"], c["heads"], c["layers"])
+    model = GPT2(c["vocab"], c["d"], c["heads"], c["layers"], scan=c.get("scan", False))
     step, make = _lm_step(model, optax.adamw(3e-4, b2=0.95, weight_decay=0.1))
     return Case(step, lambda key: make(key, c), (0, 1), (2,))
 
@@ -812,6 +832,18 @@ MODELS: dict[str, tuple[Callable[[dict], Case], dict[str, tuple[dict, dict]], tu
             "medium": (dict(batch=64, seq=1024, vocab=50304, d=1024, heads=16, layers=24), D2M4),
         },
         (dict(batch=16, seq=64, vocab=1024, d=256, heads=4, layers=2), D2M4),
+    ),
+    # the same model with its layers under `nn.scan`, as MaxText-style code writes them
+    "gpt2_scan": (
+        gpt2,
+        {
+            "batch": (dict(batch=64, seq=256, vocab=8192, d=256, heads=4, layers=4, scan=True), D8),
+            "wide": (
+                dict(batch=8, seq=256, vocab=50304, d=2048, heads=16, layers=2, scan=True),
+                D2M4,
+            ),
+        },
+        (dict(batch=16, seq=64, vocab=1024, d=256, heads=4, layers=2, scan=True), D2M4),
     ),
     "llama": (
         llama,

@@ -1,22 +1,24 @@
-"""A stack's first layer that reads an argument of the step, padded to its neighbours'
-backward ops so that it rolls with them.
+"""A stack's first layer that reads an argument of the step, padded to its
+neighbour's ops so that it rolls with the others.
 
 `jax.grad` computes no cotangent for an argument it does not differentiate, so when
 a stack's first layer reads one directly (`for i in range(n): x = Dense(...)(x)` on
-the batch) that layer's backward block lacks the ops that make its input gradient
-(`g @ W.T`, a residual's `add_any`), and its ops differ from every other layer's. A
-pass that needs the layers alike op for op (`autopar.passes.roll`: one loop body for
-every stage) would leave that layer out, and the stack's depth would lose one.
+the batch, pre-norm blocks given `inputs_embeds`) that layer's backward block lacks
+the ops that make its input gradient (`g @ W.T`, a residual's `add_any`, a norm's
+backward), and its forward lacks the tangent ops of what it computes from that
+argument alone (a norm's statistics, which JAX then evaluates outside the `jvp`). Its
+ops differ from every other layer's, and a pass that needs the layers alike op for op
+(`autopar.passes.roll`: one loop body for every stage) would leave it out.
 
-`align` matches the short block against the next layer's, op by op in program
-order (the same signature, reading the images of the same operands: parameters by
-path, forward values position by position, the cotangent that enters each), and
-names each op the short block lacks as a `Pad`: a copy of the neighbour's op reading
+`align` matches each of its blocks against the next layer's, op by op in that
+layer's order (the same signature, reading the images of the same operands:
+parameters by path, values made by ops matched before, the value entering the
+block), and names each op it lacks as a `Pad`: a copy of the neighbour's op reading
 the images of its operands. `padded` writes the pads into the graph. Their results
-are read by nothing (the input gradient nobody asked for), so the step computes the
-same numbers; in a rolled loop the first stage computes that gradient in step with
-the others, which run the same body anyway. docs/algorithms.md, "Pipelining layers
-unrolled in Python".
+are read by nothing but other pads (the input gradient nobody asked for), so the
+step computes the same numbers; in a rolled loop the first stage computes them in
+step with the others, which run the same body anyway. docs/algorithms.md, "Layer
+stacks in unrolled graphs".
 """
 
 from __future__ import annotations
@@ -123,11 +125,12 @@ def align(
     fixed = _on_constants(graph, ref) | _on_constants(graph, short)
     free = sorted(short)
     pair: dict[int, int] = {}  # ref op -> its `short` counterpart
+    taken: set[int] = set()
     for r in sorted(ref):
         if r in fixed:
             continue
         op = nodes[r]
-        t = next((t for t in free if t not in pair.values() and sig(t) == sig(r)
+        t = next((t for t in free if t not in taken and sig(t) == sig(r)
                   and _reads_alike(graph, op, nodes[t], vm, made, fixed, sig)), None)  # fmt: skip
         if t is None:
             continue
@@ -137,10 +140,14 @@ def align(
             vm.setdefault(x, y)
             c, d = graph.producer.get(x), graph.producer.get(y)
             if c in fixed and c not in pair:
+                if d not in fixed or sig(d) != sig(c):
+                    return False
                 pair[c] = d
+                taken.add(d)
                 vm.update(zip(nodes[c].outputs, nodes[d].outputs))
                 todo += zip(nodes[c].inputs, nodes[d].inputs)
         pair[r] = t
+        taken.add(t)
         vm.update(zip(op.outputs, nodes[t].outputs))
     order = [pair[r] for r in sorted(ref) if r in pair]
     if len(order) != len(free) or order != sorted(order):  # all of `short`, in order
