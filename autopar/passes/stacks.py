@@ -72,7 +72,7 @@ class LayerStack:
     # the layers of the template next to the run that its forward ops match but its
     # backward ops do not, which the stack leaves out (said in `describe`)
     left_out: tuple[int, ...] = ()
-    # the ops the first layer's backward lacks (it reads an argument of the step, whose
+    # the ops the first layer's blocks lack (it reads an argument of the step, whose
     # gradient JAX does not compute), which `stack_pad.padded` writes in for a roll
     pads: tuple[Pad, ...] = ()
 

@@ -113,12 +113,12 @@ def _scan_strategy(
     # And the loop run whole on every device, its results whole too: a body searched
     # alone leaves its per-step results split (free in the body), which its readers
     # after the loop then gather; on a small loop, no collective at all is cheapest.
-    whole = {
-        i: next(k for k, st in enumerate(body.strategies[i]) if not st.out_specs[0].used_axes)
-        for i in range(body.num_inputs)
-    }
     outs = tuple(Spec.replicated(body.graph.values[v].rank) for v in body.graph.outputs)
-    with contextlib.suppress(MemoryBudgetError, StopIteration):
+    with contextlib.suppress(MemoryBudgetError, StopIteration):  # (an input never whole)
+        whole = {
+            i: next(k for k, st in enumerate(body.strategies[i]) if not st.out_specs[0].used_axes)
+            for i in range(body.num_inputs)
+        }
         r = search(body, "dp", budget, {**_making(body, outs), **whole})
         candidates.append(replace(r, engine="dp+whole"))
     lead = (stage_axis,) if stage_axis else ()
