@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections import Counter
 
 from autopar.ir.graph import Graph, phases
+from autopar.passes.stack_candidates import candidates, runs_of
 from autopar.passes.stack_pad import reads_argument
-from autopar.passes.stacks import BACKWARD_DIFFERS, _candidates, _runs, _Stack
+from autopar.passes.stacks import BACKWARD_DIFFERS, _Stack
 
 
 def why_no_stack(graph: Graph, min_layers: int = 2) -> str | None:
@@ -18,7 +19,7 @@ def why_no_stack(graph: Graph, min_layers: int = 2) -> str | None:
     the same forward ops and differ only in their backward ops: which, and why; None
     otherwise."""
     phase = phases(graph)
-    for template, layers in _candidates(graph, phase, min_layers):
+    for template, layers in candidates(graph, phase, min_layers):
         why = _alike_forward(_Stack(graph, phase, template, layers), min_layers)
         if why is not None:
             return why
@@ -34,10 +35,10 @@ def _alike_forward(st: _Stack, min_layers: int) -> str | None:
     fblocks, bblocks, keys, linked, _ = got
     layers = list(range(st.n))
     same = lambda a, b: keys[a] == keys[b] and linked[a]  # noqa: E731
-    if any(len(r) >= min_layers for r in _runs(layers, same)):
+    if any(len(r) >= min_layers for r in runs_of(layers, same)):
         return None
     alike = lambda a, b: keys[a][0] == keys[b][0] and linked[a]  # noqa: E731
-    run = max(_runs(layers, alike), key=len)
+    run = max(runs_of(layers, alike), key=len)
     if len(run) < min_layers:
         return None
     backs = Counter(keys[k][1] for k in run)

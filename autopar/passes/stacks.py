@@ -10,7 +10,7 @@ the optimizer's ops are in neither), and a layer's own name for what it sows of 
 output (step 3), which the data alone give the next layer. docs/algorithms.md,
 "Layer stacks in unrolled graphs", has the whole story; in short:
 
-1. `_candidates`: inputs whose paths differ in one integer-ending component share a
+1. `stack_candidates.candidates`: inputs whose paths differ in one integer-ending component share a
    template (`params/layers_<i>`), and siblings numbered alike one more
    (`params/{ln_,mlp_}<i>`); consecutive indices with the same leaves form a run.
    A run no forward op reads that mirrors a run's paths and shapes (all of them, or
@@ -32,16 +32,15 @@ output (step 3), which the data alone give the next layer. docs/algorithms.md,
 from __future__ import annotations
 
 import re
-from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from autopar.ir.graph import BACKWARD, FORWARD, OTHER, Graph, phases, signature
+from autopar.passes.stack_candidates import Layer, candidates, indexed_names, runs_of
 from autopar.passes.stack_pad import Pad, first_layer_pads
 
 __all__ = ["Block", "LayerStack", "find_stacks", "indexed_names", "signature"]
 
-_INDEXED = re.compile(r"(.*?)(\d+)")
 _FWD, _BWD, _OTHER = FORWARD, BACKWARD, OTHER
 
 
@@ -105,20 +104,13 @@ BACKWARD_DIFFERS = (
 )
 
 
-@dataclass(frozen=True)
-class _Layer:
-    index: int
-    leaves: tuple[tuple[str, int], ...]  # (path below the indexed component, input position)
-    state: tuple[int, ...]
-
-
 def find_stacks(graph: Graph, min_layers: int = 2) -> tuple[LayerStack, ...]:
     """The runs of at least `min_layers` (2 or more) identical unrolled layers of `graph`,
     ordered by their first forward op. Layers under `scan` are not reported."""
     min_layers, phase = max(min_layers, 2), phases(graph)
     found: list[LayerStack] = []
     seen, taken, failed = set(), set(), set()  # input positions, node ids, candidate keys
-    for template, layers in _candidates(graph, phase, min_layers):
+    for template, layers in candidates(graph, phase, min_layers):
         positions = {p for layer in layers for _, p in layer.leaves}
         # skip a run inside an outer layer (`layers_3/Dense_<i>`), or like one that failed
         # (`h_0/ln_<i>`, then `h_1/ln_<i>`, ...: analysing each would be quadratic)
@@ -138,111 +130,10 @@ def find_stacks(graph: Graph, min_layers: int = 2) -> tuple[LayerStack, ...]:
     return tuple(sorted(found, key=lambda s: s.forward[0].nodes[0]))
 
 
-def _candidates(graph: Graph, phase: Sequence[int], min_layers: int):
-    """[(template, layers)]: runs of consecutive indices of a template with the same
-    leaves, read by forward ops, with their mirrors; outer templates, long runs first."""
-    groups: dict[str, dict[int, list]] = defaultdict(lambda: defaultdict(list))
-    names: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
-    for pos, path in enumerate(graph.input_paths):
-        comps = path.split("/")
-        for k, c in enumerate(comps):
-            if m := _INDEXED.fullmatch(c):
-                tpl = "/".join([*comps[:k], m[1] + "<i>"])
-                groups[tpl][int(m[2])].append(("/".join(comps[k + 1 :]), pos))
-                names["/".join(comps[:k])][m[1]].add(int(m[2]))
-    _siblings(groups, names, min_layers)
-
-    def sig(leaves, dtype=True):
-        types = ((s, graph.values[graph.inputs[p]]) for s, p in leaves)
-        return sorted((s, t.shape, t.dtype if dtype else None) for s, t in types)
-
-    runs = []
-    for tpl, by_index in groups.items():
-        idx = sorted(by_index)
-        same = lambda a, b, d=by_index: b == a + 1 and sig(d[a]) == sig(d[b])  # noqa: E731
-        for r in _runs(idx, same):
-            if len(r) >= min_layers:
-                run = {i: sorted(by_index[i]) for i in r}
-                values = (graph.inputs[p] for lf in run.values() for _, p in lf)
-                read = any(phase[c] == _FWD for v in values for c in graph.consumers.get(v, ()))
-                runs.append((tpl, run, read))
-    out = []
-    for tpl, run, read in runs:
-        state: dict[int, list[int]] = defaultdict(list)
-        for other, orun, oread in runs:
-            if (
-                read
-                and not oread
-                and _mirrors(other, tpl)
-                and orun.keys() == run.keys()
-                and all(_within(sig(orun[i], False), sig(run[i], False)) for i in run)
-            ):
-                for i in run:
-                    state[i] += [p for _, p in orun[i]]
-        if read:
-            out.append((tpl, [_Layer(i, tuple(run[i]), tuple(sorted(state[i]))) for i in run]))
-    # outer templates first, then long runs, then more leaves a layer (siblings joined)
-    return sorted(
-        out, key=lambda c: (c[0].count("/"), -len(c[1]), -len(c[1][0].leaves), c[0], c[1][0].index)
-    )
-
-
-def _siblings(groups: dict, names: dict, min_layers: int) -> None:
-    """Layers written inline (`x = x + Mlp(name=f"mlp_{i}")(LayerNorm(name=f"ln_{i}")(x))`)
-    number several siblings with one index: one template joins them (`params/{ln_,mlp_}<i>`,
-    each leaf's path below it keeping its own name) where they share their indices."""
-    for parent, by_name in names.items():
-        alike: dict[frozenset, list[str]] = defaultdict(list)
-        for name, indices in by_name.items():
-            alike[frozenset(indices)].append(name)
-        for indices, group in alike.items():
-            if len(group) < 2 or len(indices) < min_layers:
-                continue
-            joined = "{" + ",".join(sorted(group)) + "}<i>"
-            tpl = f"{parent}/{joined}" if parent else joined
-            for name in sorted(group):
-                own = groups[f"{parent}/{name}<i>" if parent else f"{name}<i>"]
-                for i in indices:
-                    groups[tpl][i] += [(f"{name}/{sub}", pos) for sub, pos in own[i]]
-
-
-def indexed_names(template: str) -> tuple[str, ...]:
-    """The names a template's layer index follows: `("h_",)` for `params/h_<i>`,
-    `("ln_", "mlp_")` for siblings joined (`params/{ln_,mlp_}<i>`)."""
-    last = template.rsplit("/", 1)[-1].removesuffix("<i>")
-    return tuple(last[1:-1].split(",")) if last.startswith("{") else (last,)
-
-
-def _within(state: list, leaves: list) -> bool:
-    """Whether a state run's leaves are some of a layer's (path below the index and
-    shape): an optimizer holds state for the trained leaves only, not for what else a
-    layer keeps (NNX's `Dropout` keeps its RNG stream's key and count in the layer)."""
-    return bool(state) and not Counter(state) - Counter(leaves)
-
-
-def _mirrors(other: str, template: str) -> bool:
-    """Whether template `other` (`state/1/0/mu/params/h_<i>`, `opt_state/0/mu/h_<i>`)
-    ends in the indexed component of `template` (`state/0/params/h_<i>`): with the same
-    leaves (the caller checks), the optimizer state mirroring a parameter run, whether
-    both are arguments of their own or sit in one train-state tuple."""
-    return other != template and other.split("/")[-1] == template.split("/")[-1]
-
-
-def _runs(items: list[int], same) -> list[list[int]]:
-    """`items` split into maximal runs whose neighbours satisfy `same(a, b)`."""
-    out: list[list[int]] = []
-    for k, item in enumerate(items):
-        if k and same(items[k - 1], item):
-            out[-1].append(item)
-        else:
-            out.append([item])
-    return out
-
-
 class _Stack:
     """The analysis of one candidate run of layers (numbered 0..n-1 here)."""
 
-    def __init__(self, graph: Graph, phase: Sequence[int], template: str, layers: list[_Layer]):
+    def __init__(self, graph: Graph, phase: Sequence[int], template: str, layers: list[Layer]):
         self.g, self.phase, self.template, self.layers = graph, phase, template, layers
         self.n, self.cons, self.prod = len(layers), graph.consumers, graph.producer
         self.param = {graph.inputs[p]: k for k, ly in enumerate(layers) for _, p in ly.leaves}
@@ -554,7 +445,7 @@ class _Stack:
         same = lambda a, b: keys[a] == keys[b] and linked[a]  # noqa: E731
         alike = lambda k, at: keys[k][0] == keys[at][0] and linked[min(k, at)]  # noqa: E731
         out = []
-        for r in _runs(list(range(self.n)), same):
+        for r in runs_of(list(range(self.n)), same):
             k = r[0] - 1  # a first layer on an argument of the step: padded, if it aligns
             pads = (
                 first_layer_pads(self, k, r[0], fblocks, bblocks) if k >= 0 and linked[k] else None
