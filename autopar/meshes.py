@@ -53,6 +53,13 @@ def make_mesh(mesh: Mapping[str, int] | Mesh | AbstractMesh) -> Mesh | AbstractM
     return AbstractMesh(sizes, names, axis_types=auto(len(names)))
 
 
+def drops_barriers(mesh: Mesh | AbstractMesh) -> bool:
+    """Whether the compiler for `mesh` removes optimization barriers before it schedules
+    (XLA:CPU does, right after CSE), so that only data dependencies order ops: on CPU
+    devices. An abstract mesh is lowered for GPUs, whose pipeline keeps them."""
+    return isinstance(mesh, Mesh) and mesh.devices.flat[0].platform == "cpu"
+
+
 def mesh_candidates(n: int, devices_per_node: int) -> list[dict[str, int]]:
     """Logical shapes for `n` devices: factorizations into 1-3 axes (each >= 2).
     Device order is row-major, so the last axis is the innermost; shapes whose inner

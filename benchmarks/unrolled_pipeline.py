@@ -128,7 +128,9 @@ class _NNXDecoder(nnx.Module):
         return self.head(x)
 
 
-def _nnx_step(model, opt, ids):
+def nnx_lm_step(model, opt, ids):
+    """An NNX next-token train step, as NNX examples write one."""
+
     def loss_fn(m):
         logits = m(ids)[:, :-1]
         return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
@@ -147,7 +149,7 @@ def measure_nnx(schedule: str | None) -> dict:
         SHAPE["batch"], SHAPE["seq"]
     )
     par = autopar.parallelize(
-        _nnx_step, mesh=MESH, progress=False, pipeline_stages=2, microbatches=8,
+        nnx_lm_step, mesh=MESH, progress=False, pipeline_stages=2, microbatches=8,
         pipeline_schedule=schedule,
     )  # fmt: skip
     t = time.perf_counter()
@@ -155,7 +157,7 @@ def measure_nnx(schedule: str | None) -> dict:
     plan_s = time.perf_counter() - t
     mem = par.lower(model, opts[0], ids).compile().memory_analysis()
     par(model, opts[0], ids)
-    nnx.jit(_nnx_step)(ref, opts[1], ids)
+    nnx.jit(nnx_lm_step)(ref, opts[1], ids)
     counts = [int(b.drop.rngs.count[...]) for b in model.blocks]
     return {
         "variant": f"NNX + dropout, pipeline_schedule={schedule!r}",

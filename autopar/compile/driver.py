@@ -69,6 +69,7 @@ from autopar.ir.capture import abstractify_tree, arg_names, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.lower.rolled import abstract_inputs
+from autopar.meshes import drops_barriers
 from autopar.passes.accumulate import accumulate, batch_problem
 from autopar.passes.pipeline import (
     Pipeline,
@@ -186,7 +187,8 @@ class _Driver(PipelineTries):
     def _remat(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         if self.remat_policy in (None, "none"):
             return graph, ()
-        graph, report = rematerialize(graph, self.remat_policy, self.remat_layers)
+        wait = drops_barriers(self.o.meshes[0])  # XLA:CPU: layers ordered by data
+        graph, report = rematerialize(graph, self.remat_policy, self.remat_layers, True, wait)
         self.stack_layers = report.stack_layers if report.applied else 0
         if len(report.layers) >= report.stack_layers:
             self.remat_layers = None  # every layer of the stack (or there is none)

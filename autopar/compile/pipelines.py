@@ -18,6 +18,7 @@ from autopar.compile.calls import OneLoop, Proxy, pipeline_of
 from autopar.compile.notes import no_layer_loop
 from autopar.errors import AutoparError, MemoryBudgetError, MicrobatchError, PipelineError
 from autopar.ir.graph import Graph, find_aliases
+from autopar.meshes import drops_barriers
 from autopar.passes.pipeline import (
     FUSED_SCHEDULES,
     Pipeline,
@@ -107,7 +108,8 @@ class PipelineTries:
         if self.remat_policy in (None, "none"):
             return graph, ()
         others = len(self._stacks(self.base)) > 1
-        graph, report = rematerialize(graph, self.remat_policy, unrolled=others)
+        wait = drops_barriers(self.o.meshes[0])  # XLA:CPU: layers ordered by data
+        graph, report = rematerialize(graph, self.remat_policy, None, others, wait)
         return graph, report.notes()
 
     def _pipelines(self, graph: Graph, mesh) -> list[PipelinedScans | None] | Infeasible:

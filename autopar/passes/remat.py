@@ -433,14 +433,19 @@ def body_flops(g: Graph) -> float:
 
 
 def rematerialize(
-    graph: Graph, policy: str, layers: int | None = None, unrolled: bool = True
+    graph: Graph,
+    policy: str,
+    layers: int | None = None,
+    unrolled: bool = True,
+    wait_for_gradients: bool = False,
 ) -> tuple[Graph, RematReport]:
     """`remat(graph, policy)` and then, on layers unrolled in Python (`find_stacks`),
     `remat_unrolled.remat_layers` over each stack's layers (with `layers`, only the first
     stack's first `layers`: their residuals are kept longest; at the start of the backward
     pass, the peak, every layer's are held); with what changed. `unrolled` False: the
     caller knows the graph holds no such stack (its only one was rolled into loops), so
-    none is looked for (0.4 s a call on a rolled 96-layer step, once per try)."""
+    none is looked for (0.4 s a call on a rolled 96-layer step, once per try).
+    `wait_for_gradients`: as `remat_layers` (for a compiler that drops barriers)."""
     out = remat(graph, policy)
     report = remat_report(graph, out, policy)
     if policy == "none" or not unrolled:
@@ -461,6 +466,7 @@ def rematerialize(
             [back.get(b.index, ()) for b in stack.forward],
             policy,
             layers=None if layers is None else range(min(layers, n)),
+            wait_for_gradients=wait_for_gradients,
         )
         if first:  # recorded though nothing changed (the user's jax.checkpoint)
             report = replace(report, stack=stack.describe(), layers=changed, stack_layers=n)

@@ -99,6 +99,13 @@ class RematReport:
             f"{format_bytes(sum(r.recomputed_bytes for r in layers))} less kept between the "
             f"passes (whole tensors, before sharding; the peak is per device) for "
             f"{sum(r.recompute_flops for r in layers):.3g} more FLOPs a call"
+            + (
+                "; each layer's recomputation waits for the weight gradients of the layer "
+                "above (a max of each added as 0 to its input: this compiler drops the "
+                "barriers that order it elsewhere)"
+                if any(r.waits for r in layers)
+                else ""
+            )
             for stack, layers, depth in self._stacks()
         ) + tuple(
             f"remat ({self.policy}): layer stack {stack} is not rematerialized (remat on the "

@@ -28,13 +28,21 @@ undo the remat); the activation's barrier also takes one value the backward op
 computes just before (its cotangent), so the copies that read it cannot run
 before the backward pass reaches the layer where XLA schedules with the barriers in
 place (XLA:GPU's pipeline, as read in its source, removes them after scheduling;
-not measured here). XLA:CPU removes them before it
-schedules (right after CSE), so there they stop CSE only and the order is its DFS
-scheduler's: with a trained parameter below the stack (an embedding), whose gradient
-the cotangent chain alone feeds, it runs that chain through every layer, copies
-included, before any layer's weight gradients, which then hold every layer's
-recomputed residuals (`jax.checkpoint` per layer does the same; a scanned stack does
-not). The graph computes the same numbers; its
+not measured here). XLA:CPU removes them before it schedules (right after CSE), so
+there they stop CSE only and the order is its DFS scheduler's: with a trained parameter
+below the stack (an embedding), whose gradient the cotangent chain alone feeds, it
+runs that chain through every layer, copies included, before any layer's weight
+gradients, which then hold every layer's recomputed residuals (`jax.checkpoint` per
+layer does the same; a scanned stack does not). With `wait_for_gradients` (the
+compiler drops the barriers: `autopar.meshes.drops_barriers`), layer i's recomputation
+therefore also waits, by data, for layer i + 1's weight gradients: its activation
+gets `0 * isfinite(sum of the max of each)` added (`_zero_after`: a max, as XLA
+rewrites a sum of a contraction into a contraction of sums and would not wait for the
+contraction itself; 0 also where a gradient is not finite, and `x * 0` on floats is
+not folded), so at most one layer's recomputed residuals live at once. On a mesh each
+max is a scalar all-reduce over the axes its gradient is split on, and waits for the
+gradient's own all-reduce, which is why it is not done where barriers order the
+recomputation. The graph computes the same numbers; its
 nodes are renumbered (new nodes are inserted), its inputs and outputs are unchanged.
 """
 
@@ -44,8 +52,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 import jax
+import jax.numpy as jnp
 
 from autopar.cost.model import node_flops
+from autopar.ir.capture import append_traced
 from autopar.ir.graph import Graph, Node, check_graph
 from autopar.ir.ops import CONTRACTIONS
 
@@ -77,6 +87,7 @@ class LayerRemat:
     stored: int  # residuals it still reads as stored
     recomputed_bytes: int  # bytes no longer kept from the forward to the backward pass
     recompute_flops: float
+    waits: bool = False  # for the weight gradients of the layer above (`wait_for_gradients`)
 
 
 def _recompute_set(
@@ -110,10 +121,13 @@ def remat_layers(
     backward: Sequence[Collection[int]],
     policy: str,
     layers: Collection[int] | None = None,
+    wait_for_gradients: bool = False,
 ) -> tuple[Graph, tuple[LayerRemat, ...]]:
     """`graph` with the residuals of forward layer i (node ids `forward[i]`) that
     backward ops (`backward[i]` holds layer i's, any layer's count) read recomputed under
-    `policy`, for each i in `layers` (default: all); and what changed per layer."""
+    `policy`, for each i in `layers` (default: all); and what changed per layer. With
+    `wait_for_gradients`, each recomputation waits for the weight gradients of the layer
+    whose backward runs before it (the module docstring says why)."""
     if policy not in POLICIES:
         raise ValueError(f"remat policy must be one of {', '.join(POLICIES)}; got {policy!r}")
     if policy == "none" or not forward or not backward:
@@ -123,8 +137,8 @@ def remat_layers(
     outputs = set(graph.outputs)
     consumers = graph.consumers
     # per insertion point (a node id): [(layer, nodes to copy, values to recompute,
-    # the cotangent the copies wait for)]
-    inserts: dict[int, list[tuple[int, list[int], list[int], int | None]]] = {}
+    # the cotangent the copies wait for, the previous backward layer's results they wait for)]
+    inserts: dict[int, list[tuple[int, list[int], list[int], int | None, list[int]]]] = {}
     report: list[LayerRemat] = []
     for i, block in enumerate(forward):
         if layers is not None and i not in layers:
@@ -154,7 +168,8 @@ def remat_layers(
             if fwd_end < graph.producer.get(x, -1) < at and graph.producer[x] not in own
         ]
         trigger = max(made_before)[1] if made_before else None
-        inserts.setdefault(at, []).append((i, copy, todo, trigger))
+        after = _weight_gradients(graph, backward, i, at) if wait_for_gradients else []
+        inserts.setdefault(at, []).append((i, copy, todo, trigger, after))
         report.append(
             LayerRemat(
                 i,
@@ -162,6 +177,7 @@ def remat_layers(
                 len(residuals) - len(todo),
                 sum(graph.values[v].nbytes for v in todo),
                 sum(node_flops(graph.nodes[n], graph) for n in copy),
+                waits=bool(after and trigger is not None),
             )
         )
     if not inserts:
@@ -169,6 +185,38 @@ def remat_layers(
     out = _rebuild(graph, inserts, back)
     check_graph(out)
     return out, tuple(report)
+
+
+def _weight_gradients(
+    graph: Graph, backward: Sequence[Collection[int]], i: int, at: int
+) -> list[int]:
+    """The results of the backward layer run just before layer i's (layer i + 1's: its
+    weight and bias gradients) that exist before node `at`, other than the cotangent it
+    passes down: what layer i's recomputation waits for (`_zero_after`)."""
+    if i + 1 >= len(backward) or not backward[i + 1]:
+        return []
+    block, own = frozenset(backward[i + 1]), frozenset(backward[i])
+    consumers, outputs = graph.consumers, set(graph.outputs)
+    return [
+        v
+        for n in sorted(block)
+        if n < at
+        for v in graph.nodes[n].outputs
+        if jnp.issubdtype(graph.values[v].dtype, jnp.floating)
+        and (v in outputs or any(c not in block for c in consumers.get(v, ())))
+        and not any(c in own for c in consumers.get(v, ()))
+    ]
+
+
+def _zero_after(*grads):
+    """0.0 made from `grads`: a value XLA must wait for them to make and cannot fold away
+    (it folds `x * 0` only for integers); 0 also where one is not finite."""
+    total = sum(jnp.max(g).astype(jnp.float32) for g in grads)
+    return jnp.isfinite(total).astype(jnp.float32) * 0.0
+
+
+def _plus(x, zero):
+    return x + zero.astype(x.dtype)
 
 
 def _barrier_groups(graph: Graph, ext: list[int], trigger: int | None) -> list[tuple[int, ...]]:
@@ -189,7 +237,7 @@ def _barrier_groups(graph: Graph, ext: list[int], trigger: int | None) -> list[t
 
 
 def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
-    values = list(graph.values)
+    values, consts = list(graph.values), dict(graph.consts)
     new_nodes: list[Node] = []
     # backward readers read the recomputed copy: value -> copy, from its insertion on
     swap: dict[int, int] = {}
@@ -203,7 +251,7 @@ def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
         new_nodes.append(replace(node, id=len(new_nodes), inputs=tuple(inputs), outputs=outputs))
 
     for node in graph.nodes:
-        for _, copy, todo, trigger in inserts.get(node.id, ()):
+        for _, copy, todo, trigger, after in inserts.get(node.id, ()):
             made = {v for n in copy for v in graph.nodes[n].outputs}
             ext = list(
                 dict.fromkeys(
@@ -214,13 +262,23 @@ def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
                 )
             )
             local: dict[int, int] = {}
-            for group in _barrier_groups(graph, ext, trigger):
+            for k, group in enumerate(_barrier_groups(graph, ext, trigger)):
                 outs = tuple(fresh(x) for x in group)
+                ins = group
+                if k == 0 and trigger is not None and after:  # the activation waits too
+                    where = (node.name_stack, node.source)
+                    (zero,) = append_traced(values, new_nodes, consts, _zero_after, after, *where)
+                    ins = tuple(
+                        x
+                        if x == trigger
+                        else append_traced(values, new_nodes, consts, _plus, [x, zero], *where)[0]
+                        for x in group
+                    )
                 new_nodes.append(
                     Node(
                         len(new_nodes),
                         "optimization_barrier",
-                        group,
+                        ins,
                         outs,
                         jax.lax.optimization_barrier_p,  # as capture's
                         {},
@@ -242,4 +300,4 @@ def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
         ins = (at_swap.get(x, swap.get(x, x)) if node.id in back else x for x in node.inputs)
         emit(node, ins, node.outputs)
         at_swap.clear()
-    return replace(graph, values=tuple(values), nodes=tuple(new_nodes))
+    return replace(graph, values=tuple(values), nodes=tuple(new_nodes), consts=consts)
