@@ -139,3 +139,27 @@ def test_a_small_loop_runs_whole_where_that_is_cheapest():
     assert plan.cost.comm_s == 0 and not plan.cost.comm_bytes, plan.summary()
     assert plan.cost.step_s < 2 * flat.cost.step_s, (plan.cost.step_s, flat.cost.step_s)
     assert_trees_close(par(*args), jax.jit(step)(*args), what="a step")
+
+
+def test_a_data_parallel_loop_sums_its_weight_gradients_in_the_loop():
+    """The GPT under `nn.scan` on 8 devices of data parallelism: a backward body searched
+    alone returns its small gradients (biases, norms) split, reduce-scattered for about
+    an all-reduce's price in the body, and the optimizer after the loop then gathers
+    each updated parameter (10 all-gathers, 0.469 ms predicted). The body's plans now
+    include data parallelism (weights whole, the per-step gradients summed whole):
+    0.369 ms, as pinned plain data parallelism, and no all-gather compiled."""
+    from jax.sharding import PartitionSpec as P
+
+    from autopar import examples
+
+    w = examples.gpt(hidden=128, layers=4, heads=4, seq=128, vocab=2048, batch=64, scan_layers=True)
+    par = autopar.parallelize(w.fn, mesh={"data": 8}, progress=False)
+    plan = par.plan(*w.args)
+    state = jax.tree.map(lambda x: P(), w.args[0])
+    pinned = autopar.parallelize(
+        w.fn, mesh={"data": 8}, progress=False, in_specs=(state, P("data"))
+    )
+    dp = pinned.plan(*w.args)
+    assert plan.cost.step_s <= dp.cost.step_s * 1.0001, (plan.summary(), dp.summary())
+    assert not [k for k in plan.cost.comm_bytes if k.startswith("all-gather")], plan.summary()
+    assert " all-gather(" not in par.lower(*w.args).compile().as_text()

@@ -95,6 +95,18 @@ def _scan_strategy(
         pins = {i: _batch_first(body, i) for i in batched}
         with contextlib.suppress(MemoryBudgetError):
             candidates.append(replace(search(body, "dp", budget, pins), engine="dp+batch"))
+        # Data parallelism: the other inputs (the layer's weights) and the per-step
+        # results without the batch dim (their gradients) whole: each step sums its
+        # weight gradients, where a body searched alone leaves them split for free
+        lead = body.graph.values[body.graph.inputs[n_fixed - n_carry]].shape[:1]
+        outs = tuple(
+            None if k < n_carry or t.shape[:1] == lead else Spec.replicated(t.rank)
+            for k, t in enumerate(body.graph.values[v] for v in body.graph.outputs)
+        )
+        with contextlib.suppress(MemoryBudgetError, StopIteration):
+            whole = {i: _whole(body, i) for i in range(n_fixed, body.num_inputs) if i not in pins}
+            r = search(body, "dp", budget, {**_making(body, outs), **pins, **whole})
+            candidates.append(replace(r, engine="dp+data-parallel"))
         # Per-layer weights split over one axis (Megatron-style when it is the tensor
         # axis): a loop stores its stacked weights in the layout its body reads them,
         # so a body that keeps them whole needs the whole stack on every device.
@@ -115,10 +127,7 @@ def _scan_strategy(
     # after the loop then gather; on a small loop, no collective at all is cheapest.
     outs = tuple(Spec.replicated(body.graph.values[v].rank) for v in body.graph.outputs)
     with contextlib.suppress(MemoryBudgetError, StopIteration):  # (an input never whole)
-        whole = {
-            i: next(k for k, st in enumerate(body.strategies[i]) if not st.out_specs[0].used_axes)
-            for i in range(body.num_inputs)
-        }
+        whole = {i: _whole(body, i) for i in range(body.num_inputs)}
         r = search(body, "dp", budget, {**_making(body, outs), **whole})
         candidates.append(replace(r, engine="dp+whole"))
     lead = (stage_axis,) if stage_axis else ()
@@ -225,6 +234,11 @@ def _largest_dim_spec(t, axis: str, size: int) -> Spec:
     if d is None or t.shape[d] % size:
         return Spec.replicated(t.rank)
     return Spec(tuple((axis,) if k == d else () for k in range(t.rank)))
+
+
+def _whole(problem: Problem, i: int) -> int:
+    """Input i's strategy that keeps it whole (StopIteration where it has none)."""
+    return next(k for k, st in enumerate(problem.strategies[i]) if not st.out_specs[0].used_axes)
 
 
 def _making(problem: Problem, want: tuple[Spec, ...] | None) -> dict[int, int]:
