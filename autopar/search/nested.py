@@ -98,14 +98,14 @@ def _scan_strategy(
         # Data parallelism: the other inputs (the layer's weights) and the per-step
         # results without the batch dim (their gradients) whole: each step sums its
         # weight gradients, where a body searched alone leaves them split for free
-        lead = body.graph.values[body.graph.inputs[n_fixed - n_carry]].shape[:1]
-        outs = tuple(
-            None if k < n_carry or t.shape[:1] == lead else Spec.replicated(t.rank)
+        batch = body.graph.values[body.graph.inputs[n_fixed - n_carry]].shape[:1]
+        summed = tuple(
+            None if k < n_carry or t.shape[:1] == batch else Spec.replicated(t.rank)
             for k, t in enumerate(body.graph.values[v] for v in body.graph.outputs)
         )
         with contextlib.suppress(MemoryBudgetError, StopIteration):
             whole = {i: _whole(body, i) for i in range(n_fixed, body.num_inputs) if i not in pins}
-            r = search(body, "dp", budget, {**_making(body, outs), **pins, **whole})
+            r = search(body, "dp", budget, {**_making(body, summed), **pins, **whole})
             candidates.append(replace(r, engine="dp+data-parallel"))
         # Per-layer weights split over one axis (Megatron-style when it is the tensor
         # axis): a loop stores its stacked weights in the layout its body reads them,
