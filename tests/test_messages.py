@@ -529,3 +529,19 @@ def test_pipeline_auto_says_why_per_micro_batch_count_apart():
         "{'stage': 2, 'model': 4}: no micro-batch count works: 2 micro-batches: the step is "
         "odd; 4 micro-batches: the step is odder"
     )
+
+
+def test_a_reason_that_lists_plans_keeps_its_list_in_the_tried_notes():
+    """`remat="auto"` notes why each policy gave no plan; a reason whose first line
+    introduces a list (the plans rejected once compiled) used to end at "by XLA:"."""
+    from autopar.compile.pipelines import Infeasible
+    from autopar.errors import MemoryBudgetError
+
+    why = (
+        "every plan the cost model fit into 40.1 MiB needs more once compiled by XLA:\n"
+        "  data: compiled 40.6 MiB\n  dp: compiled 41.2 MiB\n"
+        "Raise memory_budget, use more devices, or shrink the batch."
+    )
+    brief = Infeasible(MemoryBudgetError(why)).brief
+    assert brief.endswith("by XLA: data: compiled 40.6 MiB; dp: compiled 41.2 MiB"), brief
+    assert Infeasible(MemoryBudgetError("no plan fits\nTry more devices")).brief == "no plan fits"

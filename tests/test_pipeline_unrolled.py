@@ -331,7 +331,7 @@ def test_the_try_without_a_pipeline_is_priced_on_one_loop_too(monkeypatch):
     built = _built_sizes(monkeypatch)
     step, params, opt_state = _linen(GPT2(n=4))
     unrolled = len(capture(step, (params, opt_state, _batch(0))).nodes)
-    plan = autopar.parallelize(step, mesh=2, pipeline_stages="auto", memory_budget=2_500_000).plan(
+    plan = autopar.parallelize(step, mesh=2, pipeline_stages="auto", memory_budget=2_100_000).plan(
         params, opt_state, _batch(0)
     )
     assert plan.pipeline is not None

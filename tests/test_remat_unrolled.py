@@ -463,3 +463,64 @@ def test_auto_remat_searches_again_every_one_loop_plan_within_the_margin():
     searched.clear()
     assert fastest_made([proxy("dots", 1.0, None), proxy("full", 2.0, 2.1)], []).name == "full"
     assert searched == ["dots", "full"]
+
+
+class DropoutBlock(nn.Module):  # BERT-style: dropout on the attention probabilities
+    d: int
+
+    @nn.compact
+    def __call__(self, x):
+        B, S, _ = x.shape
+        q, k, v = jnp.split(nn.Dense(3 * self.d)(x), 3, -1)
+        p = jax.nn.softmax(q @ k.transpose(0, 2, 1) / jnp.sqrt(self.d), -1)
+        p = nn.Dropout(0.1, deterministic=False)(p)
+        return nn.LayerNorm()(x + nn.Dense(self.d)(p @ v))
+
+
+def test_a_dropout_mask_is_drawn_again_only_when_its_layer_is_reached():
+    """The recomputation of a dropout mask reads the key, not the activation, so on
+    XLA:CPU (barriers dropped) adding the wait to the activation alone let every layer's
+    mask be drawn at once: a BERT-style encoder with attention dropout (seq 256) kept
+    2.3x less with full remat, against 4.6x without dropout. Every copied op that reads
+    no activation now waits through its smallest numeric operand (the key's fold-in
+    data): 5.2x. Checked here by dataflow: each layer's recomputed `random_bits` but
+    the first-run one's depends on the weight gradients' max."""
+
+    class Encoder(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(VOCAB, 32)(ids)
+            for i in range(3):
+                x = DropoutBlock(32, name=f"layer_{i}")(x)
+            return x
+
+    model, ids = Encoder(), jnp.arange(4 * 16).reshape(4, 16) % VOCAB
+    params = model.init(jax.random.key(0), ids)
+
+    def step(params, ids, key):
+        def loss(p):
+            return jnp.mean(model.apply(p, ids, rngs={"dropout": key}) ** 2)
+
+        return jax.grad(loss)(params)
+
+    graph = capture(step, (params, ids, jax.random.key(1)))
+    g, report = rematerialize(graph, "full", wait_for_gradients=True)
+    assert [r.waits for r in report.layers] == [True, True, False]
+    above: dict[int, bool] = {}  # node id -> whether a reduce_max is upstream
+    for n in g.nodes:
+        ups = [g.producer[x] for x in n.inputs if x in g.producer]
+        above[n.id] = any(above[u] or g.nodes[u].op == "reduce_max" for u in ups)
+    draws = [n.id for n in g.nodes if n.op == "random_bits"]
+    assert len(draws) == 3 + 3  # each layer's, and each layer's recomputation
+    assert sum(above[i] for i in draws) == 2, [above[i] for i in draws]
+
+
+def test_the_note_counts_what_dots_keeps_for_its_recomputation():
+    """`"dots"` keeps the contraction outputs its recomputation reads: the note used to
+    count only the residuals the backward reads (`keeps 0`, and the bytes of `"full"`)."""
+    step, state, x = make(layers=2, d=32, batch=4, seq=16)
+    graph = capture(step, (state, x))
+    layers = {p: rematerialize(graph, p)[1].layers for p in ("dots", "selective", "full")}
+    kept = {p: sum(r.recomputed_bytes for r in ls) for p, ls in layers.items()}
+    assert kept["dots"] < kept["selective"] < kept["full"], kept
+    assert layers["dots"][0].stored > layers["selective"][0].stored > layers["full"][0].stored == 0

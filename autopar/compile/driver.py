@@ -351,7 +351,7 @@ class _Driver(PipelineTries):
                     if result.memory:
                         return result
                     raise result.error
-                failures.append(f"{self._info(mesh).shape}: {result.why.splitlines()[0]}")
+                failures.append(f"{self._info(mesh).shape}: {result.brief}")
                 kinds.append(type(result.error))
                 memory_bound |= result.memory
                 continue

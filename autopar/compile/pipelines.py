@@ -57,6 +57,16 @@ class Infeasible:
         return self.error.message
 
     @property
+    def brief(self) -> str:
+        """`why`'s first line, with the list it introduces (a first line ending in ":",
+        such as the plans rejected after compiling) joined on, not cut off."""
+        lines = self.why.splitlines()
+        if not lines or not lines[0].endswith(":"):
+            return lines[0] if lines else ""
+        items = [ln.strip() for ln in lines[1:] if ln.startswith(" ")]
+        return f"{lines[0]} {'; '.join(items)}"
+
+    @property
     def memory(self) -> bool:
         return isinstance(self.error, MemoryBudgetError)
 
@@ -349,7 +359,7 @@ class PipelineTries:
             f"{ranked[0][0] * 1e3:.4g} ms searched again rolled into loops over its "
             f"{pipe.stages} stages (what runs)"
             if ranked
-            else f"rolled into loops over its {pipe.stages} stages: {got.why.splitlines()[0]}"
+            else f"rolled into loops over its {pipe.stages} stages: {got.brief}"
         )
         note = f"{name}: {step_s * 1e3:.4g} ms as priced with its layers in one loop; {again}"
         out = self._first_that_fits(
@@ -376,7 +386,7 @@ class PipelineTries:
         again = (
             f"{ranked[0][0] * 1e3:.4g} ms searched again as it runs"
             if ranked
-            else f"searched again as it runs: {result.why.splitlines()[0]}"
+            else f"searched again as it runs: {result.brief}"
         )
         note = (
             f"{name} without a pipeline: {step_s * 1e3:.4g} ms as priced with its layers in "

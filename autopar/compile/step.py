@@ -171,7 +171,7 @@ def _fewest_layers(
             options, call, policy, graph, clock, remat_layers=mid, traces=driver.traces
         ).compile()
         if isinstance(probe, Infeasible):
-            tried.append(f"remat={policy} on the first {mid} layers: {probe.why.splitlines()[0]}")
+            tried.append(f"remat={policy} on the first {mid} layers: {probe.brief}")
             lo = mid
             continue
         tried.append(f"remat={policy} on the first {mid} layers: {_priced(probe)}")
@@ -193,7 +193,7 @@ def fastest_made(found: list, tried: list[str]) -> Compiled | None:
         if isinstance(got, Proxy):
             policy, got = got.remat or "none", got.realize()
             if isinstance(got, Infeasible):
-                tried.append(f"remat={policy} searched again: {got.why.splitlines()[0]}")
+                tried.append(f"remat={policy} searched again: {got.brief}")
                 continue
             tried.append(f"remat={policy} searched again: {got.step_s * 1e3:.4g} ms")
         made = got if made is None or got.step_s < made.step_s else made
@@ -238,7 +238,7 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
         if isinstance(got, Infeasible):
             if not got.memory:  # not memory: no policy changes it
                 raise got.error
-            tried.append(f"remat={policy}: {got.why.splitlines()[0]}")
+            tried.append(f"remat={policy}: {got.brief}")
             continue
         tried.append(f"remat={policy}: {_priced(got)}")
         if best is None and k > 0 and driver.stack_layers > 1 and driver.unpipelined_fits:

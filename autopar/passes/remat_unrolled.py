@@ -84,8 +84,8 @@ class LayerRemat:
 
     index: int
     recomputed: int  # residuals the backward now recomputes
-    stored: int  # residuals it still reads as stored
-    recomputed_bytes: int  # bytes no longer kept from the forward to the backward pass
+    stored: int  # residuals it still reads as stored, and what the recomputation reads
+    recomputed_bytes: int  # net bytes no longer kept from the forward to the backward pass
     recompute_flops: float
     waits: bool = False  # for the weight gradients of the layer above (`wait_for_gradients`)
 
@@ -170,12 +170,21 @@ def remat_layers(
         trigger = max(made_before)[1] if made_before else None
         after = _weight_gradients(graph, backward, i, at) if wait_for_gradients else []
         inserts.setdefault(at, []).append((i, copy, todo, trigger, after))
+        # what the copies read that the layer made (the dots "dots" saves): kept now
+        made = {v for n in copy for v in graph.nodes[n].outputs}
+        kept = {
+            x
+            for n in copy
+            for x in graph.nodes[n].inputs
+            if x not in made and graph.producer.get(x) in nodes and x not in residuals
+        }
         report.append(
             LayerRemat(
                 i,
                 len(todo),
-                len(residuals) - len(todo),
-                sum(graph.values[v].nbytes for v in todo),
+                len(residuals) - len(todo) + len(kept),
+                sum(graph.values[v].nbytes for v in todo)
+                - sum(graph.values[v].nbytes for v in kept),
                 sum(node_flops(graph.nodes[n], graph) for n in copy),
                 waits=bool(after and trigger is not None),
             )
@@ -217,6 +226,21 @@ def _zero_after(*grads):
 
 def _plus(x, zero):
     return x + zero.astype(x.dtype)
+
+
+def _smallest_numeric(graph: Graph, inputs: Sequence[int]) -> int | None:
+    """The position of the smallest integer or floating operand in `inputs` (None if
+    none: a key, a predicate)."""
+    ok = [
+        (graph.values[x].nbytes, j)
+        for j, x in enumerate(inputs)
+        if not graph.values[x].extended
+        and (
+            jnp.issubdtype(graph.values[x].dtype, jnp.floating)
+            or jnp.issubdtype(graph.values[x].dtype, jnp.integer)
+        )
+    ]
+    return min(ok)[1] if ok else None
 
 
 def _barrier_groups(graph: Graph, ext: list[int], trigger: int | None) -> list[tuple[int, ...]]:
@@ -262,18 +286,21 @@ def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
                 )
             )
             local: dict[int, int] = {}
+            where = (node.name_stack, node.source)
+            zero = None
+            if trigger is not None and after:  # the copies wait for the layer above
+                (zero,) = append_traced(values, new_nodes, consts, _zero_after, after, *where)
+
+            def waiting(x: int, zero=zero, where=where) -> int:  # x, made to wait for `zero`
+                return append_traced(values, new_nodes, consts, _plus, [x, zero], *where)[0]
+
+            waits: set[int] = set()  # values of the layer that wait for `zero`
             for k, group in enumerate(_barrier_groups(graph, ext, trigger)):
                 outs = tuple(fresh(x) for x in group)
                 ins = group
-                if k == 0 and trigger is not None and after:  # the activation waits too
-                    where = (node.name_stack, node.source)
-                    (zero,) = append_traced(values, new_nodes, consts, _zero_after, after, *where)
-                    ins = tuple(
-                        x
-                        if x == trigger
-                        else append_traced(values, new_nodes, consts, _plus, [x, zero], *where)[0]
-                        for x in group
-                    )
+                if k == 0 and zero is not None:  # the activation
+                    ins = tuple(x if x == trigger else waiting(x) for x in group)
+                    waits.update(x for x in group if x != trigger)
                 new_nodes.append(
                     Node(
                         len(new_nodes),
@@ -290,8 +317,17 @@ def _rebuild(graph: Graph, inserts, back: frozenset[int]) -> Graph:
                 local.update(zip(group, outs))
             for n in copy:
                 orig = graph.nodes[n]
+                ins = [local.get(x, x) for x in orig.inputs]
+                # a copy that reads no activation (a dropout mask's key, a weight's cast)
+                # waits through its smallest numeric operand, where it has one
+                root = zero is not None and not waits.intersection(orig.inputs)
+                j = _smallest_numeric(graph, orig.inputs) if root else None
+                if j is not None:
+                    ins[j] = waiting(ins[j])
+                if not root or j is not None:
+                    waits.update(orig.outputs)
                 outs = tuple(fresh(v) for v in orig.outputs)
-                emit(orig, (local.get(x, x) for x in orig.inputs), outs)
+                emit(orig, ins, outs)
                 local.update(zip(orig.outputs, outs))
             for v in todo:
                 swap[v] = local[v]
