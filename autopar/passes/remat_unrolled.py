@@ -39,7 +39,10 @@ therefore also waits, by data, for layer i + 1's weight gradients: its activatio
 gets `0 * isfinite(sum of the max of each)` added (`_zero_after`: a max, as XLA
 rewrites a sum of a contraction into a contraction of sums and would not wait for the
 contraction itself; 0 also where a gradient is not finite, and `x * 0` on floats is
-not folded), so at most one layer's recomputed residuals live at once. On a mesh each
+not folded), and so does every copied op that reads no activation, through its smallest
+numeric operand (a dropout mask's key fold-in data, a weight before its cast: else
+XLA:CPU draws every layer's mask at once), so at most one layer's recomputed residuals
+live at once. On a mesh each
 max is a scalar all-reduce over the axes its gradient is split on, and waits for the
 gradient's own all-reduce, which is why it is not done where barriers order the
 recomputation. The graph computes the same numbers; its
