@@ -470,7 +470,6 @@ class DropoutBlock(nn.Module):  # BERT-style: dropout on the attention probabili
 
     @nn.compact
     def __call__(self, x):
-        B, S, _ = x.shape
         q, k, v = jnp.split(nn.Dense(3 * self.d)(x), 3, -1)
         p = jax.nn.softmax(q @ k.transpose(0, 2, 1) / jnp.sqrt(self.d), -1)
         p = nn.Dropout(0.1, deterministic=False)(p)
