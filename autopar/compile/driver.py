@@ -69,14 +69,12 @@ from autopar.ir.capture import abstractify_tree, arg_names, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.lower.rolled import abstract_inputs
-from autopar.meshes import drops_barriers
 from autopar.passes.accumulate import accumulate, batch_problem
 from autopar.passes.pipeline import (
     Pipeline,
 )
 from autopar.passes.precision import describe as describe_precision
 from autopar.passes.precision import mixed_precision
-from autopar.passes.remat import rematerialize
 from autopar.passes.roll import Roll
 from autopar.plan.plan import Plan
 from autopar.search import first_tasks, search
@@ -187,8 +185,7 @@ class _Driver(PipelineTries):
     def _remat(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         if self.remat_policy in (None, "none"):
             return graph, ()
-        wait = drops_barriers(self.o.meshes[0])  # XLA:CPU: layers ordered by data
-        graph, report = rematerialize(graph, self.remat_policy, self.remat_layers, True, wait)
+        graph, report = self._rematerialize(graph, self.remat_layers)
         self.stack_layers = report.stack_layers if report.applied else 0
         if len(report.layers) >= report.stack_layers:
             self.remat_layers = None  # every layer of the stack (or there is none)

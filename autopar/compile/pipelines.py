@@ -118,9 +118,15 @@ class PipelineTries:
         if self.remat_policy in (None, "none"):
             return graph, ()
         others = len(self._stacks(self.base)) > 1
-        wait = drops_barriers(self.o.meshes[0])  # XLA:CPU: layers ordered by data
-        graph, report = rematerialize(graph, self.remat_policy, None, others, wait)
+        graph, report = self._rematerialize(graph, unrolled=others)
         return graph, report.notes()
+
+    def _rematerialize(self, graph: Graph, layers: int | None = None, unrolled: bool = True):
+        """`passes.remat.rematerialize` under this call's policy; where the mesh's
+        compiler drops optimization barriers (XLA:CPU) unrolled layers are ordered by
+        data (`wait_for_gradients`)."""
+        wait = drops_barriers(self.o.meshes[0])
+        return rematerialize(graph, self.remat_policy, layers, unrolled, wait_for_gradients=wait)
 
     def _pipelines(self, graph: Graph, mesh) -> list[PipelinedScans | None] | Infeasible:
         """The pipelines to try on `mesh`: none, or `pipeline_stages` with each candidate
