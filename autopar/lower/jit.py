@@ -27,6 +27,7 @@ from autopar.ir.graph import Graph, Node
 from autopar.ir.ops import CONTRACTIONS
 from autopar.lower.batching import taken, unbatched
 from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
+from autopar.passes.accumulate import is_accumulation
 from autopar.passes.pipeline import Fused, PipelinedScans, sunk_fills
 from autopar.passes.precision import upcast_operands
 from autopar.passes.zero_bubble import WeightSplit, split_weight_grads
@@ -405,9 +406,21 @@ def _run_scan(node: Node, rec, mesh, invals) -> list:
     n_c, n_carry = p["num_consts"], p["num_carry"]
     consts, init, xs = invals[:n_c], invals[n_c : n_c + n_carry], invals[n_c + n_carry :]
     run_body = interpret(node.body, rec.body, mesh, pin_inputs=True)
+    # A gradient accumulation loop whose body reads weights split (ZeRO-3) gathers them
+    # each micro-batch; XLA would hoist those gathers out of the loop (a whole copy of
+    # every weight alive through it, what ZeRO-3 is chosen to avoid), so the split
+    # weights go through a barrier with the carry: values of the step, not invariants.
+    split = [i for i in range(n_c) if rec.body.inputs[i].spec.used_axes]
+    if not is_accumulation(node) or not n_carry:
+        split = []
 
     def step(carry, x):
-        outs = run_body(*consts, *carry, *x)
+        ws = list(consts)
+        if split:
+            held, carry = jax.lax.optimization_barrier(([ws[i] for i in split], carry))
+            for i, w in zip(split, held):
+                ws[i] = w
+        outs = run_body(*ws, *carry, *x)
         return list(outs[:n_carry]), list(outs[n_carry:])
 
     carry, ys = jax.lax.scan(

@@ -345,7 +345,9 @@ def search(
     """Run `engine` ("auto": `AUTO_ENGINES`, then `fsdp` if no plan fits); if its plan
     does not fit `memory_budget`,
     retry with the optimizer state sharded over every device (ZeRO-1; ZeRO-2 is the
-    same in one fused step), with the parameters sharded too (ZeRO-3), and then, for
+    same in one fused step, and under gradient accumulation the loop's accumulators
+    sharded too), with the parameters sharded too (ZeRO-3; under accumulation also
+    gathered in the loop, each micro-batch), and then, for
     functions with loops, with ZeRO-3 and each loop held to a strategy whose stacked
     inputs take at most 1/2, 1/4, 1/8 of the budget (`layouts.loop_pins`), until one
     fits. Returns the fastest plan that fits; raises MemoryBudgetError if none does.
@@ -372,12 +374,18 @@ def search(
     candidates: dict[str, tuple[list[int], Cost]] = {}
     zero_pins = _zero_pins(problem, pinned)
     opt_state = layouts.optimizer_state_inputs(problem)
-    # ZeRO-1/2: only the optimizer state sharded (a fused step reduce-scatters the
-    # gradients into it, so stage 2 is stage 1 here); ZeRO-3: the parameters too
+    # ZeRO-1: only the optimizer state sharded (a fused step reduce-scatters the
+    # gradients into it, so without accumulation it is ZeRO-2 too); ZeRO-2 under
+    # gradient accumulation: the accumulated gradients sharded as well (the loop on its
+    # "dp+zero2" body, the optimizer state as ZeRO-1 has it); ZeRO-3: the parameters
+    # too, gathered before an accumulation loop or, "zero3+per-micro-batch", in it
     zero_stages = {
         "zero1": {i: s for i, s in zero_pins.items() if i in opt_state},
+        "zero2": layouts.accumulation_pins(problem, "dp+zero2"),
         "zero3": zero_pins,
     }
+    if in_loop := layouts.accumulation_pins(problem, "dp+zero3"):
+        zero_stages["zero3+per-micro-batch"] = {**zero_pins, **in_loop}
     # Loops whose stacked inputs, as their body reads them, take at most 1/2, 1/4, 1/8
     # of the budget (with ZeRO-3): a body that keeps its weights whole is fastest, but
     # the whole stack of them must then sit on every device.
@@ -430,10 +438,13 @@ def search(
 
     def retries(name: str, choice: Sequence[int]) -> Iterator[tuple[str, dict[int, int]]]:
         """The ZeRO retries of engine `name`'s plan `choice` (over the budget): ZeRO-1
-        splits the optimizer state further than `choice` does (`layouts.aligned_pins`)."""
+        (and ZeRO-2's optimizer state) splits the optimizer state further than `choice`
+        does (`layouts.aligned_pins`)."""
         for stage, pins in zero_stages.items():
-            if stage == "zero1" and pins:
+            if stage in ("zero1", "zero2") and pins:
                 aligned = layouts.aligned_pins(problem, choice, opt_state - set(pinned))
+                if stage == "zero2":
+                    aligned = {**aligned, **pins}
                 pins = aligned if any(choice[i] != k for i, k in aligned.items()) else {}
             if pins and not (stage == "zero1" and pins == zero_pins):
                 yield stage, pins

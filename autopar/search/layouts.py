@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autopar.ir.graph import BACKWARD, FORWARD
+from autopar.passes.accumulate import is_accumulation
 from autopar.search.build import Problem, batch_like_body_inputs
 from autopar.sharding import Spec
 
@@ -41,7 +42,7 @@ def batch_spec(problem: Problem, i: int) -> int:
     return best
 
 
-def _max_sharded(problem: Problem, i: int) -> int:
+def max_sharded(problem: Problem, i: int) -> int:
     """Strategy index sharding the argument over the most devices, on as few dims as possible."""
     t = problem.graph.values[problem.graph.inputs[i]]
 
@@ -169,7 +170,7 @@ def fsdp_pins(problem: Problem) -> dict[int, int]:
     """ZeRO-3 / FSDP: parameters and optimizer state sharded over every device."""
     batch = batch_like_inputs(problem)
     return {
-        i: batch_spec(problem, i) if batch[i] else _max_sharded(problem, i)
+        i: batch_spec(problem, i) if batch[i] else max_sharded(problem, i)
         for i in range(problem.num_inputs)
     }
 
@@ -222,4 +223,19 @@ def loop_pins(problem: Problem, cap: float) -> dict[int, int]:
         pins[v] = (
             min(fits, key=lambda k: problem.node_time[v][k]) if fits else min(ks, key=size.get)
         )
+    return pins
+
+
+def accumulation_pins(problem: Problem, body: str) -> dict[int, int]:
+    """Each gradient accumulation loop pinned to its strategy whose body plan is named
+    `body` (`search.nested`'s ZeRO bodies, "dp+zero2" and "dp+zero3"); loops that
+    have none are left out."""
+    pins = {}
+    for node in problem.graph.nodes:
+        v = problem.num_inputs + node.id
+        if not is_accumulation(node):
+            continue
+        for k, st in enumerate(problem.strategies[v]):
+            if body in st.label.removeprefix("scan body: ").split(" = "):
+                pins[v] = k
     return pins

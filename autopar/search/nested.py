@@ -26,7 +26,7 @@ from autopar.search.build import (
     build_problem,
 )
 from autopar.search.evaluate import output_specs
-from autopar.search.layouts import batch_spec, largest_dim, largest_dim_over
+from autopar.search.layouts import batch_spec, largest_dim, largest_dim_over, max_sharded
 from autopar.search.result import SearchResult
 from autopar.sharding import MeshInfo, Spec
 from autopar.strategies import Fixed, NodeStrategies, fixed_strategy
@@ -107,6 +107,8 @@ def _scan_strategy(
             whole = {i: _whole(body, i) for i in range(n_fixed, body.num_inputs) if i not in pins}
             r = search(body, "dp", budget, {**_making(body, summed), **pins, **whole})
             candidates.append(replace(r, engine="dp+data-parallel"))
+            if is_accumulation(node):
+                candidates += _zero_bodies(body, node, {**_making(body, summed), **pins}, budget)
         # Per-layer weights split over one axis (Megatron-style when it is the tensor
         # axis): a loop stores its stacked weights in the layout its body reads them,
         # so a body that keeps them whole needs the whole stack on every device.
@@ -132,20 +134,51 @@ def _scan_strategy(
         candidates.append(replace(r, engine="dp+whole"))
     lead = (stage_axis,) if stage_axis else ()
     lift = lambda sp: Spec((lead, *sp.dims), sp.partial)
-    strategies, results, seen = [], [], set()
+    # one strategy per layout; a layout several candidates found is named by each
+    # (`layouts.accumulation_pins` looks the ZeRO bodies up by name)
+    names: dict[tuple, list[str]] = {}
+    results = []
     for r in candidates:
-        name = r.engine
         ins = [body.strategies[i][r.choice[i]].out_specs[0] for i in range(body.num_inputs)]
         outs = output_specs(body, r.choice)
         in_specs = tuple(sp if k < n_fixed else lift(sp) for k, sp in enumerate(ins))
         out_specs = tuple(sp if k < n_carry else lift(sp) for k, sp in enumerate(outs))
-        if (in_specs, out_specs) in seen:
-            continue
-        seen.add((in_specs, out_specs))
-        strategies.append(fixed_strategy(Fixed(in_specs, out_specs, f"scan body: {name}")))
-        results.append(r)
+        if (in_specs, out_specs) not in names:
+            results.append(r)
+        names.setdefault((in_specs, out_specs), []).append(r.engine)
+    strategies = [
+        fixed_strategy(Fixed(ins, outs, f"scan body: {' = '.join(n)}"))
+        for (ins, outs), n in names.items()
+    ]
     warnings = tuple(f"{w} (in the scan body at {node.key})" for w in body.warnings)
     return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (body, results)
+
+
+def _zero_bodies(
+    body: Problem, node: Node, pins: dict[int, int], budget: float
+) -> list[SearchResult]:
+    """A gradient accumulation loop's ZeRO layouts, the micro-batches split as `pins`
+    has them: ZeRO-2 (the weights whole, each accumulated gradient sharded over every
+    device, so every micro-batch's sum is reduce-scattered into it: the accumulators
+    take 1/N of the memory) and ZeRO-3 (the weights sharded too, gathered for each
+    micro-batch's compute). Neither is data parallelism's plan, which keeps both whole;
+    the outer search prices them against it, and a memory budget's retries
+    (`layouts.loop_pins`) take them where the loop's footprint must shrink."""
+    n_consts, n_fixed = (
+        node.params["num_consts"],
+        node.params["num_consts"] + node.params["num_carry"],
+    )
+    sharded = {i: max_sharded(body, i) for i in range(n_consts, n_fixed)}
+    out = []
+    with contextlib.suppress(MemoryBudgetError, StopIteration):
+        whole = {i: _whole(body, i) for i in range(n_consts) if i not in pins}
+        r = search(body, "dp", budget, {**pins, **whole, **sharded})
+        out.append(replace(r, engine="dp+zero2"))
+    with contextlib.suppress(MemoryBudgetError):
+        weights = {i: max_sharded(body, i) for i in range(n_consts) if i not in pins}
+        r = search(body, "dp", budget, {**pins, **weights, **sharded})
+        out.append(replace(r, engine="dp+zero3"))
+    return out
 
 
 def _search_fitting(problem: Problem, engine: str, budget: float, pins=None) -> SearchResult:
