@@ -95,3 +95,33 @@ def test_when_xla_rejects_every_plan_the_error_lists_them(monkeypatch):
     with pytest.raises(MemoryBudgetError, match="needs more once compiled") as e:
         _plan()
     assert len(checked) >= 2 and str(e.value).count("compiled ") >= len(checked)
+
+
+def test_a_plan_no_faster_than_one_already_made_is_not_compiled(monkeypatch):
+    """A driver given the step time of a plan made elsewhere (`remat="auto"`: another
+    policy's) compiles only plans faster than it to check their memory."""
+    first = _plan()
+    slowest = max(first.candidates.values(), key=lambda c: c.step_s).step_s
+    assert slowest > first.cost.step_s  # plans at two prices (here `data`'s is higher)
+    init = driver._Driver.__init__
+    for bound, compiled in ((first.cost.step_s, False), (slowest, True)):
+        monkeypatch.undo()
+        checked, seen = _spy(monkeypatch, reject=10**6)
+        monkeypatch.setattr(
+            driver._Driver,
+            "__init__",
+            lambda self, *a, b=bound, **k: init(self, *a, **k, bound=b),
+        )
+        lowered, times = driver.lowered, []  # the step times of the plans compiled
+        monkeypatch.setattr(
+            driver,
+            "lowered",
+            lambda j, f, plan, m, t=times, low=lowered: (
+                t.append(plan.cost.step_s) or low(j, f, plan, m)
+            ),
+        )
+        with pytest.raises(MemoryBudgetError, match="no faster than .* not compiled") as e:
+            _plan()
+        assert bool(checked) == compiled, (bound, seen)
+        assert all(t < bound for t in times), (times, bound)  # only plans faster than it
+        assert ("needs more once compiled" in str(e.value)) == compiled

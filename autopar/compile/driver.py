@@ -137,8 +137,12 @@ class _Driver(PipelineTries):
         clock: Clock | None = None,
         remat_layers: int | None = None,  # of an unrolled stack, remat only the first ones
         traces: dict | None = None,  # micro-batch traces, full-size rolls: the call's
+        bound: float = float("inf"),  # a made plan's step time (another remat policy's)
     ):
         self.o, self.call, self.remat_policy = options, call, remat_policy
+        # plans no faster than `bound` cannot be the one returned: not compiled to check
+        # their memory (`_first_that_fits`)
+        self.bound = bound
         given = options.given_plan
         if remat_layers is None and given is not None and remat_policy == given.remat:
             remat_layers = given.remat_layers
@@ -474,8 +478,10 @@ class _Driver(PipelineTries):
         """The fastest plan found, compiled once on a mesh with devices when it comes
         close to the budget; the next one when XLA needs more than the budget."""
         o, call = self.o, self.call
-        rejected = []
+        rejected, slower = [], 0
         for n, (step_s, _, name, mesh, problem, result, pipelined) in enumerate(found.ranked):
+            if slower:
+                break
             if proxied(pipelined):  # priced on the one-loop roll: searched again as it runs
                 rest = replace(found, ranked=found.ranked[n:])
                 realize = partial(self._realized, graph, rest, notes, lead)
@@ -515,6 +521,9 @@ class _Driver(PipelineTries):
                 isinstance(mesh, Mesh)
                 and plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * o.memory_budget
             ):
+                if step_s >= self.bound:  # this and every plan after it (ranked by time)
+                    slower = len(found.ranked) - n
+                    continue
                 log.info("compiling %s to check its memory", info_str(plan))
                 with self.clock.phase("compile check"):
                     flat = abstract_inputs(rolled, call.flat) if rolled else call.flat
@@ -540,9 +549,16 @@ class _Driver(PipelineTries):
                 plan = replace(plan, warnings=(*plan.warnings, whole))
             memory_bound = found.memory_bound or bool(rejected) or "+zero" in plan.engine
             return Compiled(g, plan, problem, jitted, mesh, memory_bound, rolled)
+        budget = format_bytes(o.memory_budget)
+        head = f"every plan the cost model fit into {budget} needs more once compiled by XLA:"
+        if slower:
+            made = f"{self.bound * 1e3:.4g} ms, a plan already made"
+            if not rejected:
+                head = f"no plan the cost model fit into {budget} is faster than {made}:"
+            rejected.append(f"{slower} plan(s) no faster than {made}, not compiled")
         return Infeasible(
             MemoryBudgetError(
-                f"every plan the cost model fit into {format_bytes(o.memory_budget)} needs more once compiled by XLA:\n  "
+                f"{head}\n  "
                 + "\n  ".join(rejected)
                 + "\nRaise memory_budget, use more devices, or shrink the batch."
             )

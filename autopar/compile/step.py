@@ -157,18 +157,27 @@ def _fewest_layers(
     got: Compiled | Proxy,
     driver: _Driver,
     tried: list[str],
+    bound: float = float("inf"),
 ) -> Compiled | Proxy:
     """`policy` fits on every layer of the unrolled stack and no lighter policy fits:
     the fastest plan recomputing only the stack's first layers, the fewest that fit
     (each layer recomputed costs its forward again). Bisection on the count, one
-    search a probe; the memory a count saves grows with it."""
+    search a probe; the memory a count saves grows with it. `bound`: the step time of
+    a plan already made (a probe's plans no faster are not compiled to check them)."""
     lo, hi, best = 0, driver.stack_layers, got  # 0 layers is remat=none, which did not fit
     for _ in range(MAX_LAYER_PROBES):
         if hi - lo <= 1 or clock.out_of_time():
             break
         mid = (lo + hi) // 2
         probe = _Driver(
-            options, call, policy, graph, clock, remat_layers=mid, traces=driver.traces
+            options,
+            call,
+            policy,
+            graph,
+            clock,
+            remat_layers=mid,
+            traces=driver.traces,
+            bound=min(bound, _made_bound([best])),
         ).compile()
         if isinstance(probe, Infeasible):
             tried.append(f"remat={policy} on the first {mid} layers: {probe.brief}")
@@ -200,6 +209,13 @@ def fastest_made(found: list, tried: list[str]) -> Compiled | None:
     return made
 
 
+def _made_bound(found: list) -> float:
+    """The step time of the fastest plan made among `found` (not one priced on a
+    stack rolled into one loop, `Proxy`, whose price is approximate): a later try's
+    plans no faster need no compile check."""
+    return min((g.step_s for g in found if isinstance(g, Compiled)), default=float("inf"))
+
+
 def _priced(got: Compiled | Proxy) -> str:
     """A policy's best price, as the `remat='auto'` note gives it."""
     one = " as priced with the layers in one loop" if isinstance(got, Proxy) else ""
@@ -228,12 +244,14 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
         if isinstance(got, Infeasible):
             raise got.error
         return got
-    tried, best, traces, found = [], None, {}, []
+    tried, best, traces, found, bisect = [], None, {}, [], None
     for k, policy in enumerate(REMAT_POLICIES):  # most memory, least recompute first
         if best is not None and clock.out_of_time():
             clock.skip("remat policies " + ", ".join(REMAT_POLICIES[k:]))
             break
-        driver = _Driver(options, call, policy, graph, clock, traces=traces)
+        driver = _Driver(
+            options, call, policy, graph, clock, traces=traces, bound=_made_bound(found)
+        )
         got = driver.compile()
         if isinstance(got, Infeasible):
             if not got.memory:  # not memory: no policy changes it
@@ -243,10 +261,12 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
         tried.append(f"remat={policy}: {_priced(got)}")
         if best is None and k > 0 and driver.stack_layers > 1 and driver.unpipelined_fits:
             # the policy before did not fit: fewer layers of this one may (recomputing
-            # less); bisect on how many of the unrolled stack's first layers it covers.
-            # Not where it fits only pipelined: a pipeline recomputes all its layers or
-            # none, and fewer layers hold more memory than all of them, which did not fit
-            got = _fewest_layers(options, call, policy, graph, clock, got, driver, tried)
+            # less); bisect on how many of the unrolled stack's first layers it covers,
+            # once the other policies are tried (the fastest plan made then spares the
+            # probes' slower plans their compile checks). Not where it fits only
+            # pipelined: a pipeline recomputes all its layers or none, and fewer layers
+            # hold more memory than all of them, which did not fit
+            bisect = (policy, driver, got)
         found.append(got)
         if best is None or got.step_s < best.step_s:
             best = got
@@ -255,6 +275,12 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
         if policy != "none" and got.remat is None:  # nothing to rematerialize
             tried.append("no layers to rematerialize")
             break
+    if bisect is not None and not clock.out_of_time():
+        policy, driver, got = bisect
+        bound = _made_bound(found)
+        fewer = _fewest_layers(options, call, policy, graph, clock, got, driver, tried, bound)
+        if fewer is not got:
+            found.append(fewer)
     made = fastest_made(found, tried)
     if made is not None:
         note = "remat='auto' tried " + "; ".join(tried)
