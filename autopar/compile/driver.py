@@ -218,7 +218,10 @@ class _Driver(PipelineTries):
             graph, more = self._remat(self.base)
             notes += more
             if o.grad_accumulation and o.grad_accumulation > 1:
-                graph = self._accumulated(graph)
+                graph, said = self._accumulated(graph)
+                for why in said:
+                    warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
+                notes += said
         reused: dict[int, Spec] = {}
         if o.given_plan is not None:
             mesh = _mesh_for_plan(o.meshes, o.given_plan)
@@ -577,9 +580,10 @@ class _Driver(PipelineTries):
             jitted = jit_from_plan(graph, plan, mesh, donate, pipelined)
         return Compiled(graph, plan, None, jitted, mesh, roll=rolled)
 
-    def _accumulated(self, graph: Graph) -> Graph:
-        """`graph` with its per-micro-batch part in a loop (`autopar.passes.accumulate`); the
-        batch is the last non-static argument, cut along its leaves' leading dim."""
+    def _accumulated(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
+        """`graph` with its per-micro-batch part in a loop (`autopar.passes.accumulate`),
+        and the pass's notes; the batch is the last non-static argument, cut along its
+        leaves' leading dim."""
         M, name, args = self.o.grad_accumulation, self.name, self.call.args
         dyn = [i for i in range(len(args) - len(self.o.keywords)) if i not in self.call.static]
         if not dyn:

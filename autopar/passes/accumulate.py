@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from autopar.cost.model import node_flops
 from autopar.errors import MicrobatchError
 from autopar.ir.capture import capture
 from autopar.ir.eval import run_nodes
@@ -89,10 +90,11 @@ def batch_problem(batch: Any, microbatches: int, name: str = "batch") -> str | N
 
 def accumulate(
     graph: Graph, micro: Graph, batch_inputs: Sequence[int], microbatches: int, mesh=None
-) -> Graph:
-    """`graph` with its per-micro-batch part in a loop over `microbatches` micro-batches.
-    `micro` is the same function traced with the inputs at positions `batch_inputs`
-    cut to `1/microbatches` along their leading (batch) dim."""
+) -> tuple[Graph, tuple[str, ...]]:
+    """`graph` with its per-micro-batch part in a loop over `microbatches` micro-batches,
+    and notes for the plan (`_notes`). `micro` is the same function traced with the
+    inputs at positions `batch_inputs` cut to `1/microbatches` along their leading
+    (batch) dim."""
     if [n.op for n in graph.nodes] != [n.op for n in micro.nodes] or len(graph.values) != len(
         micro.values
     ):
@@ -109,7 +111,7 @@ def accumulate(
             in_specs.append(split_spec(t.rank, 0))
         else:
             in_specs.append(Spec.replicated(t.rank))
-    have, _ = separate(graph, in_specs, M, micro)
+    have, first_bad = separate(graph, in_specs, M, micro)
 
     # where every value is computed: before the loop, in it, or after it
     where = {v: ("loop" if i in batch_inputs else "pre") for i, v in enumerate(graph.inputs)}
@@ -145,11 +147,9 @@ def accumulate(
         raise MicrobatchError(f"{graph.name}: nothing in the step depends on the batch arguments")
 
     fn = _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have)
-    args = [
-        jax.ShapeDtypeStruct(graph.values[v].shape, graph.values[v].dtype) for v in graph.inputs
-    ]
+    args = [_abstract(graph.values[v]) for v in graph.inputs]
     new = capture(fn, args, (), mesh)
-    return replace(
+    new = replace(
         new,
         input_paths=graph.input_paths,
         output_paths=graph.output_paths,
@@ -157,6 +157,59 @@ def accumulate(
         out_tree=graph.out_tree,
         name=graph.name,
     )
+    return new, _notes(graph, new, first_bad, M)
+
+
+def _notes(graph: Graph, new: Graph, first_bad: Node | None, M: int) -> tuple[str, ...]:
+    """What the plan should say of the loop: how little of the step's work it holds
+    when something before the optimizer needs the whole batch (batch statistics), and
+    that its random draws are the micro-batches' own."""
+    (loop,) = [n for n in new.nodes if is_accumulation(n)]
+    inside = M * sum(node_flops(n, loop.body) for n in loop.body.nodes)
+    total = sum(node_flops(n, graph) for n in graph.nodes)
+    notes = []
+    if total and inside < 0.5 * total:
+        cause = f" from {first_bad.op} at {first_bad.key}" if first_bad is not None else ""
+        notes.append(
+            f"gradient accumulation: only {inside / total:.0%} of the step's FLOPs run "
+            f"micro-batch by micro-batch; the rest needs the whole batch{cause} (batch "
+            "statistics such as BatchNorm's, or a loss over the whole batch), so the "
+            "micro-batches save little memory"
+        )
+    if any(n.op == "random_bits" for n in loop.body.nodes):
+        notes.append(
+            "gradient accumulation: random numbers (dropout masks) are drawn per "
+            "micro-batch, its index folded into the key: a different, equally random "
+            "draw than jax.jit's on the whole batch; set the dropout rate to 0 to compare "
+            "numbers"
+        )
+    return tuple(notes)
+
+
+_KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<urbg>": "unsafe_rbg"}
+
+
+def _abstract(t) -> jax.ShapeDtypeStruct:
+    """A captured value's abstract array; a typed PRNG key as one (the graph keeps its
+    uint32 words' dtype and the key type's name), so the loop can fold into it."""
+    if t.extended in _KEY_IMPLS:
+        impl = _KEY_IMPLS[t.extended]
+        dtype = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+        return jax.ShapeDtypeStruct(t.shape, dtype)
+    return jax.ShapeDtypeStruct(t.shape, t.dtype)
+
+
+def _segments(nodes: Sequence[Node]) -> list[tuple[list[Node], bool]]:
+    """`nodes` cut into runs, each draw of random bits (`random_bits` on a typed key)
+    a run of its own, flagged True."""
+    out: list[tuple[list[Node], bool]] = []
+    for n in nodes:
+        random = n.op == "random_bits"
+        if random or not out or out[-1][1]:
+            out.append(([n], random))
+        else:
+            out[-1][0].append(n)
+    return out
 
 
 def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Callable:
@@ -172,6 +225,14 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
     }
     batched = [graph.inputs[i] for i in sorted(batch_inputs)]
     piece_dim = {v: next(d for d, a in enumerate(have[v].dims) if a) for v in pieces}
+    # a piece's split dim is the batch, or the batch merged with the dims after it
+    # (tokens): `inner` rows per example, kept together as the inputs' cut keeps them
+    examples = graph.values[batched[0]].shape[0]
+    inner = {
+        v: n // examples if n % examples == 0 else 1
+        for v, d in piece_dim.items()
+        for n in [graph.values[v].shape[d]]
+    }
 
     def fn(*flat):
         env: dict[int, object] = dict(zip(graph.inputs, flat))
@@ -179,18 +240,30 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
         run_nodes(pre, read, env)
 
         def step(carry, xs):
+            *xs, index = xs
             local = dict(zip(batched, xs))
             lread = lambda v: (
                 local[v] if v in local else env[v] if v in env else jnp.asarray(consts[v])
             )
-            run_nodes(micro_loop, lread, local)
+            # a draw of random bits (a dropout mask) takes the micro-batch's index folded
+            # into its key: drawn from the step's key alone, every micro-batch would get
+            # the same mask
+            folded = lambda v: jax.random.fold_in(lread(v), index)
+            for segment, random in _segments(micro_loop):
+                if random:
+                    (node,) = segment
+                    read = lambda v, key=node.inputs[0]: folded(v) if v == key else lread(v)
+                    run_nodes(segment, read, local)
+                else:
+                    run_nodes(segment, lread, local)
             return [c + local[v] for c, v in zip(carry, sums)], [local[v] for v in pieces]
 
         init = [jnp.zeros(graph.values[v].shape, graph.values[v].dtype) for v in sums]
         with jax.named_scope(SCOPE):
-            total, ys = jax.lax.scan(step, init, [cut(env[v], 0, M) for v in batched])
+            xs = [*(cut(env[v], 0, M) for v in batched), jnp.arange(M, dtype=jnp.uint32)]
+            total, ys = jax.lax.scan(step, init, xs)
         env.update(zip(sums, total))
-        env.update((v, uncut(y, piece_dim[v])) for v, y in zip(pieces, ys))
+        env.update((v, uncut(y, piece_dim[v], inner=inner[v])) for v, y in zip(pieces, ys))
         run_nodes(post, read, env)
         return [read(v) for v in graph.outputs]
 

@@ -112,15 +112,22 @@ def separate(
     return have, first_bad
 
 
-def cut(x, dim: int, m: int, lead: int = 0):
-    """[.., B, ..] -> micro-batches stacked at position `lead`: [.., M, .., B/M, ..]."""
+def cut(x, dim: int, m: int, lead: int = 0, inner: int = 1):
+    """[.., B, ..] -> micro-batches stacked at position `lead`: [.., M, .., B/M, ..].
+    Micro-batch `i` holds the strided rows `i::M` of `dim`, in units of `inner` rows:
+    where `dim` is the batch merged with the dims after it (tokens of `[b, s]` as
+    `[b * s]`, `inner` = s), each example's `inner` rows stay together."""
     shape = x.shape
-    x = x.reshape(*shape[:dim], shape[dim] // m, m, *shape[dim + 1 :])
-    return jnp.moveaxis(x, dim + 1, lead)
+    n = shape[dim]
+    x = x.reshape(*shape[:dim], n // (m * inner), m, inner, *shape[dim + 1 :])
+    x = jnp.moveaxis(x, dim + 1, 0).reshape(m, *shape[:dim], n // m, *shape[dim + 1 :])
+    return jnp.moveaxis(x, 0, lead)
 
 
-def uncut(x, dim: int, lead: int = 0):
+def uncut(x, dim: int, lead: int = 0, inner: int = 1):
     """Inverse of `cut`: `dim` indexes the array once the micro-batch dim is removed."""
-    x = jnp.moveaxis(x, lead, dim + 1)
-    shape = x.shape
-    return x.reshape(*shape[:dim], shape[dim] * shape[dim + 1], *shape[dim + 2 :])
+    x = jnp.moveaxis(x, lead, 0)
+    m, shape = x.shape[0], x.shape[1:]
+    n = shape[dim]
+    x = x.reshape(m, *shape[:dim], n // inner, inner, *shape[dim + 1 :])
+    return jnp.moveaxis(x, 0, dim + 1).reshape(*shape[:dim], n * m, *shape[dim + 1 :])

@@ -340,6 +340,9 @@ def build_problem(
             )
     waits = alternating_waits(graph, pipelined, bodies, cost) if pipelined is not None else ()
     buffers = pipeline_buffers(graph, pipelined, bodies) if pipelined is not None else {}
+    for i, (body, results) in bodies.items():
+        if i not in piped_times:  # (a pipelined loop's memory is its region's)
+            buffers[i] = np.array([_scratch(body, r) for r in results], dtype=np.float64)
     node_mem = tuple(  # the engines' memory estimate holds a pipeline's buffers too
         m + buffers[c - n_in] if c - n_in in buffers else m for c, m in enumerate(node_mem)
     )
@@ -389,6 +392,21 @@ def build_problem(
         buffers=buffers,
         loop_comm=loop_comm,
     )
+
+
+def _scratch(body: Problem, result) -> float:
+    """What a loop holds while it runs besides its inputs and results (which the
+    outer walk counts): its body's peak under `result` less the body's arguments and
+    its results (one step's carry, aliased to the loop's, and slices). A gradient
+    accumulation loop's body is one micro-batch's forward and backward pass."""
+    g = body.graph
+    outs = 0
+    for v in dict.fromkeys(g.outputs):
+        u, k = body.source.get(v, (None, 0))
+        if u is not None and u >= body.num_inputs:
+            spec = body.strategies[u][result.choice[u]].out_specs[k]
+            outs += body.cost.local_bytes(g.values[v], spec)
+    return max(0.0, result.cost.peak_memory_bytes - result.cost.argument_bytes - outs)
 
 
 def step_floor(
