@@ -483,8 +483,6 @@ class _Driver(PipelineTries):
         o, call = self.o, self.call
         rejected, slower = [], 0
         for n, (step_s, _, name, mesh, problem, result, pipelined) in enumerate(found.ranked):
-            if slower:
-                break
             if proxied(pipelined):  # priced on the one-loop roll: searched again as it runs
                 rest = replace(found, ranked=found.ranked[n:])
                 realize = partial(self._realized, graph, rest, notes, lead)
@@ -526,7 +524,7 @@ class _Driver(PipelineTries):
             ):
                 if step_s >= self.bound:  # this and every plan after it (ranked by time)
                     slower = len(found.ranked) - n
-                    continue
+                    break
                 log.info("compiling %s to check its memory", info_str(plan))
                 with self.clock.phase("compile check"):
                     flat = abstract_inputs(rolled, call.flat) if rolled else call.flat
