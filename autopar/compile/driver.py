@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
-import jax
 from jax.sharding import AbstractMesh, Mesh
 
 from autopar.compile.calls import Call, Compiled, Options, Proxy, pipeline_of
@@ -60,16 +59,15 @@ from autopar.errors import (
     AutoparError,
     MemoryBudgetError,
     MeshError,
-    MicrobatchError,
     PlanError,
     format_bytes,
     user_level,
 )
-from autopar.ir.capture import abstractify_tree, arg_names, capture, fn_name
+from autopar.ir.capture import capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.lower.rolled import abstract_inputs
-from autopar.passes.accumulate import accumulate, batch_problem
+from autopar.passes.accumulate import accumulate, micro_batch_args
 from autopar.passes.pipeline import (
     Pipeline,
 )
@@ -582,24 +580,14 @@ class _Driver(PipelineTries):
         """`graph` with its per-micro-batch part in a loop (`autopar.passes.accumulate`),
         and the pass's notes; the batch is the last non-static argument, cut along its
         leaves' leading dim."""
-        M, name, args = self.o.grad_accumulation, self.name, self.call.args
-        dyn = [i for i in range(len(args) - len(self.o.keywords)) if i not in self.call.static]
-        if not dyn:
-            raise MicrobatchError(f"{name}: grad_accumulation needs a batch argument")
-        leaves = [jax.tree_util.tree_leaves(args[i]) for i in dyn]
-        first = sum(len(x) for x in leaves[:-1])
-        batch = leaves[-1]
-        why = batch_problem(args[dyn[-1]], M, arg_names(self.o.fn, dyn[-1] + 1)[dyn[-1]])
-        if why:
-            raise MicrobatchError(f"{name}: {why}")
-        b = batch[0].shape[0]
-        margs = list(args)
-        cut = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype)
-        margs[dyn[-1]] = jax.tree_util.tree_map(cut, abstractify_tree(args[dyn[-1]]))
+        M, name = self.o.grad_accumulation, self.name
+        margs, batch = micro_batch_args(
+            self.o.fn, self.call.args, self.call.static, len(self.o.keywords), M, name
+        )
         log.info("tracing %s at the micro-batch size", name)
         micro, _ = self._prepare(self._capture(tuple(margs)))
         mesh = self.o.meshes[0] if self.single else None
-        return accumulate(graph, micro, range(first, first + len(batch)), M, mesh)
+        return accumulate(graph, micro, batch, M, mesh)
 
 
 def _mesh_for_plan(meshes: Sequence, plan: Plan) -> Mesh | AbstractMesh:

@@ -29,7 +29,7 @@ all-reduce happens once per step, after the loop.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from autopar.cost.model import node_flops
 from autopar.errors import MicrobatchError
-from autopar.ir.capture import capture
+from autopar.ir.capture import abstractify_tree, arg_names, capture
 from autopar.ir.eval import run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.passes.microbatch import cut, separate, split_spec, uncut
@@ -86,6 +86,28 @@ def batch_problem(batch: Any, microbatches: int, name: str = "batch") -> str | N
     if b % M:
         return f"{head}, {b}, which is not divisible by {M}"
     return None
+
+
+def micro_batch_args(
+    fn: Callable, args: Sequence[Any], static: Collection[int], n_keywords: int, M: int, name: str
+) -> tuple[list, range]:
+    """The call's arguments with its batch (the last non-static positional argument)
+    as one micro-batch's abstract arrays, its leaves cut to `1/M` along their leading
+    dim, and the positions of the batch's leaves among the flat inputs. Raises
+    MicrobatchError, naming the leaves at fault, where the batch does not cut so."""
+    dyn = [i for i in range(len(args) - n_keywords) if i not in static]
+    if not dyn:
+        raise MicrobatchError(f"{name}: grad_accumulation needs a batch argument")
+    leaves = [jax.tree_util.tree_leaves(args[i]) for i in dyn]
+    first, batch = sum(len(x) for x in leaves[:-1]), leaves[-1]
+    why = batch_problem(args[dyn[-1]], M, arg_names(fn, dyn[-1] + 1)[dyn[-1]])
+    if why:
+        raise MicrobatchError(f"{name}: {why}")
+    b = batch[0].shape[0]
+    margs = list(args)
+    cut_one = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype)
+    margs[dyn[-1]] = jax.tree_util.tree_map(cut_one, abstractify_tree(args[dyn[-1]]))
+    return margs, range(first, first + len(batch))
 
 
 def accumulate(
