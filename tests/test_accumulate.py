@@ -89,6 +89,70 @@ def test_bad_requests_say_what_to_do():
         autopar.parallelize(ts.step, mesh=MESH, grad_accumulation=2, pipeline_stages=2)
 
 
+def _mlp_step():
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = nn.relu(nn.Dense(128)(x))
+            return nn.Dense(8)(x)
+
+    model, tx = MLP(), optax.adamw(1e-3)
+
+    def step(params, opt, batch):
+        x, y = batch
+        loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, x), y
+        ).mean()
+        g = jax.grad(loss)(params)
+        u, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, u), opt
+
+    x, y = jnp.ones((64, 128)), jnp.zeros((64,), jnp.int32)
+    params = model.init(jax.random.key(0), x)
+    return step, params, tx.init(params), (x, y)
+
+
+def test_accumulated_ops_keep_the_users_lines():
+    """The rewritten step is traced through autopar's evaluator: every op named
+    autopar's line (`mul at eval.py:40`). Each op bound again keeps the user's line (in
+    the loop's body too), so budget errors, `inspect` and `explain` name the user's
+    code; a loop's results in a budget error are named by the body op that makes them,
+    not by the loop."""
+    step, params, opt, batch = _mlp_step()
+    par = autopar.parallelize(step, mesh=MESH, cluster=CLUSTER, grad_accumulation=4)
+    plan = par.plan(params, opt, batch)
+    (loop,) = [o for o in plan.ops if o.body is not None]
+    ops = [o for o in plan.ops if o is not loop] + list(loop.body.ops)
+    here = __file__.rsplit("/", 1)[-1]
+    mine = [o for o in ops if o.source.startswith(here)]
+    assert len(mine) > 0.8 * len(ops), sorted({o.source for o in ops})
+    with pytest.raises(autopar.MemoryBudgetError) as e:
+        autopar.parallelize(
+            step, mesh=MESH, cluster=CLUSTER, grad_accumulation=4, memory_budget=1e5
+        ).plan(params, opt, batch)
+    inter = str(e.value).split("Largest intermediates per device:")[1].split("\n")[0]
+    assert here in inter and " at eval.py" not in inter and " at accumulate.py" not in inter, inter
+
+
+def test_a_batch_in_several_arguments_gets_a_hint():
+    """Accumulation cuts the last positional argument: with `x` and `y` passed apart,
+    `x` stays whole and the micro-batch trace fails. The error names `x` and says to
+    pass the batch as one argument."""
+    step, params, opt, (x, y) = _mlp_step()
+
+    def apart(params, opt, x, y):
+        return step(params, opt, (x, y))
+
+    par = autopar.parallelize(apart, mesh=MESH, cluster=CLUSTER, grad_accumulation=4)
+    with pytest.raises(MicrobatchError, match=r"x \[64, 128\] before it .* \(x, y\)"):
+        par.plan(params, opt, x, y)
+
+
 def test_the_predicted_peak_holds_a_micro_batchs_pass():
     """The loop's body (a micro-batch's forward and backward pass) is held while the
     loop runs: the predicted peak is near what XLA compiles (it was 0.57x of it when

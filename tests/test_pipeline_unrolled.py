@@ -1069,6 +1069,72 @@ def test_dropout_in_a_pipeline_warns_that_masks_differ_from_jit():
     assert any("dropout masks are a different" in w for w in plan.warnings)
 
 
+class MaskedBlock(nn.Module):
+    """A residual layer whose weight `w` learns its dropout mask: d loss / d w is the
+    kept count of each feature over the batch. `loose`: the layer's result does not
+    depend on its input but through the residual (no layer feeds the next)."""
+
+    loose: bool = False
+
+    @nn.compact
+    def __call__(self, h):
+        w = self.param("w", nn.initializers.zeros, (h.shape[-1],))
+        if self.loose:
+            return h + nn.Dropout(0.5, deterministic=False)(jnp.ones_like(h)) * w
+        kernel = self.param("kernel", nn.initializers.zeros, (h.shape[-1],) * 2)
+        return h + jnp.tanh(h @ kernel) + nn.Dropout(0.5, deterministic=False)(h * 0 + 1) * w
+
+
+class MaskedStack(nn.Module):
+    loose: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(LAYERS):
+            x = MaskedBlock(self.loose, name=f"h_{i}")(x)
+        return x
+
+
+def _mask_grads(model):
+    def grads(params, key, x):
+        return jax.grad(lambda p: model.apply(p, x, rngs={"dropout": key}).mean())(params)
+
+    return grads
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-async"])
+def test_each_micro_batch_draws_its_own_dropout_mask_in_a_pipeline(schedule):
+    """Each micro-batch folds its index into the stage's random draws: drawn from the
+    step's key alone, every micro-batch of the pipelined layers drew the same mask (each
+    feature's kept count over the batch a multiple of the micro-batch count)."""
+    import numpy as np
+
+    b, n, micro = 16, 64, 4
+    model, x = MaskedStack(), jnp.ones((b, n))
+    params = model.init(jax.random.key(0), x)
+    step = autopar.parallelize(
+        _mask_grads(model), mesh={"stage": 2, "data": 4}, pipeline_stages=2,
+        microbatches=micro, pipeline_schedule=schedule,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="index folded into the key"):
+        g = step(params, jax.random.key(1), x)
+    assert step.plan(params, jax.random.key(1), x).pipeline["rolled"]["layers"] >= 2
+    for i in range(LAYERS):
+        kept = np.round(np.asarray(g["params"][f"h_{i}"]["w"]) * b * n * 0.5).astype(int)
+        assert np.any(kept % micro), (i, kept)  # not one mask for every micro-batch
+
+
+def test_layers_that_do_not_feed_each_other_do_not_pipeline_and_say_so():
+    """Layers whose results do not reach the next (here each adds a mask times a weight
+    to a value nothing reads back) roll into no loop with a batched carry: the error
+    says so (it was an IndexError)."""
+    model, x = MaskedStack(loose=True), jnp.ones((16, 64))
+    params = model.init(jax.random.key(0), x)
+    step = autopar.parallelize(_mask_grads(model), mesh={"stage": 2, "data": 4}, pipeline_stages=2)
+    with pytest.raises(autopar.PipelineError, match="do not hand an activation on"):
+        step.plan(params, jax.random.key(1), x)
+
+
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_inspect_by_layer_counts_the_rolled_loops_ops_per_layer_slot(kind, tmp_path, capsys):
     """`autopar inspect --by layer` of a pipelined list of 4 blocks unrolled in Python:

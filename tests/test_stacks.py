@@ -357,8 +357,13 @@ def check_stack(graph: Graph, stack: LayerStack, layers: int, template: str, bac
             assert set(f.outputs + f.inputs) & set(b.inputs), "the backward reads no forward value"
     else:
         assert stack.backward == ()
-    ids = [i for b in stack.forward + stack.backward for i in b.nodes]
-    assert stack.describe() == f"{layers} x {template}, ops {min(ids)}..{max(ids)}"
+    span = lambda blocks: (
+        f"{min(i for b in blocks for i in b.nodes)}..{max(i for b in blocks for i in b.nodes)}"
+    )  # noqa: E731
+    want = f"{layers} x {template}, ops {span(stack.forward)}"
+    if stack.backward:  # apart: the ops after the stack run between them
+        want += f", backward {span(stack.backward)}"
+    assert stack.describe() == want
 
 
 def signature(graph: Graph, block: Block) -> tuple:

@@ -57,8 +57,10 @@ from autopar.compile.tries import ahead, firsts_ahead
 from autopar.cost.model import CostModel
 from autopar.errors import (
     AutoparError,
+    CaptureError,
     MemoryBudgetError,
     MeshError,
+    MicrobatchError,
     PlanError,
     format_bytes,
     user_level,
@@ -67,7 +69,7 @@ from autopar.ir.capture import capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.lower.rolled import abstract_inputs
-from autopar.passes.accumulate import accumulate, micro_batch_args
+from autopar.passes.accumulate import accumulate, batch_hint, micro_batch_args
 from autopar.passes.pipeline import (
     Pipeline,
 )
@@ -585,7 +587,11 @@ class _Driver(PipelineTries):
             self.o.fn, self.call.args, self.call.static, len(self.o.keywords), M, name
         )
         log.info("tracing %s at the micro-batch size", name)
-        micro, _ = self._prepare(self._capture(tuple(margs)))
+        try:
+            micro, _ = self._prepare(self._capture(tuple(margs)))
+        except CaptureError as e:
+            why = batch_hint(self.o.fn, self.call.args, self.call.static, len(self.o.keywords), M)
+            raise MicrobatchError(f"{e.message}\n{why}") from e
         mesh = self.o.meshes[0] if self.single else None
         return accumulate(graph, micro, batch, M, mesh)
 

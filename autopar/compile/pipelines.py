@@ -171,6 +171,16 @@ class PipelineTries:
                     )
                 )
         scans = pipelined_scans(graph, Pipeline(S, 1))
+        if not scans:  # rolled, but no layer hands a batched value on to the next
+            return Infeasible(
+                PipelineError(
+                    f"{self.name}: pipeline_stages={S}: "
+                    + (f"the layers of {rolled.template} " if rolled is not None else "the layers ")
+                    + "do not hand an activation on from layer to layer (no loop over them "
+                    "carries a value with a batch dim), so stages would have nothing to pass "
+                    "each other; pipelining needs layers that feed each other"
+                )
+            )
         batch = batch_size(graph, scans)
         counts = (
             [o.microbatches]
@@ -530,7 +540,8 @@ RANDOM_OPS = ("random_bits", "rng_bit_generator", "rng_uniform")
 def random_per_microbatch(pipelined: PipelinedScans) -> str | None:
     """Why a pipelined step's random numbers (dropout masks) differ from `jax.jit`'s:
     the loop bodies and the 1F1B head draw them per micro-batch, at the micro-batch's
-    shape, so the draw is another one (as random); None when they draw none."""
+    shape with its index folded into the key (`autopar.ir.eval.drawn_per_microbatch`),
+    so the draw is another one (as random); None when they draw none."""
     bodies = [body for body, _ in pipelined.scans.values()]
     ops = [n for b in bodies for n in b.nodes] + [n for f in pipelined.fused for n in f.micro_nodes]
     drawn = sorted({n.key for n in ops if n.op in RANDOM_OPS})
@@ -539,9 +550,9 @@ def random_per_microbatch(pipelined: PipelinedScans) -> str | None:
     return (
         f"random numbers are drawn per micro-batch inside the pipeline ({drawn[0]}"
         + (f" and {len(drawn) - 1} more" if len(drawn) > 1 else "")
-        + "): dropout masks are a different (equally random) draw than jax.jit's, so "
-        "steps match jax.jit only in distribution; set the dropout rate to 0 to compare "
-        "numbers"
+        + ", the micro-batch's index folded into the key): dropout masks are a different "
+        "(equally random) draw than jax.jit's, so steps match jax.jit only in "
+        "distribution; set the dropout rate to 0 to compare numbers"
     )
 
 

@@ -15,12 +15,16 @@ outputs), for `jax.make_jaxpr` and `jax.jit`: a pass that rewrites a scan body o
 cond branch retraces the node's `jaxpr` (`branches`) param from the new graph.
 `run_nodes` is the loop itself over any nodes, reader and environment, for a caller that
 evaluates a graph in pieces (gradient accumulation: before, in and after its loop).
+`drawn_per_microbatch` gives a random draw (`random_bits`) run once per micro-batch
+(accumulation, pipelines) its own key: the micro-batch's index folded into it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+import jax
 
 from autopar.ir.graph import Graph, Node
 
@@ -35,6 +39,19 @@ def bind_node(node: Node, invals: Sequence[Any], params: Mapping[str, Any] | Non
     bound = node.primitive.get_bind_params(dict(node.params if params is None else params))
     out = node.primitive.bind(*invals, **bound)
     return list(out) if node.primitive.multiple_results else [out]
+
+
+def drawn_per_microbatch(node: Node, invals: Sequence[Any], index: Any) -> list:
+    """`invals` of `node`, a random draw's key (`random_bits`' operand: a typed key
+    array of any shape) with the micro-batch `index` folded into every key; other nodes'
+    as they are. Drawn from the step's key alone, every micro-batch of a loop would draw
+    the same dropout mask."""
+    if index is None or node.op != "random_bits":
+        return list(invals)
+    key, *rest = invals
+    fold = lambda k: jax.random.fold_in(k, index)  # noqa: E731
+    folded = fold(key) if key.ndim == 0 else jax.vmap(fold)(key.reshape(-1)).reshape(key.shape)
+    return [folded, *rest]
 
 
 def run_nodes(

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from autopar.ir.eval import bind_node, run_nodes
+from autopar.ir.eval import bind_node, drawn_per_microbatch, run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.ir.ops import CONTRACTIONS
 from autopar.lower.batching import taken, unbatched
@@ -49,11 +49,13 @@ def interpret(
     mesh,
     pin_inputs: bool = False,
     pipelined: PipelinedScans | None = None,
+    index=None,
 ) -> Callable:
     """A function of the flat args that computes `graph` under `plan`'s shardings.
     `pin_inputs` constrains the args to their specs on entry (a scan body's, whose
     carry and slices come in however the loop left them). The scans in `pipelined`
-    run as pipelines over its stage axis.
+    run as pipelines over its stage axis. `index`: the micro-batch a pipeline stage's
+    body runs on, folded into its random draws' keys (`drawn_per_microbatch`).
 
     The loop is its own, not `autopar.ir.eval.evaluate`'s: an operand is read in the
     layout its node's path wants (per device as planned, or whole), a result is laid
@@ -168,8 +170,9 @@ def interpret(
             micro, labels = pipelined.scans[node.id]
             rec = plan.ops[node.id]
             # traced inside the pipeline's shard_map, on its partly manual mesh
-            run_body = lambda *xs: interpret(
-                micro, rec.body, jax.sharding.get_abstract_mesh(), pin_inputs=True
+            # (`index`: the micro-batch, folded into the body's random draws)
+            run_body = lambda *xs, index: interpret(
+                micro, rec.body, jax.sharding.get_abstract_mesh(), pin_inputs=True, index=index
             )(*xs)
             specs = [r.spec for r in rec.body.outputs]
             fills = {i: b.params["broadcast_dimensions"] for i, b in sinks.get(node.id, {}).items()}
@@ -180,8 +183,8 @@ def interpret(
                 if split is not None:
                     b_rec, w_rec = split_records(micro, rec.body, split, p["num_carry"])
                     run_split = tuple(
-                        lambda *xs, g=g, r=r: interpret(
-                            g, r, jax.sharding.get_abstract_mesh(), pin_inputs=True
+                        lambda *xs, index, g=g, r=r: interpret(
+                            g, r, jax.sharding.get_abstract_mesh(), pin_inputs=True, index=index
                         )(*xs)
                         for g, r in ((split.b, b_rec), (split.w, w_rec))
                     )
@@ -217,7 +220,7 @@ def interpret(
                 fz,
                 pipelined_loop(F),
                 pipelined_loop(B),
-                lambda env: _run_head(fz, env, head_specs),
+                lambda env, index: _run_head(fz, env, head_specs, index),
                 mesh,
                 f_in,
                 b_in,
@@ -261,12 +264,13 @@ def interpret(
                 haves = rec.out_specs
             elif node.body is not None:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
-                outs, haves = _run_scan(node, rec, mesh, invals), rec.out_specs
+                outs, haves = _run_scan(node, rec, mesh, invals, index), rec.out_specs
             elif node.branches is not None and rec.branches is not None:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
-                outs, haves = _run_cond(node, rec, mesh, invals), rec.out_specs
+                outs, haves = _run_cond(node, rec, mesh, invals, index), rec.out_specs
             elif local:
                 invals = [read(v, s) for v, s in zip(node.inputs, rec.in_specs)]
+                invals = drawn_per_microbatch(node, invals, index)
                 exact = node.op in EXACT_OPS and not fused
                 casts = _casts_of(node, rec, graph, plan, wants) if exact else []
                 outs = _run_local(node, rec, graph, mesh, smap, invals, casts)
@@ -277,6 +281,7 @@ def interpret(
                 haves = rec.out_specs
             else:
                 invals = [read(v, s.without_partial()) for v, s in zip(node.inputs, rec.in_specs)]
+                invals = drawn_per_microbatch(node, invals, index)
                 outs, haves = bind(node, invals, manual=bool(manual)), [None] * len(node.outputs)
             store(node, outs, haves)
         return tuple(read(v, r.spec) for v, r in zip(graph.outputs, plan.outputs))
@@ -378,14 +383,15 @@ def _order(graph: Graph, fused) -> list[Node]:
     return order
 
 
-def _run_head(fz: Fused, env: dict, specs: dict[int, Spec]) -> dict:
-    """The head's ops on one micro-batch's values, each result laid out as the plan
-    has it (the plan's specs are free of the stage axis) where its dims divide."""
+def _run_head(fz: Fused, env: dict, specs: dict[int, Spec], index) -> dict:
+    """The head's ops on micro-batch `index`'s values (folded into its random draws'
+    keys), each result laid out as the plan has it (the plan's specs are free of the
+    stage axis) where its dims divide."""
     mesh = jax.sharding.get_abstract_mesh()
     env = dict(env)
 
     def laid_out(n: Node, ins: list) -> list:
-        outs = bind(n, ins, manual=True)
+        outs = bind(n, drawn_per_microbatch(n, ins, index), manual=True)
         for i, (v, x) in enumerate(zip(n.outputs, outs)):
             sp = specs.get(v)
             if sp is not None and sp.dims and _divides(x.shape, sp, mesh):
@@ -400,12 +406,12 @@ def _divides(shape, spec: Spec, mesh) -> bool:
     return all(n % math.prod(mesh.shape[a] for a in axes) == 0 for n, axes in zip(shape, spec.dims))
 
 
-def _run_scan(node: Node, rec, mesh, invals) -> list:
+def _run_scan(node: Node, rec, mesh, invals, index=None) -> list:
     """`lax.scan` over the body interpreted under its own plan (`rec.body`)."""
     p = node.params
     n_c, n_carry = p["num_consts"], p["num_carry"]
     consts, init, xs = invals[:n_c], invals[n_c : n_c + n_carry], invals[n_c + n_carry :]
-    run_body = interpret(node.body, rec.body, mesh, pin_inputs=True)
+    run_body = interpret(node.body, rec.body, mesh, pin_inputs=True, index=index)
     # A gradient accumulation loop whose body reads weights split (ZeRO-3) gathers them
     # each micro-batch; XLA would hoist those gathers out of the loop (a whole copy of
     # every weight alive through it, what ZeRO-3 is chosen to avoid), so the split
@@ -429,10 +435,13 @@ def _run_scan(node: Node, rec, mesh, invals) -> list:
     return [*carry, *ys]
 
 
-def _run_cond(node: Node, rec, mesh, invals) -> list:
+def _run_cond(node: Node, rec, mesh, invals, index=None) -> list:
     """`lax.switch` over the branches, each interpreted under its own plan
     (`rec.branches`: the cond's operand specs in, its result specs out)."""
-    runs = [interpret(b, r, mesh, pin_inputs=True) for b, r in zip(node.branches, rec.branches)]
+    runs = [
+        interpret(b, r, mesh, pin_inputs=True, index=index)
+        for b, r in zip(node.branches, rec.branches)
+    ]
     return list(
         jax.lax.switch(invals[0], [lambda *xs, f=f: list(f(*xs)) for f in runs], *invals[1:])
     )

@@ -144,31 +144,32 @@ class PipelinedLoop:
     def init(self, args, mc) -> list:
         return [jnp.asarray(a)[mc] for a in args[self.n_c : self.n_c + self.n_k]]
 
-    def run(self, args, carry, chunk: bool = False) -> tuple[list, list]:
-        """One micro-batch through this stage's layers (`chunk`: one chunk's); `args`
-        are its inputs picked at that micro-batch (`xs` with the layers in front)."""
+    def run(self, args, carry, mc, chunk: bool = False) -> tuple[list, list]:
+        """Micro-batch `mc` through this stage's layers (`chunk`: one chunk's); `args`
+        are its inputs picked at that micro-batch (`xs` with the layers in front). Its
+        random draws fold `mc` into their keys: each micro-batch draws its own masks."""
         consts, xs = args[: self.n_c], args[self.n_c + self.n_k :]
 
         def layer(c, x):
-            outs = self.run_body(*consts, *c, *x)
+            outs = self.run_body(*consts, *c, *x, index=mc)
             return list(outs[: self.n_k]), list(outs[self.n_k :])
 
         k = self.kc if chunk else self.k
         return jax.lax.scan(layer, list(carry), list(xs), length=k, reverse=self.reverse)
 
-    def run_b(self, args, carry) -> tuple[list, list]:
+    def run_b(self, args, carry, mc) -> tuple[list, list]:
         """`run` of the input-gradient part only: the carry, and the boundary values
         the weight gradients read (`WeightSplit`), per layer."""
         consts, xs = args[: self.n_c], args[self.n_c + self.n_k :]
         run_b = self.run_split[0]
 
         def layer(c, x):
-            outs = run_b(*consts, *c, *x)
+            outs = run_b(*consts, *c, *x, index=mc)
             return list(outs[: self.n_k]), list(outs[self.n_k :])
 
         return jax.lax.scan(layer, list(carry), list(xs), length=self.k, reverse=self.reverse)
 
-    def run_w(self, args, boundary) -> list:
+    def run_w(self, args, boundary, mc) -> list:
         """The weight gradients of this stage's layers (the `ys` `run` returns), from
         the inputs picked at their micro-batch and `run_b`'s boundary values."""
         consts = [args[i] for i in self.split.w_inputs if i < self.n_c]
@@ -176,7 +177,7 @@ class PipelinedLoop:
         run_w = self.run_split[1]
 
         def layer(_, x):
-            return None, list(run_w(*consts, *x))
+            return None, list(run_w(*consts, *x, index=mc))
 
         _, ys = jax.lax.scan(layer, None, [*xs, *boundary], length=self.k)
         return ys
@@ -286,7 +287,7 @@ def run_gpipe(loop: PipelinedLoop, mesh, invals: Sequence) -> list:
             mc = jnp.clip(m, 0, M - 1)
             carry = [jnp.where(pos == 0, i, c) for i, c in zip(loop.init(args, mc), carry)]
             picked = [loop.pick(i, a, mc) for i, a in enumerate(args)]
-            carry, y = loop.run(picked, carry)
+            carry, y = loop.run(picked, carry, mc)
             ys = loop.accumulate(ys, y, mc, active)
             out = _collect(out, carry, mc, active & (pos == S - 1))
             return (loop.hop(carry), out, ys), None
@@ -311,7 +312,7 @@ def run_1f1b(
     fused: Fused,
     fw: PipelinedLoop,
     bw: PipelinedLoop,
-    run_head: Callable[[dict], dict],
+    run_head: Callable[[dict, object], dict],
     mesh,
     f_in: Sequence,
     b_in: Mapping[int, object],
@@ -361,9 +362,9 @@ def run_1f1b(
     b_ext = sorted(b_in)
     n_f, n_b = len(f_in), len(b_ext)
 
-    def head(fc, hx):
+    def head(fc, hx, mc):
         env = dict(zip(f_outs[: fw.n_k], fc)) | dict(zip((v for v, _ in head_ext), hx))
-        env = run_head(env)
+        env = run_head(env, mc)
         return {v: env[v] for v in sorted(head_vals)}
 
     def staged(*args):
@@ -416,7 +417,7 @@ def run_1f1b(
             """Micro-batch `m` (idle outside 0..M-1) through this stage's layers (chunk
             `c`'s)."""
             on, mc, xs, fc = f_in(st, m, c)
-            fc, fy = fw.run(xs, fc, chunk=c is not None)
+            fc, fy = fw.run(xs, fc, mc, chunk=c is not None)
             f_keep(st, on, mc, fc, fy, c)
             return fc, mc
 
@@ -424,7 +425,7 @@ def run_1f1b(
             """The head of micro-batch `mc` (the last stage's, where `on`): its values
             for the backward loop; its outputs summed or stored."""
             hx = [_at(x, lab, mc, False) for x, (_, lab) in zip(hargs, head_ext)]
-            hv = head(fc, hx)
+            hv = head(fc, hx, mc)
             last = (s == S - 1) & on
             st["hacc"] = {
                 v: (
@@ -467,14 +468,14 @@ def run_1f1b(
 
         def backward(st, m, hv, c=None):
             on, mc, xs, bc = b_in(st, m, hv, c)
-            bc, by = bw.run(xs, bc, chunk=c is not None)
+            bc, by = bw.run(xs, bc, mc, chunk=c is not None)
             b_keep(st, on, mc, bc, by, c)
 
         def input_grads(st, m, hv):
             """Zero-bubble: the backward pass of micro-batch `m` up to its input
             gradient (the carry to pass on); what its weight gradients read is kept."""
             on, mc, xs, bc = b_in(st, m, hv)
-            bc, bnd = bw.run_b(xs, bc)
+            bc, bnd = bw.run_b(xs, bc, mc)
             st["bnd"] = [jnp.where(on, b.at[mc % Q].set(x), b) for b, x in zip(st["bnd"], bnd)]
             st["bout"] = _collect(st["bout"], bc, mc, on & (s == 0))
             st["bc"] = bc
@@ -484,7 +485,7 @@ def run_1f1b(
             from its inputs and what its `input_grads` kept."""
             on, mc = (m >= 0) & (m < M), jnp.clip(m, 0, M - 1)
             xs, _ = b_pick(st, mc, None)
-            by = bw.run_w(xs, [b[mc % Q] for b in st["bnd"]])
+            by = bw.run_w(xs, [b[mc % Q] for b in st["bnd"]], mc)
             st["bys"] = bw.accumulate(st["bys"], by, mc, on)
 
         st = {

@@ -126,13 +126,13 @@ def alternating(st: dict, s, S: int, M: int, fw, bw, parts, branch: bool) -> dic
         def fwd(st):
             st = dict(st)
             _, mc, xs, fc = f_in(st, m)
-            f_keep(st, on & is_f, mc, *fw.pin(*fw.run(xs, fc)))
+            f_keep(st, on & is_f, mc, *fw.pin(*fw.run(xs, fc, mc)))
             return st
 
         def back(st):
             st = dict(st)
             _, mc, xs, bc = b_in(st, m, st["hv"])
-            b_keep(st, on & ~is_f, mc, *bw.pin(*bw.run(xs, bc)))
+            b_keep(st, on & ~is_f, mc, *bw.pin(*bw.run(xs, bc, mc)))
             return st
 
         if branch:

@@ -76,8 +76,13 @@ class LayerStack:
     pads: tuple[Pad, ...] = ()
 
     def describe(self) -> str:
-        ids = [i for b in self.forward + self.backward for i in b.nodes]
-        text = f"{len(self.forward)} x {self.template}, ops {min(ids)}..{max(ids)}"
+        # the forward and backward ranges apart: between them run the ops after the
+        # stack (another stack, a decoder after an encoder)
+        text = f"{len(self.forward)} x {self.template}, ops " + ", backward ".join(
+            f"{min(ids)}..{max(ids)}"
+            for blocks in (self.forward, self.backward)
+            if (ids := [i for b in blocks for i in b.nodes])
+        )
         if self.pads:
             text += (
                 f" (layer {self.forward[0].index} reads an argument of the step, whose "

@@ -568,11 +568,31 @@ def _dominant(problem: Problem, choice, top: int = 3) -> str:
     for node in g.nodes:
         s = problem.strategies[n_in + node.id][choice[n_in + node.id]]
         for v, spec in zip(node.outputs, s.out_specs):
-            inter.append((problem.cost.local_bytes(g.values[v], spec), node, g.values[v]))
+            inter.append((problem.cost.local_bytes(g.values[v], spec), node, g.values[v], v))
     inter = sorted(inter, key=lambda x: (-x[0], x[1].id))[:top]
     return (
         "Largest arguments per device: "
         + "; ".join(f"{p} {t} -> {format_bytes(b)}" for b, p, t in args)
         + "\nLargest intermediates per device: "
-        + "; ".join(f"{n.op} at {n.key} {t} -> {format_bytes(b)}" for b, n, t in inter)
+        + "; ".join(f"{_made_by(n, v)} {t} -> {format_bytes(b)}" for b, n, t, v in inter)
     )
+
+
+def _made_by(node, v: int) -> str:
+    """Where value `v` (an output of `node`) is made in the user's code: a loop's result
+    (a gradient summed over the accumulation loop, a layer loop's output) by the op of
+    its body that makes it, not the loop autopar's passes wrote."""
+    while node.body is not None:
+        inner = node.body.outputs[node.outputs.index(v)]
+        body = node.body
+        maker = next((n for n in body.nodes if inner in n.outputs), None)
+        if maker is not None and maker.op in ("add", "add_any"):
+            # a sum carried over the loop (`c + g`): named by what it sums
+            fresh = [u for u in maker.inputs if u not in body.inputs]
+            if len(fresh) == 1:
+                inner = fresh[0]
+                maker = next((n for n in body.nodes if inner in n.outputs), maker)
+        if maker is None:  # passed through the body unchanged
+            break
+        node, v = maker, inner
+    return f"{node.op} at {node.key}"
