@@ -298,14 +298,18 @@ def _options(
             f"choose None (1F1B where the step allows it, else GPipe) or one of {SCHEDULES}"
         )
     if virtual_stages is not None and (
-        pipeline_schedule != "interleaved"
-        or isinstance(virtual_stages, bool)
+        isinstance(virtual_stages, bool)
         or not isinstance(virtual_stages, int)
         or virtual_stages < 2
     ):
         raise PipelineError(
             f"virtual_stages={virtual_stages!r}: give an int >= 2 (layer chunks per stage) "
             "together with pipeline_schedule='interleaved'"
+        )
+    if virtual_stages is not None and pipeline_schedule != "interleaved":
+        raise PipelineError(
+            f"virtual_stages={virtual_stages} applies to the interleaved schedule only, and "
+            f"pipeline_schedule is {pipeline_schedule!r}: add pipeline_schedule='interleaved'"
         )
     if pipeline_schedule == "interleaved" and virtual_stages is None:
         virtual_stages = 2

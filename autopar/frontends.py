@@ -133,6 +133,16 @@ def _is_graph_node(x: Any) -> bool:
     return nnx_graph is not None and not _is_array(x) and nnx_graph.is_graph_node(x)
 
 
+def graph_nodes(tree: Any) -> list:
+    """The NNX graph nodes (modules, optimizers) among `tree`'s leaves, each once, in
+    order: what a step may update in place."""
+    seen: dict[int, Any] = {}
+    for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_graph_node):
+        if _is_graph_node(x):
+            seen.setdefault(id(x), x)
+    return list(seen.values())
+
+
 def _is_eqx_module(x: Any) -> bool:
     eqx = sys.modules.get("equinox")
     return eqx is not None and isinstance(x, eqx.Module)

@@ -152,6 +152,13 @@ def test_a_batch_in_several_arguments_gets_a_hint():
     with pytest.raises(MicrobatchError, match=r"x \[64, 128\] before it .* \(x, y\)"):
         par.plan(params, opt, x, y)
 
+    def rng_last(params, opt, batch, rng):  # a common ordering: the batch is not last
+        return step(params, opt, batch)
+
+    par = autopar.parallelize(rng_last, mesh=MESH, cluster=CLUSTER, grad_accumulation=4)
+    with pytest.raises(MicrobatchError, match=r"rng key<fry>\[\]\): put the batch last"):
+        par.plan(params, opt, (x, y), jax.random.key(0))
+
 
 def test_the_predicted_peak_holds_a_micro_batchs_pass():
     """The loop's body (a micro-batch's forward and backward pass) is held while the

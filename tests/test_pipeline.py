@@ -472,6 +472,10 @@ def test_bad_pipeline_requests_say_what_to_do():
         autopar.parallelize(
             ts.step, mesh={"data": 2, "model": 4}, cluster=CLUSTER, pipeline_stages=2
         ).plan(*args)
+    with pytest.raises(PipelineError, match="'stage' axis has 4 devices .* pipeline_stages=4"):
+        autopar.parallelize(
+            ts.step, mesh={"stage": 4, "data": 2}, cluster=CLUSTER, pipeline_stages=2
+        ).plan(*args)
     scan = gpt.make_train_step(_cfg())
     with pytest.raises(PipelineError, match="pipeline_schedule='zb'"):
         autopar.parallelize(scan.step, mesh=MESH, pipeline_stages=2, pipeline_schedule="zb")
@@ -485,8 +489,13 @@ def test_bad_pipeline_requests_say_what_to_do():
     # a schedule or micro-batch count with no pipeline asked for: said, not silently dropped
     with pytest.warns(UserWarning, match="pipeline_schedule='1f1b' takes effect with pipeline_"):
         autopar.parallelize(scan.step, mesh=MESH, pipeline_schedule="1f1b")
-    with pytest.raises(PipelineError, match="virtual_stages=2: .*pipeline_schedule='interleaved'"):
+    with pytest.raises(PipelineError, match="virtual_stages=2 applies to the interleaved .* add"):
         autopar.parallelize(scan.step, mesh=MESH, pipeline_stages=2, virtual_stages=2)
+    with pytest.raises(PipelineError, match="virtual_stages=1: give an int >= 2"):
+        autopar.parallelize(
+            scan.step, mesh=MESH, pipeline_stages=2, pipeline_schedule="interleaved",
+            virtual_stages=1,
+        )  # fmt: skip
     interleaved = dict(mesh=MESH, cluster=CLUSTER, pipeline_stages=2)
     interleaved["pipeline_schedule"] = "interleaved"
     with pytest.raises(MicrobatchError, match="groups of the 2 stages; 3 micro-batches"):

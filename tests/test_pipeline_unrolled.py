@@ -1013,6 +1013,15 @@ def test_one_micro_batch_says_so():
         _parallel(step, microbatches=1).plan(params, opt_state, _batch(0))
 
 
+def test_one_example_per_micro_batch_says_so():
+    """A micro-batch of one example traces with fewer ops (JAX squeezes size-1 dims), so
+    the layers are a different computation at that size: the error says that is why and
+    to use fewer micro-batches."""
+    step, params, opt_state = _linen(GPT2(n=4))
+    with pytest.raises(autopar.PipelineError, match=r"each has one example.*fewer micro"):
+        _parallel(step, microbatches=B).plan(params, opt_state, _batch(0))
+
+
 def test_a_saved_rolled_plan_replays_and_the_cache_hits(tmp_path):
     """A plan made on the rolled stack binds again: loaded from a file (no search) and
     from the plan cache; both roll the new trace the same way and train alike."""

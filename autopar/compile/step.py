@@ -40,8 +40,32 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
     gc.freeze()
     try:
         return _compile_step(options, call, source)
+    except MemoryBudgetError as e:
+        unused = budget_options(options)
+        if GENERIC_BUDGET_HINT not in e.message or not unused:
+            raise
+        hint = f"{GENERIC_BUDGET_HINT[:-1]}; or try {unused}."
+        raise type(e)(e.message.replace(GENERIC_BUDGET_HINT, hint)) from None
     finally:
         gc.unfreeze()
+
+
+GENERIC_BUDGET_HINT = "Raise memory_budget, use more devices, or shrink the batch."
+
+
+def budget_options(options: Options) -> str:
+    """The options that cut memory and this call did not use, as a hint."""
+    out = []
+    if options.remat in (None, "none"):
+        out.append("remat='auto' (recompute activations in the backward pass)")
+    if options.precision is None:
+        out.append("precision='bf16' (half-size activations and weight copies)")
+    if options.pipeline_stages is None and options.grad_accumulation is None:
+        out.append("grad_accumulation=M (one micro-batch's activations at a time)")
+        out.append("pipeline_stages=S with a 'stage' mesh axis (a stage's layers per device)")
+    if len(out) < 2:
+        return "".join(out)
+    return ", ".join(out[:-1]) + " or " + out[-1]
 
 
 def _compile_step(options: Options, call: Call, source: str | None) -> Compiled:

@@ -17,11 +17,15 @@ cond branch retraces the node's `jaxpr` (`branches`) param from the new graph.
 evaluates a graph in pieces (gradient accumulation: before, in and after its loop).
 `drawn_per_microbatch` gives a random draw (`random_bits`) run once per micro-batch
 (accumulation, pipelines) its own key: the micro-batch's index folded into it.
+A pass that rewrites a step and captures it again binds the step's ops through its
+evaluator, so the new ops' source lines are this file's: `bind_marked` binds each in
+a name scope that carries its id and `relined` gives it its user line back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -52,6 +56,48 @@ def drawn_per_microbatch(node: Node, invals: Sequence[Any], index: Any) -> list:
     fold = lambda k: jax.random.fold_in(k, index)  # noqa: E731
     folded = fold(key) if key.ndim == 0 else jax.vmap(fold)(key.reshape(-1)).reshape(key.shape)
     return [folded, *rest]
+
+
+MARK = "autopar_op"  # name scope of an op bound again, with its id (`bind_marked`)
+
+
+def marked(node: Node):
+    """A name scope that says which op of the captured graph `node` is (for `relined`):
+    what is bound in it, bound again for `node`."""
+    return jax.named_scope(f"{MARK}{node.id}")
+
+
+def bind_marked(node: Node, invals: Sequence[Any], index: Any = None) -> list:
+    """`bind_node` in `marked(node)`; a random draw's key folded with micro-batch
+    `index` first."""
+    with marked(node):
+        return bind_node(node, drawn_per_microbatch(node, invals, index))
+
+
+def relined(new: Graph, graph: Graph) -> Graph:
+    """`new` (a rewrite of `graph`, captured again: its ops' lines are this file's)
+    with each op `bind_marked` bound for an op of `graph` given that op's user line;
+    ops inside it (a loop's body) keep their own. Name stacks stay the rewrite's, the
+    mark taken out: the search reads phases (forward, backward) and layers from them,
+    and a rewrite's plans were measured under its own (benchmarks/discussion.md,
+    session 52)."""
+    nodes = []
+    for n in new.nodes:
+        parts = n.name_stack.split("/") if n.name_stack else []
+        k = next(
+            (i for i, p in enumerate(parts) if p.startswith(MARK) and p[len(MARK) :].isdigit()),
+            None,
+        )
+        if k is not None:
+            o = graph.nodes[int(parts[k][len(MARK) :])]
+            # the op itself (under a transform's empty scope, `vmap()`), not one in its body
+            own = all(p.endswith("()") for p in parts[k + 1 :])
+            where = {"source": o.source, "library_source": o.library_source} if own else {}
+            n = replace(n, name_stack="/".join(parts[:k] + parts[k + 1 :]), **where)
+        if n.body is not None:
+            n = replace(n, body=relined(n.body, graph))
+        nodes.append(n)
+    return replace(new, nodes=tuple(nodes))
 
 
 def run_nodes(

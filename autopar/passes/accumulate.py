@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from autopar.cost.model import node_flops
 from autopar.errors import MicrobatchError
 from autopar.ir.capture import abstractify_tree, arg_names, capture
-from autopar.ir.eval import bind_node, drawn_per_microbatch, run_nodes
+from autopar.ir.eval import bind_marked, relined, run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.passes.microbatch import cut, separate, split_spec, uncut
 from autopar.sharding import Spec
@@ -70,7 +70,11 @@ def batch_problem(batch: Any, microbatches: int, name: str = "batch") -> str | N
     other = [described(p, x) for (p, x), d in zip(leaves, lead) if d and d[0] != b]
     head = f"grad_accumulation={M} cuts the batch (the last argument, {name}) along its leaves' leading dim"
     if b is None:
-        return f"{head}, but it has no leaf with a leading dim"
+        what = ", ".join(described(p, x) for p, x in leaves[:3]) or "no arrays"
+        return (
+            f"{head}, but it has no leaf with a leading dim ({what}): put the batch last, "
+            f"e.g. f(params, opt_state, {name}, batch)"
+        )
     if scalars or other:
         parts = []
         if scalars:
@@ -150,10 +154,17 @@ def accumulate(
     if [n.op for n in graph.nodes] != [n.op for n in micro.nodes] or len(graph.values) != len(
         micro.values
     ):
+        one = micro.values[micro.inputs[batch_inputs[0]]].shape[:1] == (1,)
         raise MicrobatchError(
             f"{graph.name} is a different computation at the micro-batch size "
             f"({len(graph.nodes)} vs {len(micro.nodes)} ops); gradient accumulation needs a "
-            "step whose ops do not depend on the batch size (try fewer micro-batches)"
+            "step whose ops do not depend on the batch size (try fewer micro-batches"
+            + (
+                f": with {microbatches} each has one example, which JAX traces with fewer "
+                "ops, size-1 dims squeezed)"
+                if one
+                else ")"
+            )
         )
     M = microbatches
     in_specs = []
@@ -200,7 +211,7 @@ def accumulate(
 
     fn = _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have)
     args = [_abstract(graph.values[v]) for v in graph.inputs]
-    new = _relined(capture(fn, args, (), mesh), graph)
+    new = relined(capture(fn, args, (), mesh), graph)
     new = replace(
         new,
         input_paths=graph.input_paths,
@@ -276,7 +287,7 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
     def fn(*flat):
         env: dict[int, object] = dict(zip(graph.inputs, flat))
         read = lambda v: env[v] if v in env else jnp.asarray(graph.consts[v])
-        run_nodes(pre, read, env, _marked)
+        run_nodes(pre, read, env, bind_marked)
 
         def step(carry, xs):
             *xs, index = xs
@@ -287,7 +298,7 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
             # a draw of random bits (a dropout mask) takes the micro-batch's index folded
             # into its key: drawn from the step's key alone, every micro-batch would get
             # the same mask
-            run_nodes(micro_loop, lread, local, lambda n, ins: _marked(n, ins, index))
+            run_nodes(micro_loop, lread, local, lambda n, ins: bind_marked(n, ins, index))
             return [c + local[v] for c, v in zip(carry, sums)], [local[v] for v in pieces]
 
         init = [jnp.zeros(graph.values[v].shape, graph.values[v].dtype) for v in sums]
@@ -296,42 +307,7 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
             total, ys = jax.lax.scan(step, init, xs)
         env.update(zip(sums, total))
         env.update((v, uncut(y, piece_dim[v], inner=inner[v])) for v, y in zip(pieces, ys))
-        run_nodes(post, read, env, _marked)
+        run_nodes(post, read, env, bind_marked)
         return [read(v) for v in graph.outputs]
 
     return fn
-
-
-_MARK = "autopar_op"  # name scope of a step's op bound again, with its id (`_relined`)
-
-
-def _marked(node: Node, invals: list, index=None) -> list:
-    """`node` bound again (its random draw's key folded with micro-batch `index`), in a
-    name scope that says which op of the step it was."""
-    with jax.named_scope(f"{_MARK}{node.id}"):
-        return bind_node(node, drawn_per_microbatch(node, invals, index))
-
-
-def _relined(new: Graph, graph: Graph) -> Graph:
-    """`new` (the rewritten step, traced through autopar's evaluator: its ops' lines
-    are autopar's) with each op bound again for an op of `graph` (`_marked`) given that
-    op's user line; ops inside it (a loop's body) keep their own. Name stacks stay the
-    rewrite's (the mark taken out): with the user's module paths back, the search's
-    fold by layer (`autopar.search.fold`) found a plan 5% dearer on the test GPT
-    (3.67 against 3.49 ms, cpu profile; the same on h100-sxm), left as a known gap."""
-    nodes = []
-    for n in new.nodes:
-        parts = n.name_stack.split("/") if n.name_stack else []
-        k = next(
-            (i for i, p in enumerate(parts) if p[len(_MARK) :].isdigit() and p.startswith(_MARK)),
-            None,
-        )
-        if k is not None:
-            o = graph.nodes[int(parts[k][len(_MARK) :])]
-            own = k == len(parts) - 1  # the op itself, not one in its body
-            where = {"source": o.source, "library_source": o.library_source} if own else {}
-            n = replace(n, name_stack="/".join(parts[:k] + parts[k + 1 :]), **where)
-        if n.body is not None:
-            n = replace(n, body=_relined(n.body, graph))
-        nodes.append(n)
-    return replace(new, nodes=tuple(nodes))

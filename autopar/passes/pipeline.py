@@ -175,11 +175,18 @@ def check_pipeline(pipe: Pipeline, mesh: MeshInfo) -> None:
         raise PipelineError(
             f"pipeline schedule {pipe.schedule!r} is not implemented; choose one of {SCHEDULES}"
         )
-    if pipe.axis not in mesh.axis_names or mesh.size(pipe.axis) != pipe.stages:
+    if pipe.axis not in mesh.axis_names:
         raise PipelineError(
             f"pipeline_stages={pipe.stages} needs a mesh axis {pipe.axis!r} of size {pipe.stages}; "
             f"the mesh is {mesh.shape}. Add it, e.g. mesh={{'{pipe.axis}': {pipe.stages}, "
             f"'data': ..., 'model': ...}}"
+        )
+    if mesh.size(pipe.axis) != pipe.stages:
+        raise PipelineError(
+            f"pipeline_stages={pipe.stages}, but the mesh's {pipe.axis!r} axis has "
+            f"{mesh.size(pipe.axis)} devices (the mesh is {mesh.shape}): one stage per "
+            f"device of that axis, so give pipeline_stages={mesh.size(pipe.axis)}, or a "
+            f"{pipe.axis!r} axis of {pipe.stages}"
         )
     if pipe.microbatches < 1:
         raise MicrobatchError(f"microbatches must be >= 1, got {pipe.microbatches}")
@@ -253,10 +260,21 @@ def scan_labels(full: Node, micro: Node, microbatches: int, loop: str) -> ScanLa
     names the loop in errors (`the scan at model.py:12`, or the user's unrolled layers)."""
     fb, mb = full.body, micro.body
     if [n.op for n in fb.nodes] != [n.op for n in mb.nodes] or len(fb.values) != len(mb.values):
+        # a micro-batch of one example: JAX drops size-1 dims (squeezes, reductions)
+        ones = any(
+            fb.values[x].shape[:1] != (1,) and mb.values[y].shape[:1] == (1,)
+            for x, y in zip(fb.inputs, mb.inputs)
+        )
         raise PipelineError(
             f"{loop}: a different computation at the micro-batch size "
             f"({len(fb.nodes)} vs {len(mb.nodes)} ops); pipelining needs a loop body whose "
             "ops do not depend on the batch size"
+            + (
+                f"; with {microbatches} micro-batches each has one example, which JAX "
+                "traces with fewer ops (size-1 dims squeezed): use fewer micro-batches"
+                if ones
+                else ""
+            )
         )
 
     def label(v_full: int, v_micro: int, what: str) -> Label:

@@ -39,7 +39,7 @@ import numpy as np
 
 from autopar.errors import PipelineError
 from autopar.ir.capture import capture, lines_from
-from autopar.ir.eval import bind_node, run_nodes
+from autopar.ir.eval import bind_marked, bind_node, marked, relined, run_nodes
 from autopar.ir.graph import Graph, find_aliases, signature, without_dead
 from autopar.passes.roll_units import per_layer_ops
 from autopar.passes.stack_pad import padded
@@ -332,7 +332,7 @@ class _Rolling:
 
             for kind, i in self.sequence:
                 if kind == "node":
-                    run_nodes([g.nodes[i]], read, env)
+                    run_nodes([g.nodes[i]], read, env, bind_marked)
                 elif kind == "op":
                     self._run_op(i, read, stacked)
                 else:
@@ -400,7 +400,7 @@ class _Rolling:
                 args.append(_stack([read(y) for y in copies]))
                 axes.append(0)
         # named per layer slot, so `search.layers` folds the slots' alike ops into one
-        with jax.named_scope(f"{SCOPE}_slot{unit[0]}"):
+        with jax.named_scope(f"{SCOPE}_slot{unit[0]}"), marked(ref):
             outs = jax.vmap(lambda *xs: bind_node(ref, xs), in_axes=axes)(*args)
         for r, y in enumerate(outs):
             stacked[("op", *unit, r)] = y
@@ -543,7 +543,7 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
         args.append(jax.ShapeDtypeStruct(shape, t.dtype))
     # the replayed ops include those the step never reads (its unused scalar converts,
     # once per layer slot: a third of GPT-3 175B's rolled graph), dropped as `jax.jit` does
-    new = without_dead(capture(r.function(info), args, (), mesh))
+    new = relined(without_dead(capture(r.function(info), args, (), mesh)), graph)
     # the loops stand for the user's layers: named by the first layer's first line, and
     # their bodies' ops by the user's lines of the layers they came from
     where = graph.nodes[stack.forward[0].nodes[0]].source

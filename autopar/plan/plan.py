@@ -30,6 +30,7 @@ FORMAT = "autopar.plan/1"
 _NOTE_RE = re.compile(
     r"^(mixed precision: |remat \(\w+\): (the backward loop|layer stack)|remat='auto' tried|"
     r"layer stack: |mesh-shape search over |"
+    r"\{[^}]*\}[^:]*: \S+ ms as priced with its layers in one loop|"
     r"pipeline_stages='auto' tried|partial reuse of a plan|"
     r"\d+ of \d+ \(mesh, micro-batch count\) tries not searched)"
 )

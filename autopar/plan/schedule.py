@@ -241,7 +241,7 @@ def schedule_line(t: Timeline) -> str:
     """One line for `Plan.summary`: the schedule, its pipelined time and bubble, and how
     many micro-batches' activations each stage holds at once."""
     name = {
-        "1f1b": "1F1B",
+        "1f1b": "lock-step 1F1B",
         "gpipe": "GPipe",
         "1f1b-async": "alternating 1F1B",
         "zb-h1": "zero-bubble 1F1B (ZB-H1)",
@@ -256,7 +256,7 @@ def schedule_line(t: Timeline) -> str:
     chunks = f" x {t.virtual} virtual stages" if t.virtual > 1 else ""
     held_what = "micro-batch chunks" if t.virtual > 1 else "micro-batches"
     return (
-        f"schedule: lock-step {name}, {t.stages} stages{chunks} x {t.microbatches} "
+        f"schedule: {name}, {t.stages} stages{chunks} x {t.microbatches} "
         f"micro-batches, {span}, bubble {t.bubble:.0%} of the stages' time; {held_what} "
         f"held per stage: {held}"
     )

@@ -175,24 +175,75 @@ def print_memory(plan: Plan, ma) -> None:
 
 
 def verify_numerics(wl, mesh: dict[str, int], plan_path: str) -> int:
-    """Run the planned program and `jax.jit` on the workload's concrete arguments."""
+    """Run the planned program and `jax.jit` (`nnx.jit` for a step of NNX modules) on
+    the workload's concrete arguments: their outputs, and the state an NNX step writes
+    back into its modules, compared."""
+    import copy
+
     import jax
-    import numpy as np
 
     from autopar.api import parallelize
+    from autopar.frontends import graph_nodes
 
-    if wl.make_args is None:
+    if wl.make_args is not None:
+        args = wl.make_args(0)
+    elif not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(wl.args)):
+        args = wl.args
+    else:
         raise UsageError(
-            "--numerics needs concrete arguments: the TARGET's Workload has no make_args"
+            "--numerics runs the step, and the TARGET's Workload has abstract arguments "
+            "(jax.ShapeDtypeStruct): give it concrete arrays as args, or "
+            "make_args=lambda seed: (...) that makes them"
         )
-    args = wl.make_args(0)
-    ref = jax.tree.leaves(jax.jit(wl.fn, static_argnums=wl.static_argnums)(*args))
+    ref_args, par_args = copy.deepcopy(args), copy.deepcopy(args)
+    nodes = bool(graph_nodes(args))
+    if nodes:  # the step updates its modules in place, as nnx.jit runs it
+        from flax import nnx
+
+        jit = nnx.jit(wl.fn, static_argnums=wl.static_argnums)
+    else:
+        jit = jax.jit(wl.fn, static_argnums=wl.static_argnums)
+    ref = _leaves(jit(*ref_args))
+    n_out, ref = len(ref), ref + _state_leaves(ref_args)
     # No donation here: the reference and the sharded run read the same arguments.
     step = parallelize(wl.fn, mesh=mesh, plan=plan_path, static_argnums=wl.static_argnums)
-    got = jax.tree.leaves(step(*args))
+    got = _leaves(step(*par_args)) + _state_leaves(par_args)
+    what = "outputs and state arrays written back" if nodes else "outputs"
+    return _compare(got, ref, what, n_out)
+
+
+def _leaves(tree) -> list:
+    """`tree`'s arrays, PRNG keys as their words."""
+    import jax
+
+    return [
+        jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        for x in jax.tree.leaves(tree)
+        if hasattr(x, "dtype")
+    ]
+
+
+def _state_leaves(args) -> list:
+    """The arrays of every NNX module (graph node) among `args`, after the step."""
+    from autopar.frontends import graph_nodes
+
+    nodes = graph_nodes(args)
+    if not nodes:
+        return []
+    from flax import nnx
+
+    return [x for n in nodes for x in _leaves(nnx.state(n))]
+
+
+def _compare(got: list, ref: list, what: str, n_out: int) -> int:
+    """`got` against `ref`: every scalar within `NUMERICS_RTOL` (the first `n_out`, the
+    step's outputs, printed; the state's when they differ), all of them together within
+    `NUMERICS_GLOBAL_RTOL`."""
+    import numpy as np
+
     num = den = 0.0
     worst, scalars_ok = (0.0, -1), True
-    print("\nnumerics (the planned program vs jax.jit on make_args(0)):")
+    print("\nnumerics (the planned program vs jax.jit on the workload's arguments):")
     for k, (a, b) in enumerate(zip(got, ref)):
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
         d = float(np.max(np.abs(a64 - b64))) if a64.size else 0.0
@@ -202,13 +253,18 @@ def verify_numerics(wl, mesh: dict[str, int], plan_path: str) -> int:
         if a64.ndim == 0:
             same = bool(np.allclose(a64, b64, rtol=NUMERICS_RTOL, atol=0))
             scalars_ok &= same
-            print(
-                f"  output {k}: {float(a64):.8g} vs {float(b64):.8g} {'ok' if same else 'MISMATCH'}"
-            )
+            if k < n_out or not same:
+                verdict = "ok" if same else "MISMATCH"
+                print(f"  {_named(k, n_out)}: {float(a64):.8g} vs {float(b64):.8g} {verdict}")
     rel = (num**0.5) / (den**0.5) if den else num**0.5
     ok = scalars_ok and rel <= NUMERICS_GLOBAL_RTOL and len(got) == len(ref)
     print(
-        f"  all {len(ref)} outputs: relative L2 error {rel:.2e} (limit {NUMERICS_GLOBAL_RTOL:g}), "
-        f"largest |difference| {worst[0]:.2e} (output {worst[1]}): {'MATCH' if ok else 'MISMATCH'}"
+        f"  all {len(ref)} {what}: relative L2 error {rel:.2e} (limit {NUMERICS_GLOBAL_RTOL:g}), "
+        f"largest |difference| {worst[0]:.2e} ({_named(worst[1], n_out)}): "
+        f"{'MATCH' if ok else 'MISMATCH'}"
     )
     return 0 if ok else 1
+
+
+def _named(k: int, n_out: int) -> str:
+    return f"output {k}" if k < n_out else f"state array {k - n_out}"

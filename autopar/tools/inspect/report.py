@@ -471,13 +471,14 @@ def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
         )
         sched.rows = [line.split(": ", 1) for line in t.rows()]
         tables.append(sched)
-    tables.append(
-        Table(
-            "warnings",
-            ["warning"],
-            rows=[[f"note: {w}" if is_note(w) else w] for w in plan.warnings],
+    if plan.warnings:
+        tables.append(
+            Table(
+                "warnings",
+                ["warning"],
+                rows=[[f"note: {w}" if is_note(w) else w] for w in plan.warnings],
+            )
         )
-    )
     return tables
 
 
