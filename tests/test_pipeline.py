@@ -752,3 +752,46 @@ def test_a_stack_of_as_many_layers_as_examples_is_not_cut_as_a_batch():
     )
     plan = step.plan(*gpt.abstract_args(cfg))
     assert plan.pipeline["stages"] == 2 and plan.pipeline["microbatches"] == 2
+
+
+def test_a_step_that_returns_the_stacks_output_pipelines_like_jax_jit():
+    """A step returning its last layer's activations (a `has_aux` output of the loss),
+    the type of its input: the input was taken for state the step updates and not cut
+    into micro-batches, so the loop's carry looked unbatched and pipelining refused.
+    What feeds the loop's carry is cut whatever the step returns."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import numpy as np
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            k = self.param("k", nn.initializers.lecun_normal(), (x.shape[-1],) * 2)
+            return jnp.tanh(x @ k), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+            )
+            return scan(name="s")(x, None)[0]
+
+    model, x = Stack(), jax.random.normal(jax.random.key(3), (16, 8, 32))
+    params = model.init(jax.random.key(0), x)
+
+    def step(params, x):
+        def loss(p):
+            y = model.apply(p, x)
+            return jnp.mean(y**2), y
+
+        (value, y), g = jax.value_and_grad(loss, has_aux=True)(params)
+        return value, g, y
+
+    par = autopar.parallelize(
+        step, mesh={"stage": 2, "data": 2, "model": 2}, pipeline_stages=2, microbatches=4
+    )
+    got, want = par(params, x), jax.jit(step)(params, x)
+    assert par.plan(params, x).pipeline["stages"] == 2
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -883,6 +883,22 @@ def test_a_pipelined_unrolled_plan_describes_and_restores_the_users_leaves(tmp_p
     assert_trees_close(again, after, what="state after resuming")
 
 
+def test_diff_of_a_pipelined_and_an_unpipelined_plan_compares_the_users_leaves():
+    """`autopar diff` compared a pipelined plan's rolled-program inputs (`h_<0,2>/...`)
+    with the other plan's leaves: hundreds of "only in a" rows. It compares the user's
+    leaves (`user_inputs`) now: the same paths on both sides, the layers' changed."""
+    from autopar.tools.inspect.diff import diff_plans
+
+    step, params, opt_state = _linen(GPT2(n=4))
+    piped = _parallel(step).plan(params, opt_state, _batch(0))
+    flat = autopar.parallelize(step, mesh={"data": 4, "model": 2}).plan(
+        params, opt_state, _batch(0)
+    )
+    d = diff_plans(piped, flat)["inputs"]
+    assert d["only_a"] == [] and d["only_b"] == [], (d["only_a"][:3], d["only_b"][:3])
+    assert any("h_3" in c["path"] for c in d["changed"])
+
+
 def test_nnx_dropout_pipelines_where_autopar_picks_the_mesh():
     """NNX's dropout traced under a mesh adds `reshard`s. With several meshes to try
     (`mesh=8`) the whole batch is traced under none, so the micro-batch traces are too:

@@ -8,7 +8,7 @@ plan turns into."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -426,10 +426,17 @@ class PipelineTries:
         scans = pipelined_scans(graph, pipe)
         name, args, static = self.name, self.call.args, self.call.static
         dyn, tree = jax.tree_util.tree_flatten(self.call.dyn)
-        keep = {
-            p for i in find_aliases(graph).values() for p in (rolled.inputs[i] if rolled else [i])
-        }
+        # state the step returns updated is not cut (a stack of 8 layers' weights is not
+        # a batch of 8), but what feeds the loops' carry is the batch, whatever the step
+        # returns (its final activations, the same type as its input)
         batch = batch_size(graph, scans)
+        fed = _feeding_carry(graph, scans, batch)
+        keep = {
+            p
+            for i in find_aliases(graph).values()
+            if i not in fed
+            for p in (rolled.inputs[i] if rolled else [i])
+        }
         flat = _applies(micro_args, dyn, batch, pipe.microbatches, name, keep)
         if isinstance(flat, Infeasible):
             return flat
@@ -535,6 +542,28 @@ def _constrains(graph: Graph) -> bool:
 
 
 RANDOM_OPS = ("random_bits", "rng_bit_generator", "rng_uniform")
+
+
+def _feeding_carry(graph: Graph, scans: Sequence[int], batch: int) -> set[int]:
+    """Positions of the step's inputs that the carry of the forward loops among `scans`
+    is computed from, through values that lead with the batch (the activations, not the
+    weights that make them; the backward loops' carry comes from everything)."""
+    want = [
+        v
+        for i in scans
+        for n in [graph.nodes[i]]
+        if not n.params["reverse"]
+        for v in n.inputs[n.params["num_consts"] : n.params["num_consts"] + n.params["num_carry"]]
+    ]
+    seen: set[int] = set()
+    while want:
+        v = want.pop()
+        if v in seen or graph.values[v].shape[:1] != (batch,):
+            continue
+        seen.add(v)
+        if v in graph.producer:
+            want.extend(graph.nodes[graph.producer[v]].inputs)
+    return {k for k, v in enumerate(graph.inputs) if v in seen}
 
 
 def random_per_microbatch(pipelined: PipelinedScans) -> str | None:

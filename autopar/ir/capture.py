@@ -157,6 +157,21 @@ class _Name:
         self.name = name
 
 
+_KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<urbg>": "unsafe_rbg"}
+
+
+def abstract_value(t: TensorType, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
+    """A captured value's abstract array (at `shape`, default its own); a typed PRNG key
+    as one (the graph keeps its uint32 words' dtype and the key type's name), so a pass
+    that traces the step again keeps the key a key."""
+    shape = t.shape if shape is None else shape
+    if t.extended in _KEY_IMPLS:
+        impl = _KEY_IMPLS[t.extended]
+        dtype = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, t.dtype)
+
+
 def abstractify_tree(tree: Any) -> Any:
     return jax.tree_util.tree_map(abstractify, tree)
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from autopar.cost.model import node_flops
 from autopar.errors import MicrobatchError
-from autopar.ir.capture import abstractify_tree, arg_names, capture
+from autopar.ir.capture import abstract_value, abstractify_tree, arg_names, capture
 from autopar.ir.eval import bind_marked, relined, run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.passes.microbatch import cut, separate, split_spec, uncut
@@ -210,7 +210,7 @@ def accumulate(
         raise MicrobatchError(f"{graph.name}: nothing in the step depends on the batch arguments")
 
     fn = _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have)
-    args = [_abstract(graph.values[v]) for v in graph.inputs]
+    args = [abstract_value(graph.values[v]) for v in graph.inputs]
     new = relined(capture(fn, args, (), mesh), graph)
     new = replace(
         new,
@@ -247,19 +247,6 @@ def _notes(graph: Graph, new: Graph, first_bad: Node | None, M: int) -> tuple[st
             "numbers"
         )
     return tuple(notes)
-
-
-_KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<urbg>": "unsafe_rbg"}
-
-
-def _abstract(t) -> jax.ShapeDtypeStruct:
-    """A captured value's abstract array; a typed PRNG key as one (the graph keeps its
-    uint32 words' dtype and the key type's name), so the loop can fold into it."""
-    if t.extended in _KEY_IMPLS:
-        impl = _KEY_IMPLS[t.extended]
-        dtype = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-        return jax.ShapeDtypeStruct(t.shape, dtype)
-    return jax.ShapeDtypeStruct(t.shape, t.dtype)
 
 
 def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Callable:

@@ -38,7 +38,7 @@ import networkx as nx
 import numpy as np
 
 from autopar.errors import PipelineError
-from autopar.ir.capture import capture, lines_from
+from autopar.ir.capture import abstract_value, capture, lines_from
 from autopar.ir.eval import bind_marked, bind_node, marked, relined, run_nodes
 from autopar.ir.graph import Graph, find_aliases, signature, without_dead
 from autopar.passes.roll_units import per_layer_ops
@@ -540,7 +540,7 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
     for ms, st in zip(inputs, stacked_in):
         t = g.values[g.inputs[ms[0]]]
         shape = t.shape if len(ms) == 1 else (S,) if st else (S * t.shape[0], *t.shape[1:])
-        args.append(jax.ShapeDtypeStruct(shape, t.dtype))
+        args.append(abstract_value(t, shape))
     # the replayed ops include those the step never reads (its unused scalar converts,
     # once per layer slot: a third of GPT-3 175B's rolled graph), dropped as `jax.jit` does
     new = relined(without_dead(capture(r.function(info), args, (), mesh)), graph)

@@ -33,6 +33,12 @@ def _records(rs: Iterable[TensorRecord]) -> dict[str, TensorRecord]:
     return {r.path: r for r in rs}
 
 
+def _described(r: TensorRecord) -> str:
+    """A leaf's type and layout, and the pipeline stage that holds it, if one does."""
+    on = f" on stage {r.stage}" if r.stage is not None else ""
+    return f"{r.dtype}{shape_text(r.shape)} {r.spec}{on}"
+
+
 def diff_plans(a: Plan, b: Plan) -> dict:
     """What changed from plan `a` to plan `b`: context, costs, inputs, outputs, ops."""
     ctx = {}
@@ -61,13 +67,13 @@ def diff_plans(a: Plan, b: Plan) -> dict:
             y = mb.get(p)
             if y is None:
                 continue
-            if (x.shape, x.dtype) != (y.shape, y.dtype) or x.spec != y.spec:
+            if (x.shape, x.dtype, x.spec, x.stage) != (y.shape, y.dtype, y.spec, y.stage):
                 changed.append(
                     {
                         "path": p,
                         "layer": layer_of_path(p),
-                        "a": f"{x.dtype}{shape_text(x.shape)} {x.spec}",
-                        "b": f"{y.dtype}{shape_text(y.shape)} {y.spec}",
+                        "a": _described(x),
+                        "b": _described(y),
                         "a_local_bytes": local_bytes(x, a.mesh),
                         "b_local_bytes": local_bytes(y, b.mesh),
                     }
@@ -96,8 +102,10 @@ def diff_plans(a: Plan, b: Plan) -> dict:
         "context": ctx,
         "cost": cost,
         "comm_bytes": comm,
-        "inputs": tensors(a.inputs, b.inputs),
-        "outputs": tensors(a.outputs, b.outputs),
+        # a pipelined plan of layers unrolled in Python describes the rolled program
+        # (`inputs`) and the user's leaves (`user_inputs`): the user's are compared
+        "inputs": tensors(a.user_inputs or a.inputs, b.user_inputs or b.inputs),
+        "outputs": tensors(a.user_outputs or a.outputs, b.user_outputs or b.outputs),
         "ops": {
             "changed": ops_changed,
             "only_a": [k for k in oa if k not in ob],
