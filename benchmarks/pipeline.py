@@ -209,6 +209,7 @@ def parallelize_auto(
     engine: str = "dp",
     schedule: str | None = None,
     scan_layers: bool = True,
+    donate: bool = False,
 ) -> dict:
     """The captured GPT-3 175B train step (layers under `nn.scan`, or unrolled in Python
     with `scan_layers=False`) planned by
@@ -216,7 +217,8 @@ def parallelize_auto(
     arguments: every stage count, its micro-batch counts and the layer plan at the
     micro-batch size searched for real. 1F1B by default (a stage keeps at most 2S - 1
     micro-batches' activations, so selective remat fits); GPipe keeps all M, so only
-    full remat fits there."""
+    full remat fits there. `donate`: the train state donated (`donate_argnums=0`, as a
+    training loop passes it), so the updated state is written into its buffers."""
     ts, args = gpt3_step(scan_layers)
     t0 = time.perf_counter()
     step = autopar.parallelize(
@@ -227,6 +229,7 @@ def parallelize_auto(
         pipeline_schedule=schedule,
         remat=remat,
         engine=engine,
+        donate_argnums=(0,) if donate else (),
     )
     plan = step.plan(*args)
     seconds = time.perf_counter() - t0

@@ -47,13 +47,24 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", default="a100-80g")
     ap.add_argument("--out", type=Path, default=OUT, help="results path, without suffix")
     ap.add_argument("--scan-only", action="store_true", help="plan the scanned model only")
+    ap.add_argument(
+        "--donate", action="store_true", help="also the scanned model with its state donated"
+    )
     a = ap.parse_args(argv)
     rows = {}
-    models = (("scan", True),) if a.scan_only else (("scan", True), ("unrolled", False))
-    for name, scan in models:
+    models = (
+        [("scan", True, False)]
+        if a.scan_only
+        else [("scan", True, False), ("unrolled", False, False)]
+    )
+    if a.donate:
+        models.append(("nn.scan, state donated", True, True))
+    for name, scan, donate in models:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rows[name] = parallelize_auto(a.profile, remat="auto", engine="auto", scan_layers=scan)
+            rows[name] = parallelize_auto(
+                a.profile, remat="auto", engine="auto", scan_layers=scan, donate=donate
+            )
         print(name, json.dumps(rows[name]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)  # kept row by row: a long run
         a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -74,6 +85,11 @@ def main(argv=None) -> None:
             "|---|---|---|---|---|---|---|---|---|",
             _row("nn.scan", s),
             *([_row("unrolled", u)] if u else []),
+            *([_row(k, rows[k]) for k in rows if "donated" in k]),
+            "",
+            "Nothing is donated but in the rows that say so (`donate_argnums=0`, the train "
+            "state, as a training loop passes it): without it the updated state needs "
+            "buffers of its own beside the arguments, which the predicted peak holds.",
             "",
             f"Unrolled / scanned: `.plan()` {u['search_seconds'] / s['search_seconds']:.2f}x, "
             f"MFU {u['mfu'] / s['mfu']:.3f}x."

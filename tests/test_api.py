@@ -192,14 +192,16 @@ def test_plan_for_another_function_raises(tmp_path):
     with pytest.raises(autopar.PlanError) as e:
         autopar.parallelize(transposed, mesh=MESH, plan=path)(w.T, x)
     msg = str(e.value)
-    assert "w: plan ((64, 32), 'float32') vs function ((32, 64), 'float32')" in msg
+    assert "w: plan float32[64, 32] vs function float32[32, 64]" in msg
     assert "x:" not in msg  # only the differing argument is named
 
     assert "different function" in msg
 
     # Same function, another batch shape: names the argument and both shapes, says the
     # plan is for other shapes (not another function) and offers allow_partial=True.
-    with pytest.raises(autopar.PlanError, match=r"x: plan \(\(16, 64\).*\(\(8, 64\)") as e:
+    with pytest.raises(
+        autopar.PlanError, match=r"x: plan float32\[16, 64\] vs function float32\[8, 64\]"
+    ) as e:
         autopar.parallelize(_tanh_matmul, mesh=MESH, plan=path).plan(w, x[:8])
     assert "other argument shapes" in str(e.value) and "allow_partial=True" in str(e.value)
 

@@ -431,6 +431,10 @@ class _Driver(PipelineTries):
     def _built(self, g: Graph, info, pipelined) -> Problem:
         with self.clock.phase("build"):
             problem = build_problem(g, info, CostModel(self.o.profile, info), pipelined)
+        if self.call.donate:  # by path: a rolled graph's grouped leaves are not matched
+            paths = {self.graph.input_paths[i] for i in self.call.donate}
+            donated = frozenset(k for k, p in enumerate(g.input_paths) if p in paths)
+            problem = replace(problem, donated=donated)
         # its tables stay while it is searched, most of them for the whole planning:
         # left out of the full collections the search's garbage triggers, as the
         # capture is (`compile.step.compile_step`, which puts them back at the end)

@@ -349,8 +349,9 @@ def plan_mismatch(plan: Plan, graph: Graph, mesh: MeshInfo) -> str | None:
             p: (graph.values[v].shape, graph.values[v].dtype_name)
             for p, v in zip(graph.input_paths, graph.inputs)
         }
+        told = lambda t: "not there" if t is None else f"{t[1]}{list(t[0])}"  # noqa: E731
         diffs = [
-            f"{p}: plan {have.get(p)} vs function {want.get(p)}"
+            f"{p}: plan {told(have.get(p))} vs function {told(want.get(p))}"
             for p in dict.fromkeys([*have, *want])
             if have.get(p) != want.get(p)
         ]

@@ -60,6 +60,8 @@ def budget_options(options: Options) -> str:
         out.append("remat='auto' (recompute activations in the backward pass)")
     if options.precision is None:
         out.append("precision='bf16' (half-size activations and weight copies)")
+    if not options.donate_argnums:
+        out.append("donate_argnums for the train state (its update written into its buffers)")
     if options.pipeline_stages is None and options.grad_accumulation is None:
         out.append("grad_accumulation=M (one micro-batch's activations at a time)")
         out.append("pipeline_stages=S with a 'stage' mesh axis (a stage's layers per device)")

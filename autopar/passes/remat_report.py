@@ -117,8 +117,9 @@ class RematReport:
             f"{p.residuals_before - p.residuals_after} of {p.residuals_before} residuals of "
             f"{p.forward}: stored {format_bytes(p.bytes_after)} instead of "
             f"{format_bytes(p.bytes_before)} (whole tensors, before sharding; "
-            f"{format_bytes(p.bytes_per_layer_after)} a layer "
-            f"instead of {format_bytes(p.bytes_per_layer_before)}, {p.layers} layers) for "
+            f"{format_bytes(p.bytes_per_layer_after)} a loop step "
+            f"instead of {format_bytes(p.bytes_per_layer_before)}, {p.layers} steps: a layer "
+            "each, or a pipeline stage's layers) for "
             f"{p.recompute_flops:.3g} more FLOPs a call"
             for p in self.pairs
         )

@@ -430,11 +430,11 @@ class Plan:
                 )
             if info.get("lean_arguments_bytes", 0) >= 1e-3 * c.argument_bytes:
                 notes.append(
-                    f"arguments {format_bytes(info['lean_arguments_bytes'])} smaller per device "
-                    "at the same price"
+                    f"its plan's arguments made {format_bytes(info['lean_arguments_bytes'])} "
+                    "smaller per device at its own price"
                 )
-            if notes:
-                lines.append(f"  {name}: " + "; ".join(notes))
+            if notes:  # each engine's own search, not a comparison with the plan taken
+                lines.append(f"  {name} (its own search): " + "; ".join(notes))
         for w in self.warnings:
             lines.append(f"  {'note' if is_note(w) else 'warning'}: {w}")
         return "\n".join(lines)

@@ -122,6 +122,9 @@ class Problem:
     node_compute: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
     # the share of one latency a combinable all-reduce pays (`search.edges.bucket_share`)
     bucket_share: float = 1.0
+    # input positions the caller donates: an output that updates one is written into
+    # its buffer, not a copy of its own (`memory.peak_memory`)
+    donated: frozenset[int] = frozenset()
     # a loop's body: every step runs it, so repeated layers in it have no ends that
     # touch an embedding or a head (`search.layers` folds all of them into one)
     loop_body: bool = False

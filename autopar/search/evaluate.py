@@ -137,7 +137,7 @@ def evaluate(problem: Problem, choice: Sequence[int]) -> Cost:
         compute, comm = compute - seconds, comm + seconds
         for key, b in sent.items():
             by[key] = by.get(key, 0) + int(b)
-    peak, args = memory.peak_memory(problem, choice, settled[1])
+    peak, args = memory.peak_memory(problem, choice, settled[1], settled[0])
     return Cost(compute, comm, peak, args, by)
 
 
@@ -146,7 +146,8 @@ def peak_memory(
 ) -> tuple[int, int]:
     """(peak, argument) bytes per device of the plan (`memory.peak_memory`).
     `settled`: `settle(problem, choice)`, when the caller has it."""
-    return memory.peak_memory(problem, choice, (settled or settle(problem, choice))[1])
+    targets, partials = settled or settle(problem, choice)
+    return memory.peak_memory(problem, choice, partials, targets)
 
 
 def memory_floor(graph: Graph, devices: int, resident: dict[int, float] | None = None) -> float:

@@ -20,7 +20,12 @@ NUMERICS_GLOBAL_RTOL = 1e-4  # all outputs together: ||sharded - jit|| / ||jit||
 
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (its type name if it has none)."""
-    text = " ".join(s.strip() for s in str(e).strip().splitlines() if s.strip())
+    lines = [s.strip() for s in str(e).strip().splitlines() if s.strip()]
+    # lines joined as sentences: one that ends without a stop gets one
+    text = " ".join(
+        s if i == len(lines) - 1 or s.endswith((".", ":", ";")) else s + "."
+        for i, s in enumerate(lines)
+    )
     return text or type(e).__name__
 
 
