@@ -31,6 +31,7 @@ from autopar.compile.notes import (
     offline_warning,
     over_floor,
     pipeline_tries,
+    random_per_microbatch,
     screen_note,
     unbranched,
     unpipelined_stacks,
@@ -41,7 +42,6 @@ from autopar.compile.pipelines import (
     PipelineTries,
     graph_of,
     proxied,
-    random_per_microbatch,
     roll_of,
 )
 from autopar.compile.plans import (

@@ -167,3 +167,25 @@ def unsplittable(problem, name: str) -> str | None:
         "no faster than one device); give the mesh axis sizes that divide the batch or "
         "the hidden sizes"
     )
+
+
+RANDOM_OPS = ("random_bits", "rng_bit_generator", "rng_uniform")
+
+
+def random_per_microbatch(pipelined: PipelinedScans) -> str | None:
+    """Why a pipelined step's random numbers (dropout masks) differ from `jax.jit`'s:
+    the loop bodies and the 1F1B head draw them per micro-batch, at the micro-batch's
+    shape with its index folded into the key (`autopar.ir.eval.drawn_per_microbatch`),
+    so the draw is another one (as random); None when they draw none."""
+    bodies = [body for body, _ in pipelined.scans.values()]
+    ops = [n for b in bodies for n in b.nodes] + [n for f in pipelined.fused for n in f.micro_nodes]
+    drawn = sorted({n.key for n in ops if n.op in RANDOM_OPS})
+    if not drawn:
+        return None
+    return (
+        f"random numbers are drawn per micro-batch inside the pipeline ({drawn[0]}"
+        + (f" and {len(drawn) - 1} more" if len(drawn) > 1 else "")
+        + ", the micro-batch's index folded into the key): dropout masks are a different "
+        "(equally random) draw than jax.jit's, so steps match jax.jit only in "
+        "distribution; set the dropout rate to 0 to compare numbers"
+    )
