@@ -147,3 +147,7 @@ def did_you_mean(name: object, choices) -> str:
         return f" (did you mean {lower[name.lower()]!r}?)"
     close = difflib.get_close_matches(name.lower(), list(lower), n=1, cutoff=0.6)
     return f" (did you mean {lower[close[0]]!r}?)" if close else ""
+
+
+# the last line of a MemoryBudgetError; `compile.step` adds the options the call left unused
+BUDGET_HINT = "Raise memory_budget, use more devices, or shrink the batch."

@@ -183,7 +183,7 @@ def test_chunk_moves_take_layer_order_to_chunk_order(S, v):
     """`chunk_moves`: each entry is one collective-permute (no stage sends or receives
     twice in it), and together they put block `c S + r` (virtual stage) in stage `r`'s
     slot `c`, from stage `u // v`'s block `u % v` where the loop's inputs hold it."""
-    from autopar.passes.pipeline import chunk_moves
+    from autopar.passes.interleave import chunk_moves
 
     moves = chunk_moves(S, v)
     assert len(moves) <= v * v
@@ -194,7 +194,7 @@ def test_chunk_moves_take_layer_order_to_chunk_order(S, v):
             assert (b, dst) not in got
             got[(b, dst)] = a * v + src
     assert got == {(r, c): c * S + r for r in range(S) for c in range(v)}
-    from autopar.passes.pipeline import chunk_permutes
+    from autopar.passes.interleave import chunk_permutes
 
     assert chunk_permutes(S, v) == sum(any(a != b for a, b in p) for p in moves.values())
 
@@ -205,7 +205,7 @@ def test_interleaved_slots_never_overwrite_a_live_activation(S, M, v):
     first is read back (its backward slot) before the second is written, and the slot
     count is the most passes the schedule's timeline holds at once on any stage
     (`(v + 1) S - 1`, or all `M v`; a ring by pass number would need `2 v S - 1`)."""
-    from autopar.passes.pipeline import interleaved_slots
+    from autopar.passes.interleave import interleaved_slots
 
     R, table = interleaved_slots(S, M, v)
     for d in range(S):

@@ -15,7 +15,6 @@ import gc
 import logging
 import math
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
@@ -47,6 +46,7 @@ from autopar.compile.pipelines import (
 from autopar.compile.plans import (
     attach,
     make_plan,
+    mesh_for_plan,
     plan_mismatch,
     reusable_specs,
     spec_pins,
@@ -56,6 +56,7 @@ from autopar.compile.screen import SCREEN_MARGIN, screen
 from autopar.compile.tries import ahead, firsts_ahead
 from autopar.cost.model import CostModel
 from autopar.errors import (
+    BUDGET_HINT,
     AutoparError,
     CaptureError,
     MemoryBudgetError,
@@ -224,7 +225,7 @@ class _Driver(PipelineTries):
                 notes += said
         reused: dict[int, Spec] = {}
         if o.given_plan is not None:
-            mesh = _mesh_for_plan(o.meshes, o.given_plan)
+            mesh = mesh_for_plan(o.meshes, o.given_plan)
             looped, rolled = graph, None
             if (o.given_plan.pipeline or {}).get("rolled"):  # made on the rolled layers
                 got = self._looped(graph, o.given_plan.pipeline["stages"], mesh)
@@ -562,11 +563,7 @@ class _Driver(PipelineTries):
                 head = f"no plan the cost model fit into {budget} is faster than {made}:"
             rejected.append(f"{slower} plan(s) no faster than {made}, not compiled")
         return Infeasible(
-            MemoryBudgetError(
-                f"{head}\n  "
-                + "\n  ".join(rejected)
-                + "\nRaise memory_budget, use more devices, or shrink the batch."
-            )
+            MemoryBudgetError(f"{head}\n  " + "\n  ".join(rejected) + f"\n{BUDGET_HINT}")
         )
 
     def _replay(self, graph: Graph, plan: Plan, mesh, rolled: Roll | None = None) -> Compiled:
@@ -598,13 +595,3 @@ class _Driver(PipelineTries):
             raise MicrobatchError(f"{e.message}\n{why}") from e
         mesh = self.o.meshes[0] if self.single else None
         return accumulate(graph, micro, batch, M, mesh)
-
-
-def _mesh_for_plan(meshes: Sequence, plan: Plan) -> Mesh | AbstractMesh:
-    for mesh in meshes:
-        if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) == (
-            plan.mesh.axis_names,
-            plan.mesh.axis_sizes,
-        ):
-            return mesh
-    return meshes[0]  # bind_plan reports the mismatch

@@ -8,7 +8,7 @@ plan turns into."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -25,6 +25,7 @@ from autopar.passes.pipeline import (
     PipelinedScans,
     batch_size,
     check_pipeline,
+    feeding_carry,
     fuse,
     micro_args,
     pipelined_scans,
@@ -430,7 +431,7 @@ class PipelineTries:
         # a batch of 8), but what feeds the loops' carry is the batch, whatever the step
         # returns (its final activations, the same type as its input)
         batch = batch_size(graph, scans)
-        fed = _feeding_carry(graph, scans, batch)
+        fed = feeding_carry(graph, scans, batch)
         keep = {
             p
             for i in find_aliases(graph).values()
@@ -539,28 +540,6 @@ def _constrains(graph: Graph) -> bool:
         or any(_constrains(b) for b in n.branches or ())
         for n in graph.nodes
     )
-
-
-def _feeding_carry(graph: Graph, scans: Sequence[int], batch: int) -> set[int]:
-    """Positions of the step's inputs that the carry of the forward loops among `scans`
-    is computed from, through values that lead with the batch (the activations, not the
-    weights that make them; the backward loops' carry comes from everything)."""
-    want = [
-        v
-        for i in scans
-        for n in [graph.nodes[i]]
-        if not n.params["reverse"]
-        for v in n.inputs[n.params["num_consts"] : n.params["num_consts"] + n.params["num_carry"]]
-    ]
-    seen: set[int] = set()
-    while want:
-        v = want.pop()
-        if v in seen or graph.values[v].shape[:1] != (batch,):
-            continue
-        seen.add(v)
-        if v in graph.producer:
-            want.extend(graph.nodes[graph.producer[v]].inputs)
-    return {k for k, v in enumerate(graph.inputs) if v in seen}
 
 
 def graph_of(graph: Graph, pipelined: PipelinedScans | OneLoop | None) -> Graph:

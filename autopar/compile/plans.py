@@ -5,6 +5,7 @@ specs into strategy indices for the search."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -398,3 +399,14 @@ def attach(plan: Plan, graph: Graph, jax_mesh, user: Graph | None = None) -> Pla
             "jax_mesh": jax_mesh,
         }
     )
+
+
+def mesh_for_plan(meshes: Sequence, plan: Plan):
+    """The mesh of `meshes` a loaded plan was made for (else the first)."""
+    for mesh in meshes:
+        if (tuple(mesh.axis_names), tuple(mesh.axis_sizes)) == (
+            plan.mesh.axis_names,
+            plan.mesh.axis_sizes,
+        ):
+            return mesh
+    return meshes[0]  # bind_plan reports the mismatch

@@ -16,7 +16,7 @@ from autopar.compile.cache import PlanCache, cache_key
 from autopar.compile.calls import Call, Compiled, Options, Proxy
 from autopar.compile.clock import Clock
 from autopar.compile.driver import Infeasible, _Driver, log
-from autopar.errors import AutoparError, MemoryBudgetError, user_level
+from autopar.errors import BUDGET_HINT, AutoparError, MemoryBudgetError, user_level
 from autopar.ir.capture import abstractify_tree, capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.passes.remat import POLICIES as REMAT_POLICIES
@@ -42,15 +42,12 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
         return _compile_step(options, call, source)
     except MemoryBudgetError as e:
         unused = budget_options(options)
-        if GENERIC_BUDGET_HINT not in e.message or not unused:
+        if BUDGET_HINT not in e.message or not unused:
             raise
-        hint = f"{GENERIC_BUDGET_HINT[:-1]}; or try {unused}."
-        raise type(e)(e.message.replace(GENERIC_BUDGET_HINT, hint)) from None
+        hint = f"{BUDGET_HINT[:-1]}; or try {unused}."
+        raise type(e)(e.message.replace(BUDGET_HINT, hint)) from None
     finally:
         gc.unfreeze()
-
-
-GENERIC_BUDGET_HINT = "Raise memory_budget, use more devices, or shrink the batch."
 
 
 def budget_options(options: Options) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autopar.passes.pipeline import chunk_moves
+from autopar.passes.interleave import chunk_moves
 
 
 def to_chunks(x, axis: str, stages: int, virtual: int):

@@ -52,6 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autopar.ir.graph import Graph, Node
 from autopar.lower import slots
 from autopar.lower.interleave import from_chunks, to_chunks
+from autopar.passes.interleave import interleaved_number, interleaved_slots
 from autopar.passes.microbatch import cut, uncut
 from autopar.passes.pipeline import (
     SAME,
@@ -59,8 +60,6 @@ from autopar.passes.pipeline import (
     Fused,
     Label,
     ScanLabels,
-    interleaved_number,
-    interleaved_slots,
 )
 from autopar.passes.zero_bubble import WeightSplit
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from autopar.passes.pipeline import interleaved_pass
+from autopar.passes.interleave import interleaved_pass
 
 
 def lock_step(st: dict, s, S: int, M: int, fw, bw, forward, turn, backward) -> dict:

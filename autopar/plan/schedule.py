@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.passes.pipeline import interleaved_pass
+from autopar.passes.interleave import interleaved_pass
 
 __all__ = ["Slot", "Timeline", "schedule_line", "timeline"]
 

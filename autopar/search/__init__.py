@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from autopar.cost.model import Cost
-from autopar.errors import MemoryBudgetError, format_bytes
+from autopar.errors import BUDGET_HINT, MemoryBudgetError, format_bytes
 from autopar.search import engines, layouts, recipes, workers
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate, total_time
@@ -536,8 +536,7 @@ def search(
             f"no plan fits the memory budget of {format_bytes(memory_budget)} per device; the smallest found "
             f"({best[0]}) needs {format_bytes(best[1][1].peak_memory_bytes)} "
             f"({format_bytes(best[1][1].argument_bytes)} of it arguments).\n"
-            f"{_dominant(problem, best[1][0])}\n"
-            "Raise memory_budget, use more devices, or shrink the batch."
+            f"{_dominant(problem, best[1][0])}\n{BUDGET_HINT}"
         )
     ranked = sorted(
         fitting.items(), key=lambda kv: (kv[1][1].step_s, list(candidates).index(kv[0]))

@@ -12,14 +12,13 @@ import numpy as np
 
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node
+from autopar.passes.interleave import chunk_permutes, interleaved_slots
 from autopar.passes.pipeline import (
     SAME,
     SUM,
     Pipeline,
     PipelinedScans,
     chunk_layers,
-    chunk_permutes,
-    interleaved_slots,
     stage_layers,
     sunk_fills,
 )
