@@ -120,7 +120,15 @@ def restore(
         raise CheckpointError(f"{path} has no step {step}; committed steps: {steps}")
     with _manager(path, create=False) as mgr:
         saved = _saved_arrays(mgr.item_metadata(step))
-        abstract = _abstract_target(path, step, saved, _shardings(target, argnum), abstract_state)
+        shardings = _shardings(target, argnum)
+        if isinstance(target, Plan) and isinstance(shardings, Sharding) and abstract_state is None:
+            raise CheckpointError(
+                f"restore: argument {argnum} of the plan for {target.function or 'the function'} "
+                "is one array, not a pytree of state, so the plan does not say what the saved "
+                "state looks like; pass the argnum of the state the checkpoint holds (0 for "
+                "a train state passed first), or give abstract_state"
+            )
+        abstract = _abstract_target(path, step, saved, shardings, abstract_state)
         return mgr.restore(step, args=ocp.args.StandardRestore(abstract))
 
 

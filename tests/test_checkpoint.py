@@ -207,3 +207,14 @@ def test_python_and_numpy_leaves(tmp_path):
         "lr": jax.ShapeDtypeStruct((), jnp.float32),
     }
     assert_trees_close(ckpt.restore(tmp_path, rep, abstract), got)
+
+
+def test_restore_with_a_plan_whose_argument_is_one_array_says_so(tmp_path):
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)
+
+    w, x = jnp.ones((16, 16)), jnp.ones((8, 16))
+    plan = autopar.parallelize(step, mesh={"data": 8}).plan(w, x)
+    ckpt.save(tmp_path, {"w": w})
+    with pytest.raises(ckpt.CheckpointError, match="argument 1 of the plan for .* is one array"):
+        ckpt.restore(tmp_path, plan, argnum=1)

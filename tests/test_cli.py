@@ -308,6 +308,21 @@ def test_layer_grouping():
     assert insp.layer_of_op("transpose(jvp(M))/h.3/attn/dot_general#1") == "h.3"
 
 
+def test_layer_grouping_of_a_model_written_as_plain_functions():
+    """No modules: an einsum's subscripts name no layer, and a plain pytree of
+    parameters (`p/...`, whose leaves optax's moments mirror) groups as params do."""
+    assert insp.layer_of_op("transpose(jvp(bqd,bkd->bqk))/dot_general#3") == "(top level)"
+    assert insp.layer_of_op("jvp()/bqd,bkd->bqk/dot_general#0") == "(top level)"
+    assert insp.layer_of_op("jvp(GPT)/h_1/bqd,bkd->bqk/dot_general#0") == "h_1"
+    paths = ["p/wte", "p/layers/0/w1", "o/0/mu/wte", "o/0/nu/layers/0/w1", "o/0/count", "tok"]
+    args = insp.param_args(paths)
+    assert args == {"p"}
+    assert [insp.layer_of_path(x, args) for x in paths] == [
+        "wte", "layers/0", "wte", "layers/0", "o", "tok"
+    ]  # fmt: skip
+    assert insp.layer_of_path("batch/inputs", args) == "batch"
+
+
 # ---------------------------------------------------------------------------- diff
 
 
@@ -325,8 +340,12 @@ def test_diff_reports_params_ops_and_costs(plans, tmp_path):
     b["ops"][j]["out_specs"] = [[None, None, None]]
     b["cost"]["comm_s"] *= 2
     b["cost"]["step_s"] = b["cost"]["compute_s"] + b["cost"]["comm_s"]
+    assert a["memory_budget"] > 2**30  # the plan records the budget it was searched under
+    b["remat"], b["memory_budget"] = "full", 2**30
     (tmp_path / "b.json").write_text(json.dumps(b))
     out = ok(run("diff", str(d / "gpt.json"), str(tmp_path / "b.json")))
+    assert "remat: None -> full  (differs)" in out  # the options the plans differ in
+    assert "-> 1.0 GiB  (differs)" in out and "precision" not in out
     assert "inputs: 1 changed" in out and "state/params/h_1/mlp/c_fc/kernel" in out
     assert "ops: 1 changed" in out and b["ops"][j]["key"] in out
     assert "+100.0%" in out  # communication doubled

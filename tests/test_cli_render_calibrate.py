@@ -300,6 +300,39 @@ def test_render_draws_the_layout_boxes_and_labels(small_plan, tmp_path):
     assert coords == {f"data {i},model {j}" for i in range(2) for j in range(4)}, coords
 
 
+def test_tile_labels_of_a_narrow_parameter_do_not_overlap(small_plan):
+    """A parameter of few rows split 8 ways along them: its tiles are thinner than a
+    label, so every n-th is labelled (and the last), none over another."""
+    import dataclasses
+    import re
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    from autopar.sharding import Spec
+    from autopar.tools.render import draw
+
+    plan = Plan.from_json(json.loads(small_plan.read_text()))
+    r = dataclasses.replace(
+        plan.inputs[0], shape=(16, 100000), spec=Spec(((("data", "model")), ()))
+    )
+    plan = dataclasses.replace(plan, inputs=(r,))
+    (pg,) = render.param_groups(plan, 1)
+    fig = Figure(figsize=(3.3, 2.9))
+    ax = fig.add_subplot(1, 1, 1)
+    draw._draw_param(ax, pg, plan, {"data": "#4c72b0", "model": "#dd8452"})
+    fig.canvas.draw()
+    boxes = [
+        t.get_window_extent() for t in ax.texts if re.fullmatch(r"data \d,model \d", t.get_text())
+    ]
+    assert 2 <= len(boxes) < 8  # thinned, the first and the last kept
+    assert {t.get_text() for t in ax.texts} >= {"data 0,model 0", "data 1,model 3"}
+    boxes.sort(key=lambda b: b.y0)
+    assert all(a.y1 <= b.y0 for a, b in zip(boxes, boxes[1:])), boxes
+
+
 def test_render_draws_the_pipeline_schedule(small_plan, tmp_path):
     """A pipelined plan's picture has the schedule: one row per stage, every slot's
     micro-batch, and the schedule line with the bubble (`autopar.plan.schedule`)."""

@@ -503,6 +503,7 @@ class _Driver(PipelineTries):
                     grad_accumulation=o.grad_accumulation,
                     remat=self.remat_policy if self.remat_policy != "none" else None,
                     remat_layers=self.remat_layers if self.remat_policy else None,
+                    memory_budget=o.memory_budget,
                     warnings=(*notes, *plan.warnings),
                 )
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)

@@ -1,5 +1,6 @@
 """The plan notes the driver writes about what it tried: the pipelines of
-`pipeline_stages="auto"`, the mesh shapes a screen left out, and the warning on an offline plan that was never compiled."""
+`pipeline_stages="auto"`, the mesh shapes a screen left out, and the warning on an
+offline plan that was never compiled."""
 
 from __future__ import annotations
 

@@ -105,6 +105,8 @@ class Plan:
     # of a stack of layers unrolled in Python, how many (the first ones) `remat` covers;
     # None: all of them (or no such stack)
     remat_layers: int | None = None
+    # the per-device memory budget the plan was searched under (bytes)
+    memory_budget: float | None = None
     # where such a stack is rolled into a pipeline, `inputs` are the rolled program's
     # (a group per layer slot); these are the function's own leaves, each layer's on its
     # stage (`TensorRecord.stage`): what `in_specs` and `in_shardings` give
@@ -209,6 +211,8 @@ class Plan:
         }
         if self.remat_layers is not None:
             d["remat_layers"] = self.remat_layers
+        if self.memory_budget is not None:
+            d["memory_budget"] = self.memory_budget
         for key in ("user_inputs", "user_outputs"):
             if getattr(self, key) is not None:
                 d[key] = [r.to_json() for r in getattr(self, key)]
@@ -256,6 +260,7 @@ class Plan:
                 grad_accumulation=d.get("grad_accumulation"),
                 remat=d.get("remat"),
                 remat_layers=d.get("remat_layers"),
+                memory_budget=d.get("memory_budget"),
                 user_inputs=_records(d.get("user_inputs")),
                 user_outputs=_records(d.get("user_outputs")),
                 phases=d.get("phases"),

@@ -181,10 +181,10 @@ def peak_memory(
     map). An output returned in another layout than it is made in (`targets`, the
     specs the function returns: an updated parameter made split by a ZeRO update and
     returned in its argument's layout) holds that copy too at the end, unless the
-    argument is donated (`Problem.donated`: then it is written into its buffer; a GPT step with
-    `remat="full"` on data 8 was predicted at 704 MiB, its arguments and returned
-    outputs alone 1061 MiB; XLA compiled 1157). A value fused away (below) takes no memory; its reads keep its own operands
-    alive instead. An op that reads a value in another layout than it is stored in (an
+    argument is donated (`Problem.donated`: then it is written into its buffer; a GPT
+    step with `remat="full"` on data 8 was predicted at 704 MiB, its arguments and
+    returned outputs alone 1061 MiB; XLA compiled 1157). A value fused away (below)
+    takes no memory; its reads keep its own operands alive instead. An op that reads a value in another layout than it is stored in (an
     all-gathered weight, a loop's stacked weights gathered for the whole loop) holds
     that copy while it runs. A 1F1B region (`Problem.regions`) runs as one loop:
     everything its ops make is alive, and every copy they read held, from its first op

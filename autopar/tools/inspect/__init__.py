@@ -22,7 +22,13 @@ from autopar.tools.inspect.explain import (
     rebuild_problem,
     render_alternatives,
 )
-from autopar.tools.inspect.format import comm_key, layer_of_op, layer_of_path, phase_of_op
+from autopar.tools.inspect.format import (
+    comm_key,
+    layer_of_op,
+    layer_of_path,
+    param_args,
+    phase_of_op,
+)
 from autopar.tools.inspect.report import inspect_summary, render_inspect
 from autopar.tools.inspect.tables import Table, render
 
@@ -38,6 +44,7 @@ __all__ = [
     "inspect_summary",
     "layer_of_op",
     "layer_of_path",
+    "param_args",
     "phase_of_op",
     "plan_choice",
     "rebuild_problem",

@@ -18,6 +18,7 @@ from autopar.tools.inspect.format import (
     layer_of_path,
     layer_order,
     local_bytes,
+    param_args,
     shape_text,
 )
 from autopar.tools.inspect.tables import Table, render
@@ -39,6 +40,24 @@ def _described(r: TensorRecord) -> str:
     return f"{r.dtype}{shape_text(r.shape)} {r.spec}{on}"
 
 
+def _remat(p: Plan) -> str | None:
+    if p.remat and p.remat_layers is not None:
+        return f"{p.remat} (first {p.remat_layers} layers)"
+    return p.remat
+
+
+def _pipeline(p: Plan) -> str | None:
+    d = p.pipeline
+    if not d:
+        return None
+    v = f" x {d['virtual_stages']} virtual" if d.get("virtual_stages") else ""
+    return f"{d['stages']} stages{v}, {d['microbatches']} micro-batches, {d['schedule']}"
+
+
+def _budget(p: Plan) -> str | None:
+    return None if p.memory_budget is None else format_bytes(p.memory_budget)
+
+
 def diff_plans(a: Plan, b: Plan) -> dict:
     """What changed from plan `a` to plan `b`: context, costs, inputs, outputs, ops."""
     ctx = {}
@@ -50,6 +69,16 @@ def diff_plans(a: Plan, b: Plan) -> dict:
         ("engine", a.engine, b.engine),
     ):
         ctx[name] = {"a": va, "b": vb, "same": va == vb}
+    # the options the plans were made under, where either plan says
+    for name, va, vb in (
+        ("remat", _remat(a), _remat(b)),
+        ("precision", a.precision, b.precision),
+        ("grad_accumulation", a.grad_accumulation, b.grad_accumulation),
+        ("pipeline", _pipeline(a), _pipeline(b)),
+        ("memory_budget", _budget(a), _budget(b)),
+    ):
+        if va is not None or vb is not None:
+            ctx[name] = {"a": va, "b": vb, "same": va == vb}
     cost = {}
     for name in ("compute_s", "comm_s", "step_s", "peak_memory_bytes", "argument_bytes"):
         va, vb = getattr(a.cost, name), getattr(b.cost, name)
@@ -62,6 +91,7 @@ def diff_plans(a: Plan, b: Plan) -> dict:
 
     def tensors(ra, rb):
         ma, mb = _records(ra), _records(rb)
+        args = param_args([*ma, *mb])
         changed, only_a, only_b = [], [p for p in ma if p not in mb], [p for p in mb if p not in ma]
         for p, x in ma.items():
             y = mb.get(p)
@@ -71,7 +101,7 @@ def diff_plans(a: Plan, b: Plan) -> dict:
                 changed.append(
                     {
                         "path": p,
-                        "layer": layer_of_path(p),
+                        "layer": layer_of_path(p, args),
                         "a": _described(x),
                         "b": _described(y),
                         "a_local_bytes": local_bytes(x, a.mesh),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -19,12 +19,16 @@ from autopar.sharding import MeshInfo, Spec
 
 # Path components that hold a model's arrays rather than name a part of the model.
 _CONTAINERS = {"params", "opt_state", "batch_stats", "mu", "nu", "count", "state", "inner_state"}
+# Optimizer state that mirrors the parameters' tree (optax's Adam moments).
+_MOMENTS = {"mu", "nu"}
 # A numbered layer's name: `h_3`, `layers/3` (transformers, NNX lists), `h.3` (dotted).
 LAYER_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)*?(?:_?|[./])\d+$")
 # A group of layers rolled into a pipeline's loops (`autopar.passes.roll`): `h_<0,2>`
 # as one part, or `<0,2>` after the name of the collection (`layers/<0,2>`).
 _GROUP_RE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9_.]*)?<\d+(?:,\d+)*>$")
 _PICTURE_CELLS = 16
+# A name-stack part that can name a module (not an einsum's subscripts, `bqd,bkd->bqk`).
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.]*$")
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -99,13 +103,17 @@ def _numbered(parts: Sequence[str], first: int = 1) -> str | None:
     return None
 
 
-def layer_of_path(path: str) -> str:
+def layer_of_path(path: str, param_args: Collection[str] = ()) -> str:
     """The part of the model an argument belongs to: `state/params/h_3/attn/q/kernel` ->
     `h_3`, `params/model/layers/3/mlp/kernel` -> `layers/3`, `state/opt_state/0/mu/wte/embedding`
     -> `wte`; arrays outside params / optimizer state group under their argument's name
     (`batch/inputs` -> `batch`) unless they name a numbered layer (an NNX state's
-    `model/blocks/0/linear/kernel` -> `blocks/0`)."""
+    `model/blocks/0/linear/kernel` -> `blocks/0`). A plain pytree of parameters (`p/wte`,
+    with `p` in `param_args`, `param_args`) and optax's moments of it (`o/0/mu/wte`)
+    group as `params/...` would."""
     parts = path.split("/")
+    if parts[0] in param_args or any(p in _MOMENTS for p in parts[1:]):
+        parts = [parts[0], "params", *parts[1:]]
     if not any(p in ("params", "opt_state", "batch_stats") for p in parts):
         return _numbered(parts[:-1], first=2) or parts[0]
     layer = _numbered(parts[1:-1])
@@ -117,6 +125,25 @@ def layer_of_path(path: str) -> str:
     return "(optimizer)" if "opt_state" in parts else "(other)"
 
 
+def param_args(paths: Iterable[str]) -> frozenset[str]:
+    """The arguments that are a plain pytree of parameters (no `params` collection): those
+    whose leaves optax's moments mirror (`p/layers/0/w` beside `o/0/mu/layers/0/w`)."""
+    paths = list(paths)
+    mirrored = set()
+    for path in paths:
+        parts = path.split("/")
+        at = next((i for i, p in enumerate(parts[1:], 1) if p in _MOMENTS), None)
+        if at is not None:
+            mirrored.add("/".join(parts[at + 1 :]))
+    return frozenset(
+        p.split("/", 1)[0] for p in paths if "/" in p and p.split("/", 1)[1] in mirrored
+    )
+
+
+def _named(part: str) -> bool:
+    return bool(_NAME_RE.match(part) or _GROUP_RE.match(part))
+
+
 def layer_of_op(key: str) -> str:
     """The layer an op key's name stack names: `transpose(jvp(GPT))/h_0/mlp/c_fc/dot_general#1`
     -> `h_0`, `jvp(Llama)/model/layers/3/self_attn/...` -> `layers/3`,
@@ -125,10 +152,12 @@ def layer_of_op(key: str) -> str:
     stack = key.split("/")[:-1]
     wrapped = [p for p in stack if "(" in p]
     inner = re.sub(r"^.*\(|\).*$", "", wrapped[0]) if wrapped else None
+    if inner and not _named(inner):  # `jvp(bqd,bkd->bqk)`: an einsum's, no module
+        inner = ""
     named = [
         p if LAYER_RE.match(p) else p.split(".", 1)[0]
         for p in stack
-        if "(" not in p and not p.startswith("_")
+        if "(" not in p and not p.startswith("_") and _named(p)
     ]
     layer = _numbered(named, first=0)
     if layer:

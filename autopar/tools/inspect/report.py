@@ -23,6 +23,7 @@ from autopar.tools.inspect.format import (
     local_bytes,
     local_shape,
     op_layers,
+    param_args,
     phase_of_op,
     rolled_slots,
     shape_text,
@@ -87,8 +88,9 @@ def layer_rows(plan: Plan) -> list[dict]:
             },
         )
 
+    args = param_args(r.path for r in plan.inputs)
     for r in plan.inputs:
-        d = row(layer_of_path(r.path))
+        d = row(layer_of_path(r.path, args))
         d["arrays"] += 1
         d["sharded_arrays"] += bool(r.spec.used_axes)
         d["bytes"] += full_bytes(r)
@@ -106,9 +108,26 @@ def layer_rows(plan: Plan) -> list[dict]:
 def rolled_layer_notes(plan: Plan, rows: list[dict]) -> list[str]:
     """What the layer rows of a plan whose unrolled layers were rolled into loops
     (`autopar.passes.roll`) count: the slots' rows hold the loops' body ops that name
-    their layer, and the ops outside the layers, replayed by autopar, name no module."""
+    their layer, and the ops outside the layers, replayed by autopar, name no module.
+    Of any other plan whose ops name no module at all (plain functions): that."""
     slots = sorted(set(rolled_slots(plan.pipeline).values()), key=layer_order)
+    top = next((d["ops"] for d in rows if d["layer"] == "(top level)"), 0)
+    silent = sorted(
+        (
+            d["layer"]
+            for d in rows
+            if d["arrays"] and not d["ops"] and d["layer"] not in slots and d["layer"][0] != "("
+        ),
+        key=layer_order,
+    )
     if not slots:
+        named = any(d["ops"] for d in rows if d["layer"][0] != "(")
+        if silent and top and not named:
+            return [
+                "0 ops in every row but (top level): the step's ops name no module (a "
+                "model written as plain functions, without Flax or NNX modules and their "
+                f"name scopes), so all {top} are there; the arrays are grouped by their paths"
+            ]
         return []
     rolled = plan.pipeline["rolled"]
     k = rolled["layers"] // max(rolled["stages"], 1)
@@ -131,15 +150,6 @@ def rolled_layer_notes(plan: Plan, rows: list[dict]) -> list[str]:
             else ""
         )
     ]
-    top = next((d["ops"] for d in rows if d["layer"] == "(top level)"), 0)
-    silent = sorted(
-        (
-            d["layer"]
-            for d in rows
-            if d["arrays"] and not d["ops"] and d["layer"] not in slots and d["layer"][0] != "("
-        ),
-        key=layer_order,
-    )
     if silent and top:
         notes.append(
             f"{', '.join(silent)}: 0 ops listed, yet ops outside the layers read them: "
@@ -154,8 +164,9 @@ def _layer_signatures(plan: Plan) -> dict[str, tuple]:
     """Per layer, what must agree for repeated layers to share a row: each array's path
     within the layer, shape, dtype and spec, and each op's strategy and specs."""
     sig: dict[str, list] = {}
+    args = param_args(r.path for r in plan.inputs)
     for r in plan.inputs:
-        name = layer_of_path(r.path)
+        name = layer_of_path(r.path, args)
         rel = r.path.split(name, 1)[-1]
         sig.setdefault(name, []).append((rel, r.shape, r.dtype, r.spec.to_json()))
     for name, o in op_layers(plan):
@@ -200,12 +211,13 @@ def collapse_layers(rows: list[list[str]], sigs: dict[str, tuple]) -> tuple[list
 
 def input_rows(plan: Plan) -> list[dict]:
     out = []
+    args = param_args(r.path for r in plan.inputs)
     for r in plan.inputs:
         shards = r.spec.shards(plan.mesh)
         out.append(
             {
                 "path": r.path,
-                "layer": layer_of_path(r.path),
+                "layer": layer_of_path(r.path, args),
                 "shape": list(r.shape),
                 "dtype": r.dtype,
                 "spec": r.spec.to_json(),

@@ -60,6 +60,24 @@ def _slots(k: int) -> list[int | None]:
     return [*range(MAX_SLOTS - 2), None, k - 1]
 
 
+def _label_stride(tile_pts: float, font_pts: float) -> int:
+    """The n with which to label every n-th of a row or column of tiles `tile_pts`
+    points apart, so that labels `font_pts` high do not overlap."""
+    return max(1, math.ceil(1.25 * font_pts / max(tile_pts, 1e-9)))
+
+
+def _labelled(n: int, every: int) -> set[int]:
+    """Which of `n` tiles get a label: every `every`-th, the last in place of the one
+    before it where they would be closer."""
+    shown = list(range(0, n, every))
+    if shown[-1] != n - 1:
+        if n - 1 - shown[-1] < every:
+            shown[-1] = n - 1
+        else:
+            shown.append(n - 1)
+    return set(shown)
+
+
 def _coords(i: int, axes: tuple[str, ...], sizes: dict[str, int]) -> str:
     """Mesh coordinates of shard `i` of a dimension split over `axes` (major to minor):
     `model 3`, or `data 1,model 3`."""
@@ -238,8 +256,17 @@ def _draw_param(ax, pg: ParamGroup, plan: Plan, axis_colour):
             )
     ax.add_patch(Rectangle((x0, y1 - h), w, h, fill=False, edgecolor="#333333", linewidth=0.9))
     fs = 5.5
+    # label every tile where the labels fit, else every n-th (and always the last)
+    box = ax.get_position()
+    fig_w, fig_h = ax.figure.get_size_inches()
+    row_pts = th / 1.66 * box.height * fig_h * 72  # ylim spans 1.66, xlim 1.34
+    col_pts = tw / 1.34 * box.width * fig_w * 72
+    row_shown = _labelled(len(rs), _label_stride(row_pts, fs))
+    col_shown = _labelled(len(cs), _label_stride(col_pts, fs) if len(cs) > 4 else 1)
     if row_axes:
         for a, ri in enumerate(rs):
+            if a not in row_shown:
+                continue
             ax.text(
                 x0 - 0.015,
                 y1 - (a + 0.5) * th,
@@ -251,6 +278,8 @@ def _draw_param(ax, pg: ParamGroup, plan: Plan, axis_colour):
             )
     if col_axes:
         for b, ci in enumerate(cs):
+            if b not in col_shown:
+                continue
             ax.text(
                 x0 + (b + 0.5) * tw,
                 y1 + 0.015,

@@ -18,6 +18,7 @@ from autopar.tools.inspect.format import (
     layer_of_path,
     local_bytes,
     op_layers,
+    param_args,
 )
 
 MAX_BOXES = 40  # merge similar layers beyond this many boxes
@@ -63,8 +64,9 @@ class LayerGroup:
         return f"{self.contractions[top] // n} of {total // n}" if top else ""
 
 
-def _is_param(path: str) -> bool:
-    return "params" in path.split("/")
+def _is_param(path: str, args: frozenset[str] = frozenset()) -> bool:
+    parts = path.split("/")
+    return "params" in parts or parts[0] in args
 
 
 def _split_class(spec: Spec, mesh_axes: tuple[str, ...]) -> str:
@@ -113,15 +115,16 @@ def _layer_data(plan: Plan):
             state_split[name] = Counter()
         return stats[name]
 
-    has_params = {layer_of_path(r.path) for r in plan.inputs if _is_param(r.path)}
+    args = param_args(r.path for r in plan.inputs)
+    has_params = {layer_of_path(r.path, args) for r in plan.inputs if _is_param(r.path, args)}
     for i, r in enumerate(plan.inputs):
-        name = layer_of_path(r.path)
+        name = layer_of_path(r.path, args)
         d = g(name)
         first_input.setdefault(name, i)
         sig[name].append(
             ("in", _normal(r.path.split("/"), name), r.shape, r.dtype, r.spec.to_json())
         )
-        if _is_param(r.path) or name not in has_params:
+        if _is_param(r.path, args) or name not in has_params:
             b = full_bytes(r)
             d.param_bytes += b
             d.param_local_bytes += local_bytes(r, plan.mesh)
@@ -248,12 +251,13 @@ def _short_path(path: str) -> str:
 
 def param_groups(plan: Plan, top: int = DEFAULT_TOP) -> list[ParamGroup]:
     """The `top` largest parameters, one per set of same-shape same-spec ones."""
-    records = [r for r in plan.inputs if _is_param(r.path) and r.shape]
+    args = param_args(r.path for r in plan.inputs)
+    records = [r for r in plan.inputs if _is_param(r.path, args) and r.shape]
     if not records:
         records = [r for r in plan.inputs if r.shape]
     groups: dict[tuple, ParamGroup] = {}
     for r in records:
-        layer = layer_of_path(r.path)
+        layer = layer_of_path(r.path, args)
         name = _short_path(r.path)
         m = _NUM_RE.match(layer)
         if m and LAYER_RE.match(layer):
