@@ -28,6 +28,7 @@ from autopar.compile.merged import merged_seeds
 from autopar.compile.notes import (
     no_pipeline_why,
     offline_warning,
+    outside_layers,
     over_floor,
     pipeline_tries,
     random_per_microbatch,
@@ -514,6 +515,8 @@ class _Driver(PipelineTries):
                         unbranched(pipelined, mesh),
                         pipelined.fallback,
                         rolled and unpipelined_stacks(self._stacks(graph), rolled),
+                        rolled
+                        and outside_layers(self._stacks(graph), rolled, pipelined.pipe.stages),
                     )
                     for why in whys:
                         if why:

@@ -44,6 +44,25 @@ def unpipelined_stacks(stacks, rolled) -> str | None:
     )
 
 
+def outside_layers(stacks, rolled, stages: int) -> str | None:
+    """The warning on a pipeline whose stack of layers unrolled in Python does not split
+    into its stages: its first layers run outside it (`LayerStack.split_into`)."""
+    for s in stacks:
+        r = len(s.forward) - rolled.layers
+        if s.template == rolled.template and r > 0:
+            first = s.forward[0].index
+            return (
+                f"the {len(s.forward)} layers of {s.template} do not split into {stages} "
+                "equal stages: "
+                f"layer{'s' * (r > 1)} {first}"
+                + (f"..{s.forward[r - 1].index}" if r > 1 else "")
+                + f" run{'s' * (r == 1)} outside the pipeline, before its first stage (as "
+                f"the step's other ops do, searched on the whole mesh), the other "
+                f"{rolled.layers} in its stages"
+            )
+    return None
+
+
 def pipeline_tries(options, failures, repriced: bool = False, one_loop: int = 0) -> str:
     """The plan note of `pipeline_stages="auto"`: the best plan of every (mesh,
     micro-batch count) tried, and the meshes that had none; with `repriced`, a ZB-H1

@@ -297,6 +297,7 @@ class PipelineTries:
             base = self.base
             stacks = self._stacks(base)
             fits = [s for s in _with_trims(stacks) if len(s.forward) % S == 0]
+            fits = fits or _split(stacks, S, self.o.pipeline_stages == "auto")
             if self.remat_layers is not None:
                 self._rolled[key] = Infeasible(
                     PipelineError(
@@ -326,7 +327,13 @@ class PipelineTries:
                     if loops
                     else "; ".join(
                         f"the {len(s.forward)} layers of {s.template} (unrolled in Python) do not "
-                        f"split into {S} equal stages"
+                        + (
+                            f"fill {S} stages (each needs a layer at least)"
+                            if len(s.forward) < S
+                            else f"split into {S} equal stages, nor do all but their first "
+                            f"{len(s.forward) % S} under pipeline_stages='auto' (more than a "
+                            "stage's worth would run outside the pipeline)"
+                        )
                         + (f" ({s.why_left_out()})" if s.left_out else "")
                         for s in stacks
                     )
@@ -567,10 +574,24 @@ def _with_trims(stacks) -> list:
     return [*stacks, *(t for s in stacks if (t := trimmed(s)) is not None)]
 
 
+def _split(stacks, S: int, auto: bool) -> list:
+    """`stacks` (and their trims) whose depth `S` does not divide, each with its first
+    layers outside so that the rest splits into `S` stages (`LayerStack.split_into`);
+    under `pipeline_stages="auto"` only where no more than a stage's worth of layers
+    would be left outside (96 layers on 64 stages would leave 32)."""
+    out = []
+    for s in _with_trims(stacks):
+        t = s.split_into(S)
+        if t is not None and (not auto or len(t.forward) // S >= len(s.forward) - len(t.forward)):
+            out.append(t)
+    return out
+
+
 def _roll_like(graph: Graph, stacks: list, like: Roll, mesh) -> Graph:
     """`graph` (the step traced again, at another batch size; `stacks`, its own) with
     the stack `like` rolled the same way."""
-    for stack in _with_trims(stacks):
+    split = [t for s in _with_trims(stacks) if (t := s.split_into(like.stages)) is not None]
+    for stack in [*_with_trims(stacks), *split]:
         if stack.template == like.template and len(stack.forward) == like.layers:
             got, again = roll(graph, stack, like.stages, mesh)
             if (again.inputs, again.outputs) == (like.inputs, like.outputs):

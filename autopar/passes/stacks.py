@@ -74,6 +74,9 @@ class LayerStack:
     # the ops the first layer's blocks lack (it reads an argument of the step, whose
     # gradient JAX does not compute), which `stack_pad.padded` writes in for a roll
     pads: tuple[Pad, ...] = ()
+    # the first layers of the run left outside, so that the rest splits into a
+    # pipeline's stages (`split_into`)
+    outside: tuple[int, ...] = ()
 
     def describe(self) -> str:
         # the forward and backward ranges apart: between them run the ops after the
@@ -89,7 +92,32 @@ class LayerStack:
                 f"gradient JAX does not compute: it lacks {len(self.pads)} ops of the "
                 "others', which a pipeline computes and drops)"
             )
+        if self.outside:
+            text += (
+                f" (layers {self.outside[0]}..{self.outside[-1]} run outside the pipeline, "
+                f"before its first stage: the other {len(self.forward)} split into its stages)"
+            )
         return f"{text} ({self.why_left_out()})" if self.left_out else text
+
+    def split_into(self, stages: int) -> LayerStack | None:
+        """This stack without as many of its first layers as keep the rest from
+        splitting into `stages` equal stages, those layers then `outside` it (run as the
+        step's other ops, before the pipeline); itself where it splits, None where fewer
+        layers than stages would remain. Its padded first layer (`pads`) is among the
+        first to go."""
+        r = len(self.forward) % stages
+        if not r:
+            return self
+        if len(self.forward) - r < stages:
+            return None
+        firsts = {b.index for b in self.forward[:r]}
+        return replace(
+            self,
+            forward=self.forward[r:],
+            backward=tuple(b for b in self.backward if b.index not in firsts),
+            pads=(),
+            outside=(*self.outside, *(b.index for b in self.forward[:r])),
+        )
 
     def why_left_out(self) -> str:
         """Which layers `left_out` holds and why ("" when none)."""
