@@ -200,7 +200,9 @@ def accumulate(
     needed_after = list(dict.fromkeys(needed_after))
     sums = [v for v in needed_after if have[v].partial]
     pieces = [v for v in needed_after if not have[v].partial and have[v].used_axes]
-    lost = [v for v in needed_after if v not in sums and v not in pieces]
+    # the same in every micro-batch (a scanned layer's rng counts): the last one's
+    sames = [v for v in needed_after if v in have and v not in sums and v not in pieces]
+    lost = [v for v in needed_after if v not in sums and v not in pieces and v not in sames]
     if lost:
         raise MicrobatchError(
             f"{graph.name}: gradient accumulation cannot hand {graph.values[lost[0]]} from the "
@@ -209,7 +211,7 @@ def accumulate(
     if not any(where[n.outputs[0]] == "loop" for n in graph.nodes if n.outputs):
         raise MicrobatchError(f"{graph.name}: nothing in the step depends on the batch arguments")
 
-    fn = _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have)
+    fn = _rewritten(graph, micro, batch_inputs, M, where, (sums, pieces, sames), have)
     args = [abstract_value(graph.values[v]) for v in graph.inputs]
     new = relined(capture(fn, args, (), mesh), graph)
     new = replace(
@@ -249,7 +251,11 @@ def _notes(graph: Graph, new: Graph, first_bad: Node | None, M: int) -> tuple[st
     return tuple(notes)
 
 
-def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Callable:
+def _rewritten(graph, micro, batch_inputs, M, where, handed, have) -> Callable:
+    """The step with its `where == "loop"` ops in a scan over micro-batches; `handed`:
+    what the loop hands on (sums accumulated in its carry, pieces of batched values as
+    its `ys`, values the same in every micro-batch carried out from the last)."""
+    sums, pieces, sames = handed
     pre, loop_nodes, post = (
         [n for n in graph.nodes if n.outputs and where[n.outputs[0]] == place]
         for place in ("pre", "loop", "post")
@@ -286,13 +292,14 @@ def _rewritten(graph, micro, batch_inputs, M, where, sums, pieces, have) -> Call
             # into its key: drawn from the step's key alone, every micro-batch would get
             # the same mask
             run_nodes(micro_loop, lread, local, lambda n, ins: bind_marked(n, ins, index))
-            return [c + local[v] for c, v in zip(carry, sums)], [local[v] for v in pieces]
+            summed = [c + local[v] for c, v in zip(carry, sums)]
+            return [*summed, *(local[v] for v in sames)], [local[v] for v in pieces]
 
-        init = [jnp.zeros(graph.values[v].shape, graph.values[v].dtype) for v in sums]
+        init = [jnp.zeros(graph.values[v].shape, graph.values[v].dtype) for v in (*sums, *sames)]
         with jax.named_scope(SCOPE):
             xs = [*(cut(env[v], 0, M) for v in batched), jnp.arange(M, dtype=jnp.uint32)]
             total, ys = jax.lax.scan(step, init, xs)
-        env.update(zip(sums, total))
+        env.update(zip((*sums, *sames), total))
         env.update((v, uncut(y, piece_dim[v], inner=inner[v])) for v, y in zip(pieces, ys))
         run_nodes(post, read, env, bind_marked)
         return [read(v) for v in graph.outputs]

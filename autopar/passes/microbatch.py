@@ -78,6 +78,17 @@ def separate(
             # a float16 operand's max|x|: per micro-batch it only picks the scale
             have.update((v, Spec.replicated(graph.values[v].rank)) for v in node.outputs)
             continue
+        if node.body is not None and "num_carry" in node.params:  # a scan: its body's
+            twin = (
+                micro.nodes[node.id] if micro is not None and node.id < len(micro.nodes) else None
+            )
+            mbody = twin.body if twin is not None and twin.op == node.op else None
+            outs = _scan_specs(node, got, microbatches, mbody)
+            if outs is None:
+                first_bad = first_bad or node
+            else:
+                have.update(zip(node.outputs, outs))
+            continue
         if node.op in ELEMENTWISE:
             rule = elementwise_rule(node, graph, split_broadcast=True)
             candidates = enumerate_factor_rule(rule, mesh)
@@ -110,6 +121,43 @@ def separate(
         )
         have.update(zip(node.outputs, best.out_specs))
     return have, first_bad
+
+
+def _scan_specs(
+    node: Node, got: Sequence[Spec], microbatches: int, micro_body: Graph | None
+) -> list[Spec] | None:
+    """The specs over "mb" of a scan's outputs, where its body runs per micro-batch on
+    its inputs' (`got`): a loop over layers whose carry is the batch's activations (or
+    their cotangents, or a sum of weight gradients) and whose `xs` are per-layer weights
+    or per-layer values split along a batch dim after the layer dim. The carry must come
+    out of the body laid out as it went in; a carry whole on entry that the body makes
+    split or Partial (a sum of the layers' gradients, started at zero) is taken as that
+    and the body run again. None where the body mixes micro-batches."""
+    p = node.params
+    n_c, n_k = p["num_consts"], p["num_carry"]
+    body = node.body
+    ins = list(got)
+    for i in range(n_c + n_k, len(ins)):  # xs: the layer dim leads, whole
+        sp = ins[i]
+        if sp.dims and sp.dims[0]:
+            return None
+        ins[i] = Spec(sp.dims[1:], sp.partial)
+    for _ in range(3):
+        have, bad = separate(body, ins, microbatches, micro_body)
+        if bad is not None:
+            return None
+        outs = [have.get(v, Spec.replicated(body.values[v].rank)) for v in body.outputs]
+        changed = False
+        for j in range(n_k):
+            want, made = ins[n_c + j], outs[j]
+            if made == want:
+                continue
+            if want.used_axes or want.partial:  # a layout the loop would not keep
+                return None
+            ins[n_c + j], changed = made, True
+        if not changed:
+            return [*outs[:n_k], *(Spec(((), *sp.dims), sp.partial) for sp in outs[n_k:])]
+    return None
 
 
 def cut(x, dim: int, m: int, lead: int = 0, inner: int = 1):
