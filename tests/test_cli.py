@@ -439,7 +439,7 @@ def test_verify_compiles_and_compares(plans):
     d, _ = plans
     out = ok(run("verify", str(d / "mlp.json"), MLP, "--numerics"))
     assert ": OK" in out
-    assert re.search(r"all \d+ outputs: relative L2 error .*: MATCH", out), out
+    assert re.search(r"all \d+ outputs: \d+ floating, relative L2 error .*: MATCH", out), out
     assert "predicted" in out and "compiled" in out
     assert re.search(r"compiled\s+\S+ \S+ = arguments", out), out
 
@@ -481,6 +481,24 @@ def test_verify_numerics_of_an_nnx_step_compares_the_state_it_writes_back(tmp_pa
     out = ok(run("verify", plan, target, "--numerics"))
     got = re.search(r"all (\d+) outputs and state arrays written back: .*: MATCH", out)
     assert got and int(got.group(1)) > 8, out  # the loss, the 4 weights, Adam's moments
+
+
+def test_verify_numerics_compares_integer_outputs_apart(capsys):
+    """A returned PRNG key (its words ~1e9) in the relative L2 sum hid four parameter
+    arrays off by 25x their value: integer outputs are compared for equality, apart."""
+    import numpy as np
+
+    from autopar.tools.verify import _compare
+
+    params = [(f"p{i}", np.full((128, 128), 0.02, np.float32)) for i in range(4)]
+    key = ("key", np.array([1997301034, 3071583393], np.uint32))
+    off = [(n, p + 0.5) for n, p in params]
+    assert _compare([*off, key], [*params, key], "outputs", 5) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+    assert _compare([*params, key], [*params, key], "outputs", 5) == 0
+    other = ("key", key[1] + np.uint32(1))
+    assert _compare([*params, other], [*params, key], "outputs", 5) == 1
+    assert "key: " in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------- other commands

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autopar.errors import UsageError, format_bytes
 
@@ -208,27 +208,37 @@ def verify_numerics(wl, mesh: dict[str, int], plan_path: str) -> int:
         jit = nnx.jit(wl.fn, static_argnums=wl.static_argnums)
     else:
         jit = jax.jit(wl.fn, static_argnums=wl.static_argnums)
-    ref = _leaves(jit(*ref_args))
+    ref = _leaves(jit(*ref_args), "output")
     n_out, ref = len(ref), ref + _state_leaves(ref_args)
     # No donation here: the reference and the sharded run read the same arguments.
     step = parallelize(wl.fn, mesh=mesh, plan=plan_path, static_argnums=wl.static_argnums)
-    got = _leaves(step(*par_args)) + _state_leaves(par_args)
+    got = _leaves(step(*par_args), "output") + _state_leaves(par_args)
     what = "outputs and state arrays written back" if nodes else "outputs"
-    return _compare(got, ref, what, n_out)
+    rc = _compare(got, ref, what, n_out)
+    drawn = [w for w in step.plan(*args).warnings if "drawn per micro-batch" in w]
+    if rc and drawn:
+        print(
+            "  (the plan draws its random numbers per micro-batch, as its warning says: "
+            "dropout masks differ from jax.jit's; set the dropout rate to 0 to compare)"
+        )
+    return rc
 
 
-def _leaves(tree) -> list:
-    """`tree`'s arrays, PRNG keys as their words."""
+def _leaves(tree, name: str) -> list[tuple[str, Any]]:
+    """`tree`'s arrays named `name` and their paths, PRNG keys as their words."""
     import jax
 
     return [
-        jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-        for x in jax.tree.leaves(tree)
+        (
+            f"{name}{jax.tree_util.keystr(path)}",
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+        )
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
         if hasattr(x, "dtype")
     ]
 
 
-def _state_leaves(args) -> list:
+def _state_leaves(args) -> list[tuple[str, Any]]:
     """The arrays of every NNX module (graph node) among `args`, after the step."""
     from autopar.frontends import graph_nodes
 
@@ -237,39 +247,51 @@ def _state_leaves(args) -> list:
         return []
     from flax import nnx
 
-    return [x for n in nodes for x in _leaves(nnx.state(n))]
+    many = len(nodes) > 1
+    return [
+        x
+        for i, n in enumerate(nodes)
+        for x in _leaves(nnx.state(n), type(n).__name__ + (f"#{i}" if many else ""))
+    ]
 
 
 def _compare(got: list, ref: list, what: str, n_out: int) -> int:
-    """`got` against `ref`: every scalar within `NUMERICS_RTOL` (the first `n_out`, the
-    step's outputs, printed; the state's when they differ), all of them together within
-    `NUMERICS_GLOBAL_RTOL`."""
+    """`got` against `ref` ((name, array) each): every float scalar within
+    `NUMERICS_RTOL` (the first `n_out`, the step's outputs, printed; the state's where
+    they differ), the floating arrays together within `NUMERICS_GLOBAL_RTOL` (relative
+    L2), and integer arrays (PRNG keys' words, counters) equal: a returned key's words,
+    ~1e9 each, would otherwise swamp the floats' sum."""
     import numpy as np
 
     num = den = 0.0
-    worst, scalars_ok = (0.0, -1), True
+    worst, ok, floats, exact = (0.0, ""), True, 0, 0
     print("\nnumerics (the planned program vs jax.jit on the workload's arguments):")
-    for k, (a, b) in enumerate(zip(got, ref)):
+    for k, ((name, a), (_, b)) in enumerate(zip(got, ref)):
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if not np.issubdtype(np.asarray(b).dtype, np.inexact):
+            exact += 1
+            if not np.array_equal(a64, b64):
+                ok = False
+                print(f"  {name}: {a64.ravel()[:4]} vs {b64.ravel()[:4]} MISMATCH (not equal)")
+            continue
+        floats += 1
         d = float(np.max(np.abs(a64 - b64))) if a64.size else 0.0
         num += float(np.sum((a64 - b64) ** 2))
         den += float(np.sum(b64**2))
-        worst = max(worst, (d, k))
+        worst = max(worst, (d, name))
         if a64.ndim == 0:
             same = bool(np.allclose(a64, b64, rtol=NUMERICS_RTOL, atol=0))
-            scalars_ok &= same
+            ok &= same
             if k < n_out or not same:
                 verdict = "ok" if same else "MISMATCH"
-                print(f"  {_named(k, n_out)}: {float(a64):.8g} vs {float(b64):.8g} {verdict}")
+                print(f"  {name}: {float(a64):.8g} vs {float(b64):.8g} {verdict}")
     rel = (num**0.5) / (den**0.5) if den else num**0.5
-    ok = scalars_ok and rel <= NUMERICS_GLOBAL_RTOL and len(got) == len(ref)
+    floats_ok = rel <= NUMERICS_GLOBAL_RTOL
+    ok = ok and floats_ok and len(got) == len(ref)
     print(
-        f"  all {len(ref)} {what}: relative L2 error {rel:.2e} (limit {NUMERICS_GLOBAL_RTOL:g}), "
-        f"largest |difference| {worst[0]:.2e} ({_named(worst[1], n_out)}): "
-        f"{'MATCH' if ok else 'MISMATCH'}"
+        f"  all {len(ref)} {what}: {floats} floating, relative L2 error {rel:.2e} (limit "
+        f"{NUMERICS_GLOBAL_RTOL:g}), largest |difference| {worst[0]:.2e} ({worst[1] or '-'})"
+        + (f"; {exact} integer (PRNG keys, counters) compared for equality" if exact else "")
+        + f": {'MATCH' if ok else 'MISMATCH'}"
     )
     return 0 if ok else 1
-
-
-def _named(k: int, n_out: int) -> str:
-    return f"output {k}" if k < n_out else f"state array {k - n_out}"
