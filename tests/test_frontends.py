@@ -156,6 +156,35 @@ def test_nnx_module_returned_and_rngs_updated():
     assert_trees_close(out, model.lin(x))
 
 
+def test_a_plan_made_on_a_device_count_binds_to_its_mesh_with_nnx_dropout(tmp_path):
+    """NNX's dropout reshards its key to its input's sharding: under autopar's mesh (one
+    mesh asked for) the trace held those `reshard`s, without a mesh (`mesh=N`, whose
+    shapes are searched) it did not, so a plan made with `mesh=8` did not bind on the
+    mesh it chose ("a different computation"). They lower to nothing on Auto axes and
+    are left out of the graph."""
+    from autopar.ir.capture import capture
+
+    class Noisy(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(DIN, HIDDEN, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.mean(self.drop(self.lin(x)) ** 2)
+
+    x, _ = _batch(0)
+    model = Noisy(nnx.Rngs(1))
+    mesh = autopar.make_mesh(MESH)
+    assert not [
+        n for n in capture(lambda m, x: m(x), (model, x), (), mesh).nodes if n.op == "reshard"
+    ]
+    plan = autopar.parallelize(lambda m, x: m(x), mesh=8).plan(model, x)
+    plan.save(tmp_path / "p.json")
+    again = autopar.parallelize(lambda m, x: m(x), mesh=plan.mesh.shape, plan=tmp_path / "p.json")
+    ref = nnx.jit(lambda m, x: m(x))(Noisy(nnx.Rngs(1)), x)
+    assert_trees_close(again(Noisy(nnx.Rngs(1)), x), ref)
+
+
 # ---- Equinox ------------------------------------------------------------------------------
 
 

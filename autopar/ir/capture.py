@@ -277,6 +277,9 @@ class _Builder:
                 for var, v in zip(eqn.outvars, outs):
                     env[var] = v
                 continue
+            if name == "reshard" and _identity_reshard(eqn):
+                env[eqn.outvars[0]] = ins[0]
+                continue
             src = _source(eqn, site)
             body = _scan_body(eqn, inner_stack, src) if name == "scan" else None
             branches = _cond_branches(eqn, inner_stack, src) if name == "cond" else None
@@ -300,6 +303,16 @@ class _Builder:
                 )
             )
         return [read(x) for x in jaxpr.outvars]
+
+
+def _identity_reshard(eqn) -> bool:
+    """A `jax.sharding.reshard` that lowers to nothing: to a mesh whose axes are all Auto
+    (what jnp and flax insert under a mesh: NNX's dropout reshards its key to its
+    input's sharding). Left out of the graph, so a step traces to the same graph under
+    autopar's mesh (one mesh asked for) as without one (`mesh=N`), and a plan made one
+    way binds the other."""
+    mesh = getattr(eqn.params.get("dst_sharding"), "mesh", None)
+    return mesh is None or getattr(mesh, "are_all_axes_auto", False) or mesh.empty
 
 
 def _scan_body(eqn, stack: str, site: Site) -> Graph:
