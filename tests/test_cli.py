@@ -483,6 +483,16 @@ def test_verify_numerics_of_an_nnx_step_compares_the_state_it_writes_back(tmp_pa
     assert got and int(got.group(1)) > 8, out  # the loss, the 4 weights, Adam's moments
 
 
+def test_explain_with_target_traces_an_nnx_step_as_parallelize_does(tmp_path):
+    """`explain --target` traced the function on its arguments as they are, so an NNX
+    step's modules were no arrays: 'plan float32[...] vs function not there'."""
+    (tmp_path / "nnx_wl.py").write_text(NNX_WORKLOAD)
+    target, plan = f"{tmp_path / 'nnx_wl.py'}:workload", str(tmp_path / "nnx.json")
+    ok(run("search", target, "--mesh", "data=2,model=2", "--out", plan))
+    out = ok(run("explain", plan, "jvp()/dot_general#0", "--target", target))
+    assert re.search(r"(\d+) strategies, priced", out) and "<- chosen" in out, out
+
+
 def test_verify_numerics_compares_integer_outputs_apart(capsys):
     """A returned PRNG key (its words ~1e9) in the relative L2 sum hid four parameter
     arrays off by 25x their value: integer outputs are compared for equality, apart."""

@@ -320,6 +320,7 @@ def rebuild_problem(
     import cost_models
     from autopar.api import bind_plan
     from autopar.cost.model import CostModel
+    from autopar.frontends import bind
     from autopar.ir.capture import capture
     from autopar.search.problem import build_problem
     from autopar.tools.workload import load_target
@@ -333,7 +334,17 @@ def rebuild_problem(
         from autopar.meshes import make_mesh
 
         kw["mesh"] = make_mesh(plan.mesh.shape)
-    graph = capture(wl.fn, wl.args, wl.static_argnums, **kw)
+    # through the frontend, as `parallelize` traces it (NNX modules as their state)
+    bound = bind(
+        wl.fn,
+        tuple(wl.args),
+        {},
+        static_argnums=wl.static_argnums,
+        static_argnames=(),
+        donate_argnums=(),
+        in_specs=None,
+    )
+    graph = capture(bound.program, bound.args, bound.static, keywords=bound.program.keywords, **kw)
     bind_plan(plan, graph, plan.mesh, None)  # raises PlanError naming what differs
     profile = cost_models.ClusterProfile.from_dict(plan.cluster)
     problem = build_problem(graph, plan.mesh, CostModel(profile, plan.mesh))
