@@ -360,3 +360,19 @@ def test_nnx_layers_under_a_scan_accumulate_their_state_like_nnx_jit():
         assert_trees_close(par(m_b, o_b, batch(i)), ref(m_a, o_a, batch(i)), what=f"loss {i}")
     assert m_b.blocks.calls[...].tolist() == [2, 2, 2]
     assert_trees_close(nnx.state(m_b), nnx.state(m_a), atol=2e-3, what="model state")
+
+
+def test_accumulated_gradients_summed_in_the_loop_where_the_optimizer_splits_their_sums():
+    """T5 with Adafactor on data 8: carried as Partial sums, the gradients are summed
+    after the loop, where Adafactor's per-parameter chains keep XLA from combining
+    their all-reduces (a trial's T5: 112 of them, 10x the step). The loop also offers
+    data parallelism with each micro-batch's gradients summed in it (`dp+reduced`),
+    which the polish takes where it prices lower."""
+    from benchmarks.user_models_defs import t5
+
+    case = t5(dict(batch=16, seq=32, vocab=1024, d=128, heads=4, ffn=512, layers=1))
+    plan = autopar.parallelize(case.step, mesh={"data": 8}, grad_accumulation=2).plan(
+        *case.args(False)
+    )
+    (loop,) = [o for o in plan.ops if o.op == "scan"]
+    assert not any(s.partial for s in loop.in_specs), loop.in_specs
