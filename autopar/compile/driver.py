@@ -32,6 +32,7 @@ from autopar.compile.notes import (
     over_floor,
     pipeline_tries,
     random_per_microbatch,
+    replicated_microbatches,
     screen_note,
     unbranched,
     unpipelined_stacks,
@@ -509,6 +510,9 @@ class _Driver(PipelineTries):
                 )
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
+                if why := replicated_microbatches(graph, plan, o.grad_accumulation):
+                    warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
+                    plan = replace(plan, warnings=(*plan.warnings, why))
                 if pipelined is not None:
                     whys = (
                         random_per_microbatch(pipelined),

@@ -44,6 +44,37 @@ def unpipelined_stacks(stacks, rolled) -> str | None:
     )
 
 
+def replicated_microbatches(graph, plan, microbatches: int | None) -> str | None:
+    """The warning on a gradient accumulation plan that runs most of its compute whole
+    on every device while a micro-batch has fewer examples than the mesh has devices:
+    the micro-batches are too small to split over them."""
+    from autopar.passes.accumulate import is_accumulation
+
+    share = plan.replicated_share()
+    if not microbatches or microbatches < 2 or share is None or share <= 0.5:
+        return None
+    loop = next((n for n in graph.nodes if is_accumulation(n)), None)
+    if loop is None:
+        return None
+    n_fixed = loop.params["num_consts"] + loop.params["num_carry"]
+    sizes = [t.shape[0] for v in loop.body.inputs[n_fixed:] if (t := loop.body.values[v]).rank]
+    examples = max((b for b in sizes if b), default=0)
+    devices = plan.mesh.num_devices
+    if not examples or examples >= devices:
+        return None
+    fewer = [m for m in range(microbatches - 1, 0, -1) if examples * microbatches % m == 0]
+    return (
+        f"gradient accumulation: a micro-batch has {examples} examples for {devices} "
+        f"devices, and {100 * share:.0f}% of the step's compute runs replicated (whole on "
+        "every device): the micro-batches may be too small to split well over the mesh"
+        + (
+            f"; fewer of them (grad_accumulation={fewer[0]} or less) let the batch split"
+            if fewer
+            else ""
+        )
+    )
+
+
 def outside_layers(stacks, rolled, stages: int) -> str | None:
     """The warning on a pipeline whose stack of layers unrolled in Python does not split
     into its stages: its first layers run outside it (`LayerStack.split_into`)."""
