@@ -55,8 +55,6 @@ def budget_options(options: Options) -> str:
     out = []
     if options.remat in (None, "none"):
         out.append("remat='auto' (recompute activations in the backward pass)")
-    if options.precision is None:
-        out.append("precision='bf16' (half-size activations and weight copies)")
     if not options.donate_argnums:
         out.append("donate_argnums for the train state (its update written into its buffers)")
     if options.pipeline_stages is None and options.grad_accumulation is None:
