@@ -105,7 +105,10 @@ def restore(
     `jax.eval_shape(init)`) that gives the state's structure — namedtuples of
     optimizer states included — and is checked against the saved shapes and dtypes;
     without it the structure comes from `target`, and the shapes from the checkpoint.
-    `step` defaults to the latest committed step.
+    `step` defaults to the latest committed step. A state saved as `nnx.state(model)`
+    restores with a Plan as the pure dict its shardings describe (each Variable's
+    array, as `nnx.to_pure_dict` gives it): `nnx.replace_by_pure_dict(nnx.state(model),
+    restored)` and `nnx.update(model, ...)` put it back into the model.
     """
     steps = all_steps(path)
     if not steps:
@@ -128,8 +131,14 @@ def restore(
                 "state looks like; pass the argnum of the state the checkpoint holds (0 for "
                 "a train state passed first), or give abstract_state"
             )
-        abstract = _abstract_target(path, step, saved, shardings, abstract_state)
-        return mgr.restore(step, args=ocp.args.StandardRestore(abstract))
+        abstract, (tree, wrapped) = _abstract_target(path, step, saved, shardings, abstract_state)
+        got = mgr.restore(step, args=ocp.args.StandardRestore(abstract))
+        if not any(wrapped):
+            return got
+        parts = tree.flatten_up_to(got)
+        return jax.tree_util.tree_unflatten(
+            tree, [x["value"] if w else x for x, w in zip(parts, wrapped)]
+        )
 
 
 # ---- internals --------------------------------------------------------------------------
@@ -164,6 +173,10 @@ def _abstract_target(path, step, saved: Mapping[str, Any], shardings, abstract_s
     where = f"checkpoint {path} step {step}"
     leaves, tree, targets = _leaves_and_targets(shardings, abstract_state)
     names = [_name(p) for p, _ in leaves]
+    # saved from an nnx.State, each array under its Variable's `value`; asked for as the
+    # pure dict a plan's shardings are (`l1.bias` for `l1.bias.value`)
+    wrapped = [n not in saved and f"{n}.value" in saved for n in names]
+    names = [f"{n}.value" if w else n for n, w in zip(names, wrapped)]
     missing = sorted(set(names) - saved.keys())
     if missing:
         extra = sorted(saved.keys() - set(names))
@@ -192,7 +205,8 @@ def _abstract_target(path, step, saved: Mapping[str, Any], shardings, abstract_s
                 "dim is not divisible by its mesh axes; use shardings from a plan for this state"
             )
         out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
-    return jax.tree_util.tree_unflatten(tree, out)
+    out = [{"value": x} if w else x for x, w in zip(out, wrapped)]
+    return jax.tree_util.tree_unflatten(tree, out), (tree, wrapped)
 
 
 def _leaves_and_targets(shardings, abstract_state):
@@ -216,9 +230,22 @@ def _leaves_and_targets(shardings, abstract_state):
     else:
         have = jax.tree_util.tree_structure(shardings, is_leaf=is_sharding)
         if have != tree:
+            a = [
+                _name(p)
+                for p, _ in jax.tree_util.tree_flatten_with_path(shardings, is_leaf=is_sharding)[0]
+            ]
+            b = [_name(p) for p, _ in leaves]
+            only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
             raise CheckpointError(
-                f"restore: the target shardings and abstract_state have different "
-                f"structures:\n  {have}\n  {tree}"
+                "restore: the target shardings and abstract_state have different structures"
+                + (f": only the shardings have {_few(only_a)}" if only_a else "")
+                + (f"; only abstract_state has {_few(only_b)}" if only_b else "")
+                + (
+                    " (an nnx.State names each array's Variable: give its pure dict, "
+                    "nnx.to_pure_dict(state), or leave abstract_state out)"
+                    if any(n.endswith(".value") for n in only_b)
+                    else ""
+                )
             )
         targets = jax.tree_util.tree_leaves(shardings, is_leaf=is_sharding)
     return leaves, tree, targets

@@ -355,3 +355,10 @@ def test_nnx_state_checkpoints_and_in_shardings(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    # restored straight into a plan's layout: its shardings are the state's pure dict
+    # (`l1.kernel`), the checkpoint's names its Variables' values (`l1.kernel.value`)
+    pure = ckpt.restore(tmp_path, plan)
+    assert jax.tree.structure(pure) == jax.tree.structure(nnx.to_pure_dict(state))
+    assert pure["l1"]["kernel"].sharding.is_equivalent_to(kernel_sharding, 2)
+    for a, b in zip(jax.tree.leaves(pure), jax.tree.leaves(nnx.to_pure_dict(state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
