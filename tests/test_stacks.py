@@ -785,3 +785,34 @@ def test_layers_alike_but_for_a_backward_not_made_by_an_argument_name_the_first_
     assert re.search(r"layers of .*conv_<i> have the same forward ops", text), text
     assert re.search(r"\d+ ops against \d+, the first that differs at .*bn_0", text), text
     assert "reads an argument" not in text, text
+
+
+def test_a_layer_of_the_template_left_out_of_the_stack_is_named():
+    """T5's first block computes the relative position bias (a parameter and ops of its
+    own): the stack is blocks 1..3, and its description names block 0 as left out
+    (it was silent: "3 x params/encoder_block_<i>" of a model with 4)."""
+
+    class Block(nn.Module):
+        first: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            if self.first:
+                x = x + self.param("bias", nn.initializers.zeros, (x.shape[-1],))
+            return x + nn.Dense(x.shape[-1])(jnp.tanh(x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(4):
+                x = Block(first=i == 0, name=f"block_{i}")(x)
+            return x
+
+    model, x = Model(), jnp.ones((4, 16))
+    params = model.init(jax.random.key(0), x)
+    graph = capture(
+        lambda p, x: jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2))(p), (params, x)
+    )
+    (stack,) = find_stacks(graph)
+    assert [b.index for b in stack.forward] == [1, 2, 3] and stack.apart == (0,)
+    assert "(layer 0 not in it: its parameters or ops differ" in stack.describe()

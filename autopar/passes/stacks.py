@@ -77,11 +77,22 @@ class LayerStack:
     # the first layers of the run left outside, so that the rest splits into a
     # pipeline's stages (`split_into`)
     outside: tuple[int, ...] = ()
+    # the template's other layers, whose ops differ from the run's (T5's first block,
+    # which computes the relative position bias)
+    apart: tuple[int, ...] = ()
 
     def describe(self) -> str:
         # the forward and backward ranges apart: between them run the ops after the
         # stack (another stack, a decoder after an encoder)
-        text = f"{len(self.forward)} x {self.template}, ops " + ", backward ".join(
+        apart = ", ".join(map(str, self.apart))
+        one = len(self.apart) == 1
+        text = f"{len(self.forward)} x {self.template}" + (
+            f" (layer{'' if one else 's'} {apart} not in it: {'its' if one else 'their'} "
+            "parameters or ops differ from the others')"
+            if self.apart
+            else ""
+        )
+        text += ", ops " + ", backward ".join(
             f"{min(ids)}..{max(ids)}"
             for blocks in (self.forward, self.backward)
             if (ids := [i for b in blocks for i in b.nodes])
@@ -159,8 +170,19 @@ def find_stacks(graph: Graph, min_layers: int = 2) -> tuple[LayerStack, ...]:
             ids = {i for b in stack.forward + stack.backward for i in b.nodes}
             if not ids & taken:
                 taken |= ids
-                found.append(stack)
+                found.append(replace(stack, apart=_apart(graph, stack)))
     return tuple(sorted(found, key=lambda s: s.forward[0].nodes[0]))
+
+
+def _apart(graph: Graph, stack: LayerStack) -> tuple[int, ...]:
+    """The indices of `stack.template`'s layers among the step's arguments that the
+    stack leaves out for no reason it records (their parameters or ops differ)."""
+    if len(indexed_names(stack.template)) != 1:
+        return ()
+    pattern = re.compile(re.escape(stack.template).replace(re.escape("<i>"), r"(\d+)") + "(?:/|$)")
+    present = {int(m.group(1)) for p in graph.input_paths if (m := pattern.match(p))}
+    inside = {b.index for b in stack.forward} | set(stack.left_out)
+    return tuple(sorted(present - inside))
 
 
 class _Stack:
