@@ -83,13 +83,11 @@ def outside_layers(stacks, rolled, stages: int) -> str | None:
         if s.template == rolled.template and r > 0:
             first = s.forward[0].index
             return (
-                f"the {len(s.forward)} layers of {s.template} do not split into {stages} "
-                "equal stages: "
                 f"layer{'s' * (r > 1)} {first}"
                 + (f"..{s.forward[r - 1].index}" if r > 1 else "")
-                + f" run{'s' * (r == 1)} outside the pipeline, before its first stage (as "
-                f"the step's other ops do, searched on the whole mesh), the other "
-                f"{rolled.layers} in its stages"
+                + f" of {s.template} run{'s' * (r == 1)} outside the pipeline, before its "
+                f"first stage, as the step's other ops do (searched on the whole mesh): its "
+                f"{stages} equal stages take {rolled.layers} of the {len(s.forward)} layers"
             )
     return None
 

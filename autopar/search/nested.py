@@ -193,11 +193,11 @@ def _reduced_each_step(
 ) -> list[SearchResult]:
     """A gradient accumulation loop's data parallelism (the micro-batches split as `pins`
     has them, the weights whole) with each micro-batch's gradients summed over the
-    devices in the loop (the accumulators whole, not Partial): an
-    all-reduce per micro-batch, which XLA combines in the body, where Partial
-    accumulators are summed once after the loop, where the optimizer's reads of each
-    summed gradient can keep XLA from combining them (T5 with Adafactor at 2
-    micro-batches: 112 all-reduces after the loop, 10x the step's time)."""
+    devices in the loop (the accumulators whole, not Partial): all-reduces every
+    micro-batch, where Partial accumulators are summed once after the loop, where the
+    optimizer's reads of each summed gradient can keep XLA from combining them (T5 with
+    Adafactor at 2 micro-batches: 112 all-reduces after the loop, 10x the step's time;
+    summed in the loop, 65, which XLA does not combine either: 0.821 against 1.233 ms)."""
     n_consts, n_carry = node.params["num_consts"], node.params["num_carry"]
     carries = [i for i in range(n_consts + n_carry) if i not in pins]  # weights, sums
     outs = tuple(

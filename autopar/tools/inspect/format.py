@@ -109,8 +109,8 @@ def layer_of_path(path: str, param_args: Collection[str] = ()) -> str:
     -> `wte`; arrays outside params / optimizer state group under their argument's name
     (`batch/inputs` -> `batch`) unless they name a numbered layer (an NNX state's
     `model/blocks/0/linear/kernel` -> `blocks/0`). A plain pytree of parameters (`p/wte`,
-    with `p` in `param_args`, `param_args`) and optax's moments of it (`o/0/mu/wte`)
-    group as `params/...` would."""
+    its argument `p` among `param_args`, which `param_args(paths)` finds) and optax's
+    moments of it (`o/0/mu/wte`) group as `params/...` would."""
     parts = path.split("/")
     if parts[0] in param_args or any(p in _MOMENTS for p in parts[1:]):
         parts = [parts[0], "params", *parts[1:]]
