@@ -480,6 +480,12 @@ def test_collapsed_layers_list_the_ones_that_differ():
     assert notes == [
         "h.* ×4: 4 layers with the same arrays, specs and strategies; except h.2 (listed)"
     ]
+    # a member whose shown columns are the others' but whose signature differs: said so
+    sigs["h.3"] = ("other",)
+    out, notes = collapse_layers(rows, sigs)
+    assert [r[0] for r in out] == ["h.* ×3", "h.2", "h.3", "wte"]
+    assert "h.3 differs in the specs or strategies of some arrays or ops" in notes[0], notes
+    assert "h.2 differs" not in notes[0]
 
 
 def _bad_loss(w, x):

@@ -203,8 +203,16 @@ def collapse_layers(rows: list[list[str]], sigs: dict[str, tuple]) -> tuple[list
         out += [rows[j] for j in others]
         done.update(members)
         note = f"{fam} ×{len(same)}: {len(same)} layers with the same arrays, specs and strategies"
+        shown = lambda j: (tuple(rows[j][1:6]), tuple(rows[j][7:]))  # noqa: E731
+        hidden = [rows[j][0] for j in others if shown(j) == shown(same[0])]
         if others:
             note += "; except " + ", ".join(rows[j][0] for j in others) + " (listed)"
+        if hidden:  # their rows read as the others': what differs is not a column
+            note += (
+                f"; {', '.join(hidden)} differ{'s' * (len(hidden) == 1)} in the specs or "
+                "strategies of some arrays or ops, not in these totals (--by param or "
+                "--by op shows them)"
+            )
         notes.append(note)
     return out, notes
 
