@@ -1252,6 +1252,8 @@ def test_a_stack_splits_into_stages_with_its_first_layers_outside():
     s = stack(13).split_into(4)
     assert [b.index for b in s.forward] == list(range(1, 13)) and s.outside == (0,)
     assert [b.index for b in s.backward] == list(range(12, 0, -1))
+    assert "(layer 0 runs outside the pipeline" in s.describe()
+    assert "(layers 0..2 run outside" in stack(15).split_into(4).describe()
     assert stack(12).split_into(4) == stack(12)
     assert stack(3).split_into(4) is None  # fewer layers than stages
     # under pipeline_stages="auto", no more than one stage's worth of layers outside

@@ -104,8 +104,9 @@ class LayerStack:
                 "others', which a pipeline computes and drops)"
             )
         if self.outside:
+            a, b = self.outside[0], self.outside[-1]
             text += (
-                f" (layers {self.outside[0]}..{self.outside[-1]} run outside the pipeline, "
+                f" (layer{f's {a}..{b} run' if b != a else f' {a} runs'} outside the pipeline, "
                 f"before its first stage: the other {len(self.forward)} split into its stages)"
             )
         return f"{text} ({self.why_left_out()})" if self.left_out else text
