@@ -25,18 +25,23 @@ def _accumulating(m: int = 4):
     return ts, autopar.parallelize(ts.step, mesh=MESH, cluster=CLUSTER, grad_accumulation=m)
 
 
-def test_accumulated_training_matches_single_device():
-    ts, step = _accumulating()
-    state = jax.jit(ts.init)(0)
-    losses, _ = run_steps(step, state, ts.batch, 3)
-    ref_losses, ref_states = run_steps(jax.jit(ts.step), state, ts.batch, 3, keep_states=True)
-    for i in range(3):
+def _trains_like_jax_jit(ts, step, state, n: int) -> None:
+    """`n` steps' losses, and one step's optimizer state and parameters, as `jax.jit`'s."""
+    losses, _ = run_steps(step, state, ts.batch, n)
+    ref_losses, ref_states = run_steps(jax.jit(ts.step), state, ts.batch, n, keep_states=True)
+    for i in range(n):
         assert_trees_close(losses[i], ref_losses[i], what=f"loss at step {i}")
     one, _ = step(state, ts.batch(0))
     # moments are scaled gradients (tight); Adam turns noise-level gradients into
     # full-size steps, so parameters compare at the step size
     assert_trees_close(one["opt_state"], ref_states[0]["opt_state"], what="optimizer state")
     assert_trees_close(one["params"], ref_states[0]["params"], atol=2e-3, what="params")
+
+
+def test_accumulated_training_matches_single_device():
+    ts, step = _accumulating()
+    state = jax.jit(ts.init)(0)
+    _trains_like_jax_jit(ts, step, state, 3)
 
     plan = step.plan(state, ts.batch(0))
     assert plan.grad_accumulation == 4
@@ -297,13 +302,7 @@ def test_layers_under_a_scan_accumulate_like_jax_jit():
     (loop,) = [o for o in plan.ops if o.op == "scan"]
     assert loop.key.startswith("grad_accumulation/")
     assert any(o.op == "scan" for o in loop.body.ops)  # the layers' loop, per micro-batch
-    losses, _ = run_steps(step, state, ts.batch, 2)
-    ref_losses, ref_states = run_steps(jax.jit(ts.step), state, ts.batch, 2, keep_states=True)
-    for i in range(2):
-        assert_trees_close(losses[i], ref_losses[i], what=f"loss at step {i}")
-    one, _ = step(state, ts.batch(0))
-    assert_trees_close(one["opt_state"], ref_states[0]["opt_state"], what="optimizer state")
-    assert_trees_close(one["params"], ref_states[0]["params"], atol=2e-3, what="params")
+    _trains_like_jax_jit(ts, step, state, 2)
 
 
 def test_nnx_layers_under_a_scan_accumulate_their_state_like_nnx_jit():

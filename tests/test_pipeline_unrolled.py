@@ -1240,7 +1240,7 @@ def test_layers_that_do_not_split_into_the_stages_pipeline_with_the_first_outsid
 
 
 def test_a_stack_splits_into_stages_with_its_first_layers_outside():
-    from autopar.compile.pipelines import _split
+    from autopar.passes.stack_pad import split_stacks
     from autopar.passes.stacks import Block, LayerStack
 
     def stack(n: int) -> LayerStack:
@@ -1257,6 +1257,6 @@ def test_a_stack_splits_into_stages_with_its_first_layers_outside():
     assert stack(12).split_into(4) == stack(12)
     assert stack(3).split_into(4) is None  # fewer layers than stages
     # under pipeline_stages="auto", no more than one stage's worth of layers outside
-    assert [len(t.forward) for t in _split([stack(13)], 4, auto=True)] == [12]
-    assert _split([stack(96)], 64, auto=True) == []  # it would leave 32 outside
-    assert [len(t.forward) for t in _split([stack(96)], 64, auto=False)] == [64]
+    assert [len(t.forward) for t in split_stacks([stack(13)], 4, auto=True)] == [12]
+    assert split_stacks([stack(96)], 64, auto=True) == []  # it would leave 32 outside
+    assert [len(t.forward) for t in split_stacks([stack(96)], 64, auto=False)] == [64]

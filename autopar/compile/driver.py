@@ -28,14 +28,10 @@ from autopar.compile.merged import merged_seeds
 from autopar.compile.notes import (
     no_pipeline_why,
     offline_warning,
-    outside_layers,
     over_floor,
     pipeline_tries,
-    random_per_microbatch,
-    replicated_microbatches,
+    plan_warnings,
     screen_note,
-    unbranched,
-    unpipelined_stacks,
     unsplittable,
 )
 from autopar.compile.pipelines import (
@@ -510,22 +506,10 @@ class _Driver(PipelineTries):
                 )
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
-                if why := replicated_microbatches(graph, plan, o.grad_accumulation):
+                stacks = self._stacks(graph) if rolled else []
+                for why in plan_warnings(graph, plan, o.grad_accumulation, pipelined, mesh, stacks):
                     warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                     plan = replace(plan, warnings=(*plan.warnings, why))
-                if pipelined is not None:
-                    whys = (
-                        random_per_microbatch(pipelined),
-                        unbranched(pipelined, mesh),
-                        pipelined.fallback,
-                        rolled and unpipelined_stacks(self._stacks(graph), rolled),
-                        rolled
-                        and outside_layers(self._stacks(graph), rolled, pipelined.pipe.stages),
-                    )
-                    for why in whys:
-                        if why:
-                            warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
-                            plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers
                     kept = [w for w in plan.warnings if not w.startswith("remat (")]
                     done = self._rolled_remat.get(rolled.stages, (None, ()))[1]

@@ -44,6 +44,24 @@ def unpipelined_stacks(stacks, rolled) -> str | None:
     )
 
 
+def plan_warnings(graph, plan, microbatches, pipelined, mesh, stacks) -> list[str]:
+    """What a plan warns of, beyond its search's notes: micro-batches too small to split
+    (`grad_accumulation`), and a pipeline's random draws, unbranched schedule, fallback
+    to GPipe, unpipelined stacks and layers outside its stages (`stacks`: the step's
+    stacks unrolled in Python, where it rolled one)."""
+    whys = [replicated_microbatches(graph, plan, microbatches)]
+    if pipelined is not None:
+        rolled = pipelined.roll
+        whys += [
+            random_per_microbatch(pipelined),
+            unbranched(pipelined, mesh),
+            pipelined.fallback,
+            rolled and unpipelined_stacks(stacks, rolled),
+            rolled and outside_layers(stacks, rolled, pipelined.pipe.stages),
+        ]
+    return [w for w in whys if w]
+
+
 def replicated_microbatches(graph, plan, microbatches: int | None) -> str | None:
     """The warning on a gradient accumulation plan that runs most of its compute whole
     on every device while a micro-batch has fewer examples than the mesh has devices:

@@ -36,7 +36,7 @@ from autopar.passes.remat import rematerialize
 from autopar.passes.rescale import rescaled
 from autopar.passes.roll import Roll, roll
 from autopar.passes.stack_misses import why_no_stack
-from autopar.passes.stack_pad import trimmed
+from autopar.passes.stack_pad import split_stacks, with_trims
 from autopar.passes.stacks import find_stacks
 from autopar.search.build import Problem
 from autopar.search.evaluate import evaluate
@@ -296,8 +296,8 @@ class PipelineTries:
             # the layers); the rolled loops are then rematerialized as scans are
             base = self.base
             stacks = self._stacks(base)
-            fits = [s for s in _with_trims(stacks) if len(s.forward) % S == 0]
-            fits = fits or _split(stacks, S, self.o.pipeline_stages == "auto")
+            fits = [s for s in with_trims(stacks) if len(s.forward) % S == 0]
+            fits = fits or split_stacks(stacks, S, self.o.pipeline_stages == "auto")
             if self.remat_layers is not None:
                 self._rolled[key] = Infeasible(
                     PipelineError(
@@ -568,30 +568,11 @@ def proxied(pipelined: PipelinedScans | OneLoop | None) -> bool:
     return roll is not None and roll.stages != pipelined.pipe.stages
 
 
-def _with_trims(stacks) -> list:
-    """`stacks`, then each without a padded first layer (`stack_pad.trimmed`): what
-    rolls where the whole stack does not split into the stages."""
-    return [*stacks, *(t for s in stacks if (t := trimmed(s)) is not None)]
-
-
-def _split(stacks, S: int, auto: bool) -> list:
-    """`stacks` (and their trims) whose depth `S` does not divide, each with its first
-    layers outside so that the rest splits into `S` stages (`LayerStack.split_into`);
-    under `pipeline_stages="auto"` only where no more than a stage's worth of layers
-    would be left outside (96 layers on 64 stages would leave 32)."""
-    out = []
-    for s in _with_trims(stacks):
-        t = s.split_into(S)
-        if t is not None and (not auto or len(t.forward) // S >= len(s.forward) - len(t.forward)):
-            out.append(t)
-    return out
-
-
 def _roll_like(graph: Graph, stacks: list, like: Roll, mesh) -> Graph:
     """`graph` (the step traced again, at another batch size; `stacks`, its own) with
     the stack `like` rolled the same way."""
-    split = [t for s in _with_trims(stacks) if (t := s.split_into(like.stages)) is not None]
-    for stack in [*_with_trims(stacks), *split]:
+    split = [t for s in with_trims(stacks) if (t := s.split_into(like.stages)) is not None]
+    for stack in [*with_trims(stacks), *split]:
         if stack.template == like.template and len(stack.forward) == like.layers:
             got, again = roll(graph, stack, like.stages, mesh)
             if (again.inputs, again.outputs) == (like.inputs, like.outputs):

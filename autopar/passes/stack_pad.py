@@ -226,6 +226,25 @@ def trimmed(stack: Any) -> Any:
     return replace(stack, forward=stack.forward[1:], backward=bwd, pads=(), left_out=(first,))
 
 
+def with_trims(stacks) -> list:
+    """`stacks`, then each without a padded first layer (`trimmed`): what
+    rolls where the whole stack does not split into the stages."""
+    return [*stacks, *(t for s in stacks if (t := trimmed(s)) is not None)]
+
+
+def split_stacks(stacks, S: int, auto: bool) -> list:
+    """`stacks` (and their trims) whose depth `S` does not divide, each with its first
+    layers outside so that the rest splits into `S` stages (`LayerStack.split_into`);
+    under `pipeline_stages="auto"` only where no more than a stage's worth of layers
+    would be left outside (96 layers on 64 stages would leave 32)."""
+    out = []
+    for s in with_trims(stacks):
+        t = s.split_into(S)
+        if t is not None and (not auto or len(t.forward) // S >= len(s.forward) - len(t.forward)):
+            out.append(t)
+    return out
+
+
 def padded(stack: Any, graph: Graph) -> tuple[Graph, Any] | None:
     """`graph` with `stack.pads` written in (each right after its `after` op, once what
     it reads is made) and `stack` (an `autopar.passes.stacks.LayerStack`) in the new
