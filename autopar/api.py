@@ -42,7 +42,7 @@ from autopar.errors import (
     user_level,
 )
 from autopar.frontends import Bound, bind, check_static_argnames, unwrap
-from autopar.ir.capture import abstractify_tree, fn_name
+from autopar.ir.capture import abstractify_tree, fn_name, leaf_signature
 from autopar.lower.rolled import RolledIO, abstract_inputs
 from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve, staged_meshes
 from autopar.passes.pipeline import SCHEDULES
@@ -183,12 +183,7 @@ class Parallelized:
 
     def _key(self, call: Call):
         leaves, tree = jax.tree_util.tree_flatten(abstractify_tree(call.dyn))
-        sig = tuple(
-            (tuple(x.shape), str(x.dtype))
-            if isinstance(x, jax.ShapeDtypeStruct)
-            else ("py", type(x).__name__)
-            for x in leaves
-        )
+        sig = tuple(leaf_signature(x) for x in leaves)
         statics = tuple(_hashable(call.args[i]) for i in call.static)
         return (tree, sig, statics)
 

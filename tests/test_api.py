@@ -601,3 +601,36 @@ def test_the_work_line_counts_a_loop_by_its_body():
         for op in plan.ops
     )
     assert replace(plan, ops=whole).replicated_share() == pytest.approx(plan.replicated_share())
+
+
+def test_train_state_python_step_counter_is_one_signature():
+    """`TrainState.create` starts `step` as the Python int 0, which `jax.jit` traces as
+    a weakly typed int32 scalar and returns as one: the next calls pass that array, and
+    autopar does not search again (it did: the int and the array were two signatures,
+    and the second plan, traced without the weak type, returned a strongly typed
+    counter, which a third call compiled for again)."""
+    import flax.linen as nn
+    import optax
+    from flax.training import train_state
+
+    model = nn.Dense(8)
+    x = jnp.arange(64.0).reshape(8, 8) / 64
+    params = model.init(jax.random.key(0), x)
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+    assert isinstance(state.step, int)
+
+    def step(state, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(state.apply_fn(p, x) ** 2))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads), loss
+
+    par = autopar.parallelize(step, mesh=MESH)
+    a, b = state, state
+    for _ in range(3):
+        a, la = jax.jit(step)(a, x)
+        b, lb = par(b, x)
+        assert_trees_close(lb, la)
+    assert_trees_close(b.params, a.params)
+    assert int(b.step) == 3 and b.step.weak_type == a.step.weak_type
+    assert len(par._cache) == 1  # one search

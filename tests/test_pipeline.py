@@ -508,8 +508,11 @@ def test_bad_pipeline_requests_say_what_to_do():
             *gpt.abstract_args(_cfg())
         )
     unrolled4 = gpt.make_train_step(_cfg(layers=4, scan=False))
-    with pytest.raises(PipelineError, match="unrolled in Python; .* copied into one array"):
-        autopar.parallelize(unrolled4.step, **interleaved).plan(
+    with pytest.raises(
+        PipelineError,
+        match=r"\(unrolled in Python\) do not split into 2 stages x 4 chunks .* virtual_stages",
+    ):
+        autopar.parallelize(unrolled4.step, virtual_stages=4, **interleaved).plan(
             *gpt.abstract_args(_cfg(layers=4, scan=False))
         )
 

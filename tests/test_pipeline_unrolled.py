@@ -231,13 +231,17 @@ def _check_linen(model, layer_path, schedule: str = "1f1b", tx=None, microbatche
     assert_trees_close(b, a, what="params and optimizer state after 3 steps")
     assert jax.tree.structure(b) == jax.tree.structure(a)  # the user's pytree, unchanged
     plan = par.plan(params, opt_state, _batch(0))
+    chunked = {"virtual_stages": 2} if schedule == "interleaved" else {}
     assert plan.pipeline["rolled"] == {"template": plan.pipeline["rolled"]["template"],
-                                       "layers": LAYERS, "stages": 2}  # fmt: skip
+                                       "layers": LAYERS, "stages": 2, **chunked}  # fmt: skip
     _groups_share_the_leaves_buffers(par, jax.tree.leaves((*b, _batch(0))))
     mesh = par.mesh
-    for layer in range(LAYERS):  # layers 0, 1 on stage 0; 2, 3 on stage 1
+    # layers 0, 1 on stage 0 and 2, 3 on stage 1; interleaved, a stage runs virtual
+    # stages s and 2 + s (a layer each): layers 0, 2 on stage 0 and 1, 3 on stage 1
+    for layer in range(LAYERS):
+        stage = layer % 2 if chunked else layer // 2
         leaves = jax.tree.leaves(layer_path(b[0], layer))
-        assert leaves and all(_on_stage(x, layer // 2, mesh) for x in leaves)
+        assert leaves and all(_on_stage(x, stage, mesh) for x in leaves)
     return par, plan, params, opt_state
 
 
@@ -280,6 +284,24 @@ def test_llama_unrolled_pipelines_like_jax_jit():
     assert any(T in s and per_micro // 4 <= jnp.prod(jnp.array(s)) <= per_micro for s in shapes)
 
 
+def test_llama_unrolled_pipelines_interleaved_with_its_leaves_kept_in_chunk_order():
+    """The interleaved 1F1B on layers unrolled in Python: each stage keeps the leaves of
+    the chunks it runs on its devices (`_check_linen`), the program reads the leaves' own
+    buffers, and no weight moves between the stages: the collective-permutes over the
+    stage axis carry one micro-batch's activations, as under lock-step 1F1B. Trains as
+    `jax.jit` does."""
+    par, plan, params, opt_state = _check_linen(
+        Llama(), lambda p, i: p["params"]["layers"][str(i)], schedule="interleaved"
+    )
+    assert plan.pipeline["schedule"] == "interleaved" and plan.pipeline["virtual_stages"] == 2
+    (fused,) = plan.pipeline["fused"]
+    assert fused["moved_seconds"] == 0 and fused["moved_bytes"] == 0
+    assert "kept in chunk order" in str(plan)
+    hlo = par.lower(params, opt_state, _batch(0)).compile().as_text()
+    shapes = _permuted_shapes(hlo)
+    assert shapes and all(T in s for s in shapes), shapes  # activations [b, T, D] only
+
+
 def test_unrolled_pipeline_tries_are_priced_on_one_loop_over_the_layers(monkeypatch):
     """With several tries to rank (here the micro-batch counts 2, 4 and 8), each is priced
     on the stack rolled into one loop over its 4 layers (one-layer bodies, as under
@@ -289,9 +311,9 @@ def test_unrolled_pipeline_tries_are_priced_on_one_loop_over_the_layers(monkeypa
 
     rolled, real = [], pipelines.roll
 
-    def spy(graph, stack, stages, mesh=None):
+    def spy(graph, stack, stages, mesh=None, resident=None):
         rolled.append(stages)
-        return real(graph, stack, stages, mesh)
+        return real(graph, stack, stages, mesh, resident)
 
     monkeypatch.setattr(pipelines, "roll", spy)
     _, plan, *_ = _check_linen(

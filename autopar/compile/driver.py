@@ -151,9 +151,10 @@ class _Driver(PipelineTries):
         self.single = len(options.meshes) == 1
         self.name = fn_name(options.fn)
         self.graph, self.clock = graph, clock or Clock()
-        self._rolled: dict = {}  # (stages, priced on one loop) -> `_looped`
-        # loop steps of a roll -> (the rolled graph rematerialized, the remat's notes)
-        self._rolled_remat: dict[int, tuple[Graph, tuple[str, ...]]] = {}
+        self._rolled: dict = {}  # (stages, priced on one loop, virtual) -> `_looped`
+        # a roll's ("full-size roll", loop steps, resident) -> (the rolled graph
+        # rematerialized, the remat's notes)
+        self._rolled_remat: dict[tuple, tuple[Graph, tuple[str, ...]]] = {}
         self.base: Graph | None = None  # the trace before remat (`compile`)
         self.traces: dict = {} if traces is None else traces  # `PipelineTries._pipelined`
         self._floors: dict = {}  # `_memory_floor`
@@ -225,8 +226,10 @@ class _Driver(PipelineTries):
         if o.given_plan is not None:
             mesh = mesh_for_plan(o.meshes, o.given_plan)
             looped, rolled = graph, None
-            if (o.given_plan.pipeline or {}).get("rolled"):  # made on the rolled layers
-                got = self._looped(graph, o.given_plan.pipeline["stages"], mesh)
+            rolled_json = (o.given_plan.pipeline or {}).get("rolled")
+            if rolled_json:  # made on the rolled layers
+                v = rolled_json.get("virtual_stages", 1)
+                got = self._looped(graph, o.given_plan.pipeline["stages"], mesh, virtual=v)
                 if isinstance(got, Infeasible):
                     raise got.error
                 looped, rolled = got
@@ -512,7 +515,8 @@ class _Driver(PipelineTries):
                     plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers
                     kept = [w for w in plan.warnings if not w.startswith("remat (")]
-                    done = self._rolled_remat.get(rolled.stages, (None, ()))[1]
+                    shared = ("full-size roll", rolled.stages, rolled.resident)
+                    done = self._rolled_remat.get(shared, (None, ()))[1]
                     plan = replace(plan, warnings=(*kept, rolled.describe(), *done))
                 jitted = jit_from_plan(g, plan, mesh, donate, pipelined)
             if (

@@ -144,33 +144,22 @@ class PipelineTries:
         checked = _applies(check_pipeline, Pipeline(S, 1), self._info(mesh))
         if isinstance(checked, Infeasible):
             return checked
-        looped = self._looped(graph, S, mesh)
+        v = o.virtual_stages
+        looped = self._looped(graph, S, mesh, virtual=v)
         if isinstance(looped, Infeasible):
             return looped
         graph, rolled = looped
-        v = o.virtual_stages
-        if v > 1:
+        if v > 1 and not pipelined_scans(graph, Pipeline(S, 1, "interleaved", virtual=v)):
             lengths = [
                 graph.nodes[i].params["length"] for i in pipelined_scans(graph, Pipeline(S, 1))
             ]
-            if rolled is not None:
-                why = (
-                    "its layers are unrolled in Python; they are rolled into a loop whose "
-                    "stages hold one chunk each, and a stage's chunks would have to be copied "
-                    "into one array every step. Use pipeline_schedule='1f1b' or 'zb-h1', or "
-                    "put the layers under a scan"
+            return Infeasible(
+                PipelineError(
+                    f"{self.name}: pipeline_schedule='interleaved' with {v} virtual stages on "
+                    f"{S} stages: no layer loop's length ({sorted(set(lengths))}) splits into "
+                    f"{S} stages x {v} chunks"
                 )
-            elif not pipelined_scans(graph, Pipeline(S, 1, "interleaved", virtual=v)):
-                why = f"no layer loop's length ({sorted(set(lengths))}) splits into {S} stages x {v} chunks"
-            else:
-                why = None
-            if why is not None:
-                return Infeasible(
-                    PipelineError(
-                        f"{self.name}: pipeline_schedule='interleaved' with {v} "
-                        f"virtual stages on {S} stages: {why}"
-                    )
-                )
+            )
         scans = pipelined_scans(graph, Pipeline(S, 1))
         if not scans:  # rolled, but no layer hands a batched value on to the next
             return Infeasible(
@@ -279,25 +268,26 @@ class PipelineTries:
         )
 
     def _looped(
-        self, graph: Graph, S: int, mesh, proxy: bool | None = None
+        self, graph: Graph, S: int, mesh, proxy: bool | None = None, virtual: int = 1
     ) -> tuple[Graph, Roll | None] | Infeasible:
         """The graph whose loops `S` stages pipeline: `graph` when a scan over layers
         splits into `S`, else `graph` with its stack of layers unrolled in Python rolled
         into loops (`autopar.passes.roll`) and the `Roll`; Infeasible when neither.
         `proxy` (default `_one_loop()`): rolled into one loop over all the stack's layers,
         whose one-layer bodies (a scanned model's) the try is priced on, instead of one
-        loop step per stage (what runs)."""
+        loop step per stage (what runs). `virtual` > 1 (the interleaved schedule): one
+        step per chunk of a stage, the groups stored in chunk order."""
         if pipelined_scans(graph, Pipeline(S, 1)):
             return graph, None
         proxy = self._one_loop() if proxy is None else proxy
-        key = (S, proxy)  # the rolled ops do not depend on the mesh's shape
+        key = (S, proxy, virtual)  # the rolled ops do not depend on the mesh's shape
         if key not in self._rolled:
             # the stack is found and rolled before remat (its copies would sit between
             # the layers); the rolled loops are then rematerialized as scans are
             base = self.base
             stacks = self._stacks(base)
-            fits = [s for s in with_trims(stacks) if len(s.forward) % S == 0]
-            fits = fits or split_stacks(stacks, S, self.o.pipeline_stages == "auto")
+            fits = [s for s in with_trims(stacks) if len(s.forward) % (S * virtual) == 0]
+            fits = fits or split_stacks(stacks, S * virtual, self.o.pipeline_stages == "auto")
             if self.remat_layers is not None:
                 self._rolled[key] = Infeasible(
                     PipelineError(
@@ -307,18 +297,19 @@ class PipelineTries:
                 )
             elif fits:
                 # the roll itself is the same for every remat policy: made once per call
-                chunks = len(fits[0].forward) if proxy else S
-                shared = ("full-size roll", chunks)
+                chunks = len(fits[0].forward) if proxy else S * virtual
+                resident = (S, virtual) if virtual > 1 else None
+                shared = ("full-size roll", chunks, resident)
                 with self.clock.phase("passes"):
                     if shared not in self.traces:
-                        self.traces[shared] = _applies(roll, base, fits[0], chunks, mesh)
+                        self.traces[shared] = _applies(roll, base, fits[0], chunks, mesh, resident)
                     got = self.traces[shared]
                     if not isinstance(got, Infeasible):  # rematerialized once per roll
-                        if chunks not in self._rolled_remat:  # (every S of the one loop's)
-                            self._rolled_remat[chunks] = self._remat_rolled(got[0])
-                        got = (self._rolled_remat[chunks][0], got[1])
+                        if shared not in self._rolled_remat:  # (every S of the one loop's)
+                            self._rolled_remat[shared] = self._remat_rolled(got[0])
+                        got = (self._rolled_remat[shared][0], got[1])
                 if isinstance(got, Infeasible) and proxy:  # what runs may still roll
-                    got = self._looped(graph, S, mesh, proxy=False)
+                    got = self._looped(graph, S, mesh, proxy=False, virtual=virtual)
                 self._rolled[key] = got
             else:
                 loops = [n.params["length"] for n in graph.nodes if n.body is not None]
@@ -328,7 +319,11 @@ class PipelineTries:
                     else "; ".join(
                         f"the {len(s.forward)} layers of {s.template} (unrolled in Python) do not "
                         + (
-                            f"fill {S} stages (each needs a layer at least)"
+                            f"split into {S} stages x {virtual} chunks (interleaved: each "
+                            "chunk needs as many layers; pick virtual_stages dividing the "
+                            "layers per stage)"
+                            if virtual > 1
+                            else f"fill {S} stages (each needs a layer at least)"
                             if len(s.forward) < S
                             else f"split into {S} equal stages, nor do all but their first "
                             f"{len(s.forward) % S} under pipeline_stages='auto' (more than a "
@@ -367,7 +362,7 @@ class PipelineTries:
         ]
         name = f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} M={pipe.microbatches}"
         ranked: list = []
-        got = self._looped(graph, pipe.stages, mesh, proxy=False)
+        got = self._looped(graph, pipe.stages, mesh, proxy=False, virtual=pipe.virtual)
         if not isinstance(got, Infeasible):
             got = self._pipelined(got[0], pipe, mesh, got[1])
         if not isinstance(got, Infeasible):
@@ -460,13 +455,14 @@ class PipelineTries:
         )
         sig = tuple((getattr(x, "shape", None), str(getattr(x, "dtype", ""))) for x in flat)
         raw = ("trace", shape if by_mesh else None, sig)
-        key = ("rolled", raw, rolled.stages if rolled is not None else None)
+        how = (rolled.stages, rolled.resident) if rolled is not None else None
+        key = ("rolled", raw, how)
         # a try priced on the one-loop roll: its micro-batch graph derived from one
         # traced at another size, where `rescale` can (the plan's try is traced again)
-        ref = ("reference", rolled.stages) if rolled is not None and not by_mesh else None
-        derive = ref is not None and rolled.stages != pipe.stages and batch >= 2 * pipe.microbatches
+        ref = ("reference", how) if rolled is not None and not by_mesh else None
+        derive = ref is not None and proxied_roll(rolled, pipe) and batch >= 2 * pipe.microbatches
         if key not in self.traces and derive and ref in self.traces:
-            full, (micro, count) = self.traces[("full-size roll", rolled.stages)], self.traces[ref]
+            full, (micro, count) = self.traces[("full-size roll", *how)], self.traces[ref]
             with self.clock.phase("passes"):
                 got = rescaled(full[0], micro, count, pipe.microbatches)
             if got is not None:
@@ -565,7 +561,12 @@ def proxied(pipelined: PipelinedScans | OneLoop | None) -> bool:
     if isinstance(pipelined, OneLoop):
         return True
     roll = roll_of(pipelined)
-    return roll is not None and roll.stages != pipelined.pipe.stages
+    return roll is not None and proxied_roll(roll, pipelined.pipe)
+
+
+def proxied_roll(roll: Roll, pipe: Pipeline) -> bool:
+    """Whether `roll` has more loop steps than `pipe` runs chunks of layers."""
+    return roll.stages != pipe.stages * pipe.virtual
 
 
 def _roll_like(graph: Graph, stacks: list, like: Roll, mesh) -> Graph:
@@ -574,7 +575,7 @@ def _roll_like(graph: Graph, stacks: list, like: Roll, mesh) -> Graph:
     split = [t for s in with_trims(stacks) if (t := s.split_into(like.stages)) is not None]
     for stack in [*with_trims(stacks), *split]:
         if stack.template == like.template and len(stack.forward) == like.layers:
-            got, again = roll(graph, stack, like.stages, mesh)
+            got, again = roll(graph, stack, like.stages, mesh, like.resident)
             if (again.inputs, again.outputs) == (like.inputs, like.outputs):
                 return got
     raise PipelineError(

@@ -164,13 +164,14 @@ def _stage_layers(node, pipelined: PipelinedScans) -> list[tuple[int, int]]:
     and rolled (one step per stage), the stack's layers; interleaved, each virtual
     stage's (virtual stage `u` on stage `u mod S`)."""
     pipe = pipelined.pipe
-    if pipe.virtual > 1:
-        kc = node.params["length"] // (pipe.stages * pipe.virtual)
-        return [(u * kc, (u + 1) * kc) for u in range(pipe.stages * pipe.virtual)]
-    if pipelined.roll is None:
+    n = pipe.stages * pipe.virtual  # stages, or virtual stages
+    if pipelined.roll is not None:  # one loop step per (virtual) stage
+        k = pipelined.roll.layers // n
+    elif pipe.virtual > 1:
+        k = node.params["length"] // n
+    else:
         return layer_ranges(node, pipe)
-    k = pipelined.roll.layers // pipelined.roll.stages
-    return [(s * k, (s + 1) * k) for s in range(pipelined.roll.stages)]
+    return [(u * k, (u + 1) * k) for u in range(n)]
 
 
 def make_plan(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import jax.numpy as jnp
 import numpy as np
 
+from autopar.ir.chunks import CHUNK_OPS
 from autopar.ir.graph import Graph, Node, TensorType
 from autopar.ir.ops import CONTRACTIONS
 from autopar.sharding import Axes, MeshInfo, Spec
@@ -231,20 +232,24 @@ def _reorder_steps(cur: Spec, dst: Spec) -> list[tuple[str, Axes, Spec]]:
 
 # Ops XLA fuses with their neighbours into one kernel: elementwise math and the shape
 # ops around it (see `search.facts.hbm_traffic` for how their HBM traffic is priced).
-FUSED_OPS = frozenset(ELEMENTWISE) | {
-    "broadcast_in_dim",
-    "reshape",
-    "squeeze",
-    "expand_dims",
-    "transpose",
-    "iota",
-    "slice",
-    "concatenate",
-    "stack",
-    "unstack",
-    "pad",
-    "rev",
-}
+FUSED_OPS = (
+    frozenset(ELEMENTWISE)
+    | frozenset(CHUNK_OPS)
+    | {
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "iota",
+        "slice",
+        "concatenate",
+        "stack",
+        "unstack",
+        "pad",
+        "rev",
+    }
+)
 
 
 def compute_dtype(node: Node, graph: Graph) -> np.dtype:

@@ -90,12 +90,27 @@ def arg_names(fn: Callable, n: int) -> list[str]:
 
 
 def abstractify(x: Any) -> Any:
-    """An array-like leaf -> ShapeDtypeStruct (sharding dropped); others unchanged."""
+    """An array-like leaf -> ShapeDtypeStruct (sharding dropped, weak type kept: a
+    Python int a step returned as `n + 1` stays the weakly typed scalar `jax.jit`
+    traced it as); others unchanged."""
+    weak = bool(getattr(x, "weak_type", False))
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
     return x
+
+
+def leaf_signature(x: Any) -> tuple:
+    """What a leaf of `abstractify_tree`'s result traces as: (shape, dtype, weak) for
+    an array and for a Python scalar (a weakly typed scalar, as `jax.jit` takes it, so
+    `TrainState.create`'s `step=0` and the array the step returns for it are one
+    signature); the type's name for any other leaf."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return (tuple(x.shape), str(x.dtype), bool(x.weak_type))
+    if isinstance(x, bool | int | float | complex):
+        return ((), str(jax.dtypes.canonicalize_dtype(np.asarray(x).dtype)), True)
+    return ("py", type(x).__name__)
 
 
 def capture(

@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from autopar.ir.chunks import CHUNK_OPS
 from autopar.ir.eval import bind_node, drawn_per_microbatch, run_nodes
 from autopar.ir.graph import Graph, Node
 from autopar.ir.ops import CONTRACTIONS
 from autopar.lower.batching import taken, unbatched
 from autopar.lower.pipeline import PipelinedLoop, run_1f1b, run_gpipe
 from autopar.passes.accumulate import is_accumulation
+from autopar.passes.interleave import resident
 from autopar.passes.pipeline import Fused, PipelinedScans, sunk_fills
 from autopar.passes.precision import upcast_operands
 from autopar.passes.zero_bubble import WeightSplit, split_weight_grads
@@ -156,6 +158,8 @@ def interpret(
                     env[v], produced[v] = read(v, want), want
 
         sinks = sunk_fills(graph, pipelined) if pipelined is not None else {}
+        # interleaved: the rolled groups' rows in chunk order, as the stages hold them
+        kept = resident(graph, pipelined.fused) if pipelined is not None else frozenset()
         zb_backward = {f.backward for f in pipelined.fused} if pipelined is not None else set()
 
         def loop_input(node: Node, i: int, spec: Spec):
@@ -226,6 +230,7 @@ def interpret(
                 b_in,
                 h_in,
                 keep,
+                kept,
             )
             store(F, f_outs, rec_f.out_specs)
             store(B, b_outs, rec_b.out_specs)
@@ -253,6 +258,10 @@ def interpret(
             )
             if node.id in fused:
                 run_fused(fused[node.id])
+                continue
+            if node.op in CHUNK_OPS and (node.inputs[0] in kept or node.outputs[0] in kept):
+                # a pipeline's rows, in the order its stages keep them (`ir.chunks`)
+                store(node, [read(node.inputs[0], rec.in_specs[0])], rec.out_specs)
                 continue
             if not local and not empty and _summand_scatter(node, rec):
                 # per device, as planned; the operand joins as the first device's summand

@@ -317,13 +317,15 @@ def run_1f1b(
     b_in: Mapping[int, object],
     h_in: Sequence,
     keep: frozenset[int],
+    resident: frozenset[int] = frozenset(),
 ) -> tuple[list, list, dict]:
     """The forward loop, the head and the backward loop of `fused` as one 1F1B
     pipeline, lock-step or alternating (`pipe.schedule`: "1f1b", "1f1b-async"; the
     module's docstring). `f_in`: the forward loop's inputs; `b_in`: the backward loop's
     inputs from outside the region, by position; `h_in`: the values of
     `fused.head_ins` not made by the forward loop; `keep`: the forward loop's outputs
-    the rest of the step reads. Returns the forward loop's outputs (None where not
+    the rest of the step reads; `resident`: interleaved, the per-layer inputs and
+    outputs already in chunk order (`autopar.passes.interleave.resident`). Returns the forward loop's outputs (None where not
     kept), the backward loop's, and the head's `head_outs` by value id."""
     pipe = fw.pipe
     S, M, axis = pipe.stages, pipe.microbatches, pipe.axis
@@ -375,7 +377,7 @@ def run_1f1b(
                 for i in ins:
                     if loop.is_x[i] and i not in loop.fills and vals[i] not in moved:
                         x = fargs[i] if loop is fw else bargs[b_ext.index(i)]
-                        moved[vals[i]] = to_chunks(x, axis, S, V)
+                        moved[vals[i]] = x if vals[i] in resident else to_chunks(x, axis, S, V)
             fargs = [moved.get(x, a) for x, a in zip(F.inputs, fargs)]
             bargs = [moved.get(B.inputs[i], a) for i, a in zip(b_ext, bargs)]
             my_slots = jnp.asarray(slot_table, dtype=jnp.int32)[s]  # this stage's row
@@ -510,8 +512,9 @@ def run_1f1b(
         else:
             st = slots.lock_step(st, s, S, M, fw, bw, forward, turn, backward)
         total = lambda xs: [jax.lax.psum(x, axis) for x in xs]
-        bys = [from_chunks(y, axis, S, V) for y in st["bys"]]
-        fys = [from_chunks(y, axis, S, V) for y in st["fys"]]
+        back = lambda v, y: y if v in resident else from_chunks(y, axis, S, V)  # noqa: E731
+        bys = [back(v, y) for v, y in zip(B.outputs[bw.n_k :], st["bys"])]
+        fys = [back(ys_f[j], y) for j, y in zip(kept_ys, st["fys"])]
         return (
             *total(st["fout"]),
             *total(st["hacc"].values()),

@@ -1,13 +1,16 @@
 """The interleaved 1F1B schedule's arithmetic (`pipeline_schedule="interleaved"`): which
 virtual stage a stage runs in each pass, which buffer slot holds each chunk pass, and
-how a loop's per-layer rows move between layer order and chunk order. Pure integer
-bookkeeping, shared by the lowering (`autopar.lower`), the cost model (`search.piped`)
-and the plan's timeline (`plan.schedule`)."""
+how a loop's per-layer rows move between layer order and chunk order, and which need
+not (`resident`). Integer bookkeeping shared by the lowering (`autopar.lower`), the
+cost model (`search.piped`) and the plan's timeline (`plan.schedule`)."""
 
 from __future__ import annotations
 
 import functools
 import heapq
+from collections.abc import Sequence
+
+from autopar.ir.graph import Graph
 
 
 def chunk_moves(stages: int, virtual: int) -> dict[tuple[int, int], tuple[tuple[int, int], ...]]:
@@ -81,3 +84,27 @@ def chunk_permutes(stages: int, virtual: int) -> int:
     goes to another stage (in the others each stage keeps its own)."""
     moves = chunk_moves(stages, virtual).values()
     return sum(any(a != b for a, b in pairs) for pairs in moves)
+
+
+def resident(graph: Graph, fused: Sequence) -> frozenset[int]:
+    """The values of `graph` that the 1F1B regions `fused` (`passes.pipeline.Fused`)
+    read and make in chunk order as they are (`autopar.ir.chunks`): the per-layer
+    inputs `chunk_rows` makes that only the regions' loops read, and the loops'
+    per-layer results that only `unchunk_rows` reads outside their region. Neither is
+    moved between the stages: a rolled stack's groups are stored in chunk order."""
+    out = set()
+    for f in fused:
+        members, loops = f.members(), (f.forward, f.backward)
+        for i in loops:
+            for v in graph.nodes[i].outputs:
+                outside = [c for c in graph.consumers.get(v, ()) if c not in members]
+                unchunked = all(graph.nodes[c].op == "unchunk_rows" for c in outside)
+                if outside and unchunked and v not in graph.outputs:
+                    out.add(v)
+        for v in {v for i in loops for v in graph.nodes[i].inputs}:
+            p = graph.producer.get(v)
+            readers = graph.consumers.get(v, ())
+            made = p is not None and graph.nodes[p].op == "chunk_rows"
+            if made and v not in graph.outputs and all(c in loops for c in readers):
+                out.add(v)
+    return frozenset(out)

@@ -39,47 +39,15 @@ import numpy as np
 
 from autopar.errors import PipelineError
 from autopar.ir.capture import abstract_value, capture, lines_from
+from autopar.ir.chunks import chunk_position, chunk_rows, unchunk_rows
 from autopar.ir.eval import bind_marked, bind_node, marked, relined, run_nodes
 from autopar.ir.graph import Graph, find_aliases, signature, without_dead
+from autopar.passes.roll_io import Roll, layout
 from autopar.passes.roll_units import per_layer_ops
 from autopar.passes.stack_pad import padded
-from autopar.passes.stacks import BACKWARD_DIFFERS, LayerStack, indexed_names
+from autopar.passes.stacks import BACKWARD_DIFFERS, LayerStack
 
 SCOPE = "rolled_layers"  # name scope of the loops `roll` writes
-
-
-@dataclass(frozen=True)
-class Roll:
-    """How a rolled graph's flat inputs and outputs stand for the user's: per rolled
-    input (output) the user's flat positions it holds, one (a leaf as it is) or one per
-    stage (a group, stage order); `stacked[i]` when a group of scalars is stacked rather
-    than concatenated along dim 0."""
-
-    stages: int
-    template: str
-    layers: int
-    inputs: tuple[tuple[int, ...], ...]
-    outputs: tuple[tuple[int, ...], ...]
-    stacked_in: tuple[bool, ...]
-    stacked_out: tuple[bool, ...]
-    user_outputs: int
-    out_tree: Any = field(default=None, compare=False)
-
-    def to_json(self) -> dict:
-        return {"template": self.template, "layers": self.layers, "stages": self.stages}
-
-    def donated(self, donate: Sequence[int]) -> tuple[int, ...]:
-        """The rolled inputs all of whose leaves the user donates."""
-        return tuple(i for i, ms in enumerate(self.inputs) if set(ms) <= set(donate))
-
-    def describe(self) -> str:
-        k = self.layers // self.stages
-        groups = sum(len(m) > 1 for m in self.inputs)
-        return (
-            f"layer stack: {self.layers} x {self.template} (unrolled in Python) rolled into "
-            f"loops over {self.stages} stages of {k} layer{'s' * (k > 1)}; {groups} leaves "
-            "grouped per layer slot (layer s*k+j of every stage s), split over the stage axis"
-        )
 
 
 @dataclass
@@ -108,9 +76,13 @@ class _Loop:
 
 
 class _Rolling:
-    """The analysis of one stack on `S` stages (`roll`)."""
+    """The analysis of one stack on `S` stages (`roll`); `resident`: (stages, virtual
+    stages) where the `S` loop steps are chunks of the interleaved schedule, each group
+    stored in chunk order (`autopar.ir.chunks`)."""
 
-    def __init__(self, g: Graph, stack: LayerStack, S: int):
+    def __init__(
+        self, g: Graph, stack: LayerStack, S: int, resident: tuple[int, int] | None = None
+    ):
         fwd = stack.forward
         L = len(fwd)
         if S < 2 or L % S:
@@ -119,6 +91,16 @@ class _Rolling:
                 f"{S} equal stages; pick pipeline_stages that divides {L}"
             )
         self.g, self.stack, self.S, self.k = g, stack, S, L // S
+        self.resident = resident
+        # per row of a stacked array, the loop step (layer chunk) it holds
+        self.order = list(range(S))
+        if resident is not None:
+            for u in range(S):
+                self.order[chunk_position(u, *resident, S)] = u
+        self.pos = {u: p for p, u in enumerate(self.order)}
+        # a stacked array is held as `per` parts (the rolled inputs' layout): row `p` is
+        # row `p // per` of part `p mod per`; one part of every row where not resident
+        self.per = 1 if resident is None else S // resident[0]
         leaves = [b.params + b.state for b in fwd]
         if len({len(lv) for lv in leaves}) != 1:
             raise PipelineError(f"the layers of {stack.template} hold different leaves")
@@ -306,7 +288,7 @@ class _Rolling:
             ) from None
 
     def function(self, roll: Roll):
-        g, S, rows = self.g, self.S, self.rows
+        g, rows = self.g, self.rows
         gin = {p: i for i, ms in enumerate(roll.inputs) for p in ms}
 
         def fn(*flat):
@@ -316,17 +298,19 @@ class _Rolling:
                 i = gin[p]
                 if len(roll.inputs[i]) == 1:
                     env[v] = flat[i]
+            # a stacked array: its rows as the rolled inputs hold them (`parts`)
             for gi, ms in enumerate(self.groups):
-                x = flat[gin[ms[0]]]
                 t = g.values[g.inputs[ms[0]]]
-                stacked[("group", gi)] = x if t.rank == 0 else x.reshape((S, *t.shape))
+                parts = [flat[gin[p[0]]] for p in self.parts(ms)]
+                stacked[("group", gi)] = [x.reshape((-1, *t.shape)) for x in parts]
 
             def read(v):
                 if v in env:
                     return env[v]
                 if v in rows:
                     key, row = rows[v]
-                    env[v] = stacked[key][row]
+                    p = self.pos[row]
+                    env[v] = stacked[key][p % self.per][p // self.per]
                     return env[v]
                 return jnp.asarray(g.consts[v])
 
@@ -343,9 +327,9 @@ class _Rolling:
                 if len(ms) == 1:
                     outs.append(read(vals[0]))
                     continue
-                key = self._batched(vals)
+                key, part = self._part_of(vals)
                 if key is not None:  # one stacked array's rows, in order: as it is
-                    whole = stacked[key]
+                    whole = stacked[key][part]
                     outs.append(whole if st else whole.reshape((-1, *whole.shape[2:])))
                 else:
                     parts = [read(v) for v in vals]
@@ -353,6 +337,30 @@ class _Rolling:
             return outs
 
         return fn
+
+    def parts(self, members: Sequence[int]) -> list[tuple[int, ...]]:
+        """A group's members (one per loop step) as the rolled inputs that hold them: all
+        of them, or, resident, one input per chunk and loop step of a chunk, each with
+        one member per stage (`chunk_position`'s order: the input of row `p` of stage
+        `r` is `p mod (v q)`)."""
+        if self.resident is None:
+            return [tuple(members)]
+        stages = self.resident[0]
+        per = self.S // stages
+        return [tuple(members[self.order[r * per + m]] for r in range(stages)) for m in range(per)]
+
+    def _part_of(self, values: Sequence[int]) -> tuple[Any, int]:
+        """The stacked array whose rows are `values` (and, resident, which of `parts`
+        they are), or (None, 0)."""
+        if self.resident is None:
+            return self._batched(values), 0
+        keys = {self.rows[v][0] if v in self.rows else None for v in values}
+        if len(keys) != 1 or None in keys:
+            return None, 0
+        at = [self.pos[self.rows[v][1]] for v in values]
+        per = self.S // len(values)
+        m = at[0]
+        return (keys.pop(), m) if at == [r * per + m for r in range(len(values))] else (None, 0)
 
     def _batched(self, values: Sequence[int]) -> Any:
         """The key of the stacked array whose rows are `values`, in stage order, or None."""
@@ -383,27 +391,34 @@ class _Rolling:
         return all(v in c and _same_const(c[values[0]], c[v]) for v in values)
 
     def _run_op(self, unit: tuple[int, int], read, stacked: dict) -> None:
-        """One per-layer op of every stage at once, `jax.vmap`ped over the stages."""
+        """One per-layer op of every stage at once, `jax.vmap`ped over the stages (over
+        the rows of each of a stacked array's parts: no part is copied into one array
+        for it)."""
         nodes = [self.g.nodes[i] for i in self.units[unit]]
         ref = nodes[0]
-        args, axes = [], []
+        kinds = []
         for a, x in enumerate(ref.inputs):
             copies = [n.inputs[a] for n in nodes]
             key = self._batched(copies)
-            if key is not None:
-                args.append(stacked[key])
-                axes.append(0)
-            elif all(self._equal(x, y) for y in copies):
-                args.append(read(x))
-                axes.append(None)
-            else:
-                args.append(_stack([read(y) for y in copies]))
-                axes.append(0)
-        # named per layer slot, so `search.layers` folds the slots' alike ops into one
-        with jax.named_scope(f"{SCOPE}_slot{unit[0]}"), marked(ref):
-            outs = jax.vmap(lambda *xs: bind_node(ref, xs), in_axes=axes)(*args)
-        for r, y in enumerate(outs):
-            stacked[("op", *unit, r)] = y
+            same = key is None and all(self._equal(x, y) for y in copies)
+            kinds.append((copies, key, same))
+        made = []
+        for m in range(self.per):
+            args, axes = [], []
+            for copies, key, same in kinds:
+                if key is not None:
+                    args.append(stacked[key][m])
+                elif same:
+                    args.append(read(copies[0]))
+                else:
+                    rows = self.order[m :: self.per]
+                    args.append(_stack([read(copies[u]) for u in rows]))
+                axes.append(None if same else 0)
+            # named per layer slot, so `search.layers` folds the slots' alike ops into one
+            with jax.named_scope(f"{SCOPE}_slot{unit[0]}"), marked(ref):
+                made.append(jax.vmap(lambda *xs: bind_node(ref, xs), in_axes=axes)(*args))
+        for r, ys in enumerate(zip(*made)):
+            stacked[("op", *unit, r)] = list(ys)
 
     def _run_loop(self, li: int, read, env: dict, stacked: dict) -> None:
         g, lp, S = self.g, self.loops[li], self.S
@@ -413,11 +428,11 @@ class _Rolling:
         xs = []
         for _, kind in lp.xs:
             if kind[0] == "group":
-                xs.append(stacked[("group", kind[1])])
+                xs.append(self._in_steps(stacked, ("group", kind[1])))
             elif kind[0] == "ys":
-                xs.append(stacked[("ys", kind[1], kind[2])])
+                xs.append(stacked[("steps", kind[1], kind[2])])
             elif (key := self._batched(kind[1])) is not None:  # a per-layer op's rows
-                xs.append(stacked[key])
+                xs.append(self._in_steps(stacked, key))
             else:
                 xs.append(_stack([read(y) for y in kind[1]]))
         xs_ids = [x for x, _ in lp.xs]
@@ -440,7 +455,29 @@ class _Rolling:
         for (_, (q, r)), val in zip(lp.carry, final):
             env[g.nodes[last[q]].outputs[r]] = val
         for pos, y in zip([*lp.ys, *(("in", ci) for ci in lp.ys_in)], ys):
-            stacked[("ys", li, pos)] = y
+            stacked[("steps", li, pos)] = y  # in loop-step order, for the other loops
+            if self.resident is None:
+                stacked[("ys", li, pos)] = [y]
+                continue
+            y = unchunk_rows(y, *self.resident)  # its parts' rows: no copy
+            y = y.reshape((-1, self.per, *y.shape[1:]))
+            stacked[("ys", li, pos)] = [
+                jax.lax.index_in_dim(y, m, axis=1, keepdims=False) for m in range(self.per)
+            ]
+
+    def _in_steps(self, stacked: dict, key) -> Any:
+        """Stacked array `key` as one array in loop-step order (resident: its parts side
+        by side in chunk order, each stage's rows its own, once per key)."""
+        if key[0] == "ys":
+            return stacked[("steps", *key[1:])]
+        parts = stacked[key]
+        if self.resident is None:
+            return parts[0]
+        if ("steps", key) not in stacked:
+            side = jnp.concatenate([jnp.expand_dims(x, 1) for x in parts], axis=1)
+            whole = side.reshape((self.S, *parts[0].shape[1:]))
+            stacked[("steps", key)] = chunk_rows(whole, *self.resident)
+        return stacked[("steps", key)]
 
 
 def _ref_nodes(graph: Graph, loop: _Loop | None) -> list:
@@ -464,42 +501,18 @@ def _same_const(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
 
 
-def _group_path(path: str, template: str, indices: Sequence[int]) -> str:
-    """`params/h_3/attn/w` -> `params/h_<3,7>/attn/w` (the group of layers 3 and 7)."""
-    comps, which = path.split("/"), ",".join(map(str, indices))
-    firsts = {f"{base}{indices[0]}": base for base in indexed_names(template)}
-    at = max((i for i, c in enumerate(comps) if c in firsts), default=None)
-    if at is None:
-        return f"{path} <{which}>"
-    comps[at] = f"{firsts[comps[at]]}<{which}>"
-    return "/".join(comps)
-
-
-def _layout(count: int, groups, g: Graph, values, paths, stack: LayerStack):
-    """Per rolled input (output): the user's positions it holds (one, or a group's in
-    stage order), whether it stacks scalars, and its path; `groups` is each group's
-    positions with its layers' indices, `values`/`paths` the user's ids and paths."""
-    member = {p: gi for gi, (ms, _) in enumerate(groups) for p in ms}
-    entries, stacked, names, done = [], [], [], set()
-    for p in range(count):
-        gi = member.get(p)
-        if gi is None:
-            entries.append((p,))
-            stacked.append(False)
-            names.append(paths[p])
-        elif gi not in done:
-            done.add(gi)
-            ms, ids = groups[gi]
-            entries.append(tuple(ms))
-            stacked.append(g.values[values[p]].rank == 0)
-            names.append(_group_path(paths[ms[0]], stack.template, ids))
-    return entries, stacked, names
-
-
-def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tuple[Graph, Roll]:
-    """`graph` with `stack`'s layers run as loops over `stages` stages (module doc),
-    and how its inputs and outputs stand for `graph`'s. Raises PipelineError, naming
-    the op, where the stack does not roll."""
+def roll(
+    graph: Graph,
+    stack: LayerStack,
+    stages: int,
+    mesh: Any = None,
+    resident: tuple[int, int] | None = None,
+) -> tuple[Graph, Roll]:
+    """`graph` with `stack`'s layers run as loops of `stages` steps (module doc), and
+    how its inputs and outputs stand for `graph`'s; `resident`: (stages, virtual
+    stages) of the interleaved schedule whose chunks the steps are, the groups stored
+    in its chunk order (`autopar.ir.chunks`). Raises PipelineError, naming the op,
+    where the stack does not roll."""
     if stack.pads:  # its first layer reads an argument of the step (`stack_pad`)
         got = padded(stack, graph)
         if got is None:
@@ -509,24 +522,23 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
                 f"line up with the other layers'; {BACKWARD_DIFFERS.split('; ')[1]}"
             )
         graph, stack = got
-    r = _Rolling(graph, stack, stages)
-    g, S = graph, stages
+    r = _Rolling(graph, stack, stages, resident)
+    g = graph
     indices = [b.index for b in stack.forward]
     named = lambda ms: [indices[r.leaf[g.inputs[m]][0]] for m in ms]  # noqa: E731
-    inputs, stacked_in, in_paths = _layout(
-        len(g.inputs), [(ms, named(ms)) for ms in r.groups], g, g.inputs, g.input_paths, stack
+    parts = [p for ms in r.groups for p in r.parts(ms)]
+    inputs, stacked_in, in_paths = layout(
+        len(g.inputs), [(p, named(p)) for p in parts], g, g.inputs, g.input_paths, stack
     )
     aliases = {i: o for o, i in find_aliases(g).items()}
     out_groups = [
-        (tuple(aliases[p] for p in ms), named(ms))
-        for ms in r.groups
-        if all(p in aliases for p in ms)
+        (tuple(aliases[m] for m in p), named(p)) for p in parts if all(m in aliases for m in p)
     ]
-    outputs, stacked_out, out_paths = _layout(
+    outputs, stacked_out, out_paths = layout(
         len(g.outputs), out_groups, g, g.outputs, g.output_paths, stack
     )
     info = Roll(
-        S,
+        stages,
         stack.template,
         len(stack.forward),
         tuple(inputs),
@@ -535,11 +547,12 @@ def roll(graph: Graph, stack: LayerStack, stages: int, mesh: Any = None) -> tupl
         tuple(stacked_out),
         len(g.outputs),
         g.out_tree,
+        resident,
     )
     args = []
     for ms, st in zip(inputs, stacked_in):
-        t = g.values[g.inputs[ms[0]]]
-        shape = t.shape if len(ms) == 1 else (S,) if st else (S * t.shape[0], *t.shape[1:])
+        t, n = g.values[g.inputs[ms[0]]], len(ms)
+        shape = t.shape if n == 1 else (n,) if st else (n * t.shape[0], *t.shape[1:])
         args.append(abstract_value(t, shape))
     # the replayed ops include those the step never reads (its unused scalar converts,
     # once per layer slot: a third of GPT-3 175B's rolled graph), dropped as `jax.jit` does

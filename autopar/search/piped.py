@@ -12,7 +12,7 @@ import numpy as np
 
 from autopar.cost.model import CostModel
 from autopar.ir.graph import Graph, Node
-from autopar.passes.interleave import chunk_permutes, interleaved_slots
+from autopar.passes.interleave import chunk_permutes, interleaved_slots, resident
 from autopar.passes.pipeline import (
     SAME,
     SUM,
@@ -98,9 +98,9 @@ def _moved(graph: Graph, pipelined: PipelinedScans, i: int) -> tuple[list, list]
     per = lambda lab: 1 if lab in (SUM, SAME) else M  # noqa: E731
     first = node.params["num_consts"] + node.params["num_carry"]
     F = graph.nodes[fused[0].forward]
-    read = set()
+    read = set(resident(graph, fused))  # a rolled stack's groups, stored in chunk order
     if i != F.id:  # what the forward loop moves already, or the region makes
-        read = set(F.inputs) | set(F.outputs)
+        read |= set(F.inputs) | set(F.outputs)
         read |= {v for h in fused[0].head for v in graph.nodes[h].outputs}
     ins = [
         (j, per(labels.ins[j]))
@@ -110,7 +110,8 @@ def _moved(graph: Graph, pipelined: PipelinedScans, i: int) -> tuple[list, list]
     if i == fused[0].forward:
         return ins, []
     n_k = node.params["num_carry"]
-    return ins, [(j, per(labels.outs[j])) for j in range(n_k, len(node.outputs))]
+    outs = range(n_k, len(node.outputs))
+    return ins, [(j, per(labels.outs[j])) for j in outs if node.outputs[j] not in read]
 
 
 def _moves(pipe: Pipeline, cost: CostModel, moved_bytes: list) -> list:

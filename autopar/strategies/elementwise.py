@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autopar.ir.chunks import CHUNK_OPS
 from autopar.ir.graph import Graph, Node
 from autopar.strategies import Factor, FactorRule, register
 
@@ -122,6 +123,9 @@ def elementwise_rule(node: Node, graph: Graph, split_broadcast: bool = False) ->
 
 
 register(*ELEMENTWISE)(elementwise_rule)
+# a rolled group's rows between chunk and layer order (`autopar.ir.chunks`): split as
+# they come, a pipeline's stages keeping their own rows
+register(*CHUNK_OPS)(elementwise_rule)
 
 
 @register("optimization_barrier")
