@@ -10,6 +10,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 from helpers import assert_trees_close, replay_from_file, run_steps
 
@@ -799,3 +800,20 @@ def test_a_step_that_returns_the_stacks_output_pipelines_like_jax_jit():
     assert par.plan(params, x).pipeline["stages"] == 2
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bfloat16_pipeline_runs_on_cpu_devices():
+    """A pipeline whose stages hand on bfloat16 values sums them over the stage axis in
+    float32 on XLA:CPU (`lower.pipeline.summed`): in bfloat16, the all-reduce promotion
+    of XLA:CPU aborted the process on the reducer JAX writes inside a partly manual
+    `shard_map` (a trial's bf16 Llama; GPipe's collected output here). Trains as
+    `jax.jit` does, to bfloat16's precision."""
+    import dataclasses
+
+    ts = gpt.make_train_step(dataclasses.replace(_cfg(), dtype=jnp.bfloat16))
+    step = _staged(ts, 4, "gpipe")
+    state = jax.jit(ts.init)(0)
+    losses, _ = run_steps(step, state, ts.batch, 2)
+    ref, _ = run_steps(jax.jit(ts.step), state, ts.batch, 2)
+    for a, b in zip(losses, ref):
+        assert abs(float(a) - float(b)) <= 2e-2 * abs(float(b))

@@ -293,7 +293,7 @@ def run_gpipe(loop: PipelinedLoop, mesh, invals: Sequence) -> list:
 
         state = (loop.carry0(), loop.out0(), loop.ys0())
         (_, out, ys), _ = jax.lax.scan(tick, state, jnp.arange(M + S - 1))
-        return (*[jax.lax.psum(o, axis) for o in out], *ys)
+        return (*summed(out, axis, mesh), *ys)
 
     f = jax.shard_map(
         staged,
@@ -511,7 +511,7 @@ def run_1f1b(
             st = slots.zero_bubble(st, s, S, M, fw, bw, forward, turn, input_grads, weight_grads)
         else:
             st = slots.lock_step(st, s, S, M, fw, bw, forward, turn, backward)
-        total = lambda xs: [jax.lax.psum(x, axis) for x in xs]
+        total = lambda xs: summed(xs, axis, mesh)  # noqa: E731
         back = lambda v, y: y if v in resident else from_chunks(y, axis, S, V)  # noqa: E731
         bys = [back(v, y) for v, y in zip(B.outputs[bw.n_k :], st["bys"])]
         fys = [back(ys_f[j], y) for j, y in zip(kept_ys, st["fys"])]
@@ -562,6 +562,23 @@ def run_1f1b(
 # XLA:CPU runs the alternating schedule's passes as branches too (tests of the branch
 # code on layers whose plan moves no data by collective-permute, see `slots.alternating`)
 BRANCHES_ON_CPU = False
+
+
+def summed(xs: Sequence, axis: str, mesh) -> list:
+    """Each of `xs` summed over the stage axis (`psum`). On XLA:CPU devices a 16-bit
+    float is summed in float32: inside a partly manual `shard_map`, JAX 0.10.2 puts a
+    sharding constraint in the all-reduce's reducer, which XLA:CPU's bf16 all-reduce
+    promotion cannot clone (it aborts the process: "Invalid binary instruction opcode
+    copy")."""
+    devices = getattr(mesh, "devices", None)
+    cpu = devices is not None and devices.flat[0].platform == "cpu"
+    wide = lambda x: cpu and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4  # noqa: E731
+    return [
+        jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
+        if wide(x)
+        else jax.lax.psum(x, axis)
+        for x in xs
+    ]
 
 
 def branches(mesh) -> bool:
