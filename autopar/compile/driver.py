@@ -549,7 +549,13 @@ class _Driver(PipelineTries):
             if whole:  # of the plan returned, once
                 warnings.warn(f"autopar: {whole}", stacklevel=user_level())
                 plan = replace(plan, warnings=(*plan.warnings, whole))
-            memory_bound = found.memory_bound or bool(rejected) or "+zero" in plan.engine
+            # held back by memory: a faster plan found over the budget (remat="auto"
+            # then tries the next policy: a trial's 8B step kept a plan 1.47x dearer)
+            over = any(
+                c.step_s < plan.cost.step_s and c.peak_memory_bytes > o.memory_budget
+                for c in plan.candidates.values()
+            )
+            memory_bound = found.memory_bound or bool(rejected) or "+zero" in plan.engine or over
             return Compiled(g, plan, problem, jitted, mesh, memory_bound, rolled)
         budget = format_bytes(o.memory_budget)
         head = f"every plan the cost model fit into {budget} needs more once compiled by XLA:"
