@@ -400,22 +400,22 @@ class _Driver(PipelineTries):
             extra={"autopar_step": (step + 1, len(tries))},
         )
         problem = built.pop(i, None) or self._built(g, info, pipe)
-        return self._searched_try(problem, mesh, pipelined, reused, len(tries) == 1, i)
+        return self._searched_try(problem, mesh, pipelined, reused, i)
 
     def _searched_try(
-        self, problem: Problem, mesh, pipelined, reused: dict, alone: bool, i: int | None = None
+        self, problem: Problem, mesh, pipelined, reused: dict, i: int | None = None
     ) -> tuple:
         """A try's built problem searched: (problem, the result or Infeasible, the plans
-        under the other schedule, `_other_schedule`). `alone`: the call's only try; `i`:
-        its index, for the first searches made side by side (`firsts_ahead`)."""
+        under the other schedule, `_other_schedule`). `i`: its index, for the first
+        searches made side by side (`firsts_ahead`)."""
         o = self.o
         pins = self._pins(problem, pipelined if problem.graph is not self.graph else None, reused)
         if isinstance(pins, MeshError):
             return problem, Infeasible(pins), ()
         checked = isinstance(mesh, Mesh)
         first = self._first.get(i) if i is not None else None
-        # one mesh given: its plans with the axes merged are candidates too (`merged`)
-        one = alone and o.engine == "auto" and not pins and pipelined is None
+        # a mesh's plans with its axes merged are candidates too (`merged`)
+        one = o.engine == "auto" and not pins and pipelined is None
         seeds = merged_seeds(problem.graph, problem) if one else None
         result = _searched(
             problem, o.engine, o.memory_budget, pins, self.clock, checked, first, seeds

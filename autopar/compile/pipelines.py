@@ -368,7 +368,7 @@ class PipelineTries:
         if not isinstance(got, Infeasible):
             log.info("mesh %s: searching it again rolled into %d stages", name, pipe.stages)
             problem = self._built(got.graph, self._info(mesh), got)
-            problem, result, other = self._searched_try(problem, mesh, got, {}, False)
+            problem, result, other = self._searched_try(problem, mesh, got, {})
             if not isinstance(result, Infeasible):
                 ranked = sorted(
                     self._entries(k, mesh, problem, result, got, other), key=lambda r: r[:3]
@@ -396,7 +396,7 @@ class PipelineTries:
         name = f"{dict(zip(mesh.axis_names, mesh.axis_sizes))}"
         log.info("mesh %s: searching it again with its layers unrolled", name)
         problem = self._built(graph, self._info(mesh), None)
-        problem, result, other = self._searched_try(problem, mesh, None, {}, False)
+        problem, result, other = self._searched_try(problem, mesh, None, {})
         ranked = []
         if not isinstance(result, Infeasible):
             ranked = sorted(
