@@ -262,3 +262,47 @@ def test_a_rolled_loop_body_folds_every_layer_slot():
     # the optimizer's per-layer ops outside the loops are named by slot, so they fold too
     outer = LY.find_layers(compiled.problem, data_pins(compiled.problem))
     assert any(k.startswith("rolled_layers_slot") for k in outer.groups), outer.groups
+
+
+def test_inspect_places_an_nnx_models_ops_in_its_layers():
+    """NNX modules add no name scopes to the ops they trace, so every op's key names no
+    layer; the plan records the layer the search placed each op in (`OpRecord.layer`),
+    and `inspect --by layer` shows the ops under their layers (it listed all of them
+    under "(top level)", saying the model was written without modules)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from autopar.plan.plan import Plan
+    from autopar.tools.inspect.report import layer_rows
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.down = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.gelu(self.up(x)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([Block(rngs) for _ in range(6)])
+            self.head = nnx.Linear(32, 8, rngs=rngs)
+
+        def __call__(self, x):
+            for block in self.layers:
+                x = block(x)
+            return self.head(x)
+
+    graphdef, params = nnx.split(Net(nnx.Rngs(0)))
+
+    def step(params, x):
+        def loss(p):
+            return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, jax.grad(loss)(params))
+
+    x = jnp.sin(jnp.arange(64 * 32.0)).reshape(64, 32)
+    plan = autopar.parallelize(step, mesh={"data": 2, "model": 4}).plan(params, x)
+    rows = {d["layer"]: d for d in layer_rows(Plan.from_json(plan.to_json()))}
+    middle = [rows[f"layers/{i}"]["ops"] for i in range(1, 5)]
+    assert min(middle) > 0 and len(set(middle)) == 1, rows.keys()
+    assert rows["(top level)"]["ops"] < sum(middle), rows["(top level)"]

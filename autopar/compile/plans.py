@@ -19,6 +19,7 @@ from autopar.passes.roll import Roll
 from autopar.plan.plan import Plan, fingerprint, op_keys
 from autopar.plan.records import BodyRecord, OpRecord, TensorRecord
 from autopar.search.evaluate import output_specs
+from autopar.search.layers import op_layer_names
 from autopar.search.piped import moved_cost, weight_slot_seconds
 from autopar.search.problem import Problem
 from autopar.sharding import MeshInfo, Spec
@@ -186,7 +187,7 @@ def make_plan(
     problem's graph is its unrolled layers rolled into a pipeline (`pipelined.roll`),
     whose leaves `Plan.user_inputs` then describe."""
     g = problem.graph
-    inputs, outputs, ops = _records(problem, result.choice)
+    inputs, outputs, ops = _records(problem, result.choice, top=True)
     pipeline, leaves, results = None, None, None
     if pipelined is not None and pipelined.roll is not None and user is not None:
         leaves = user_leaves(pipelined.roll, inputs, user, pipelined.pipe.axis)
@@ -284,10 +285,12 @@ def user_leaves(
     return tuple(out)
 
 
-def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
+def _records(problem: Problem, choice, top: bool = False) -> tuple[tuple, tuple, tuple]:
     """(inputs, outputs, ops) records of a choice; a scan op carries its body's, a
-    cond its branches'."""
+    cond its branches'; `top`: the step's own ops carry the layer the search put them
+    in where their names say none (`op_layer_names`)."""
     g, n_in = problem.graph, problem.num_inputs
+    layers = op_layer_names(problem) if top else [""] * len(g.nodes)
     strat = lambda v: problem.strategies[v][choice[v]]
     inputs = tuple(
         TensorRecord(p, g.values[v].shape, g.values[v].dtype_name, strat(i).out_specs[0])
@@ -330,6 +333,7 @@ def _records(problem: Problem, choice) -> tuple[tuple, tuple, tuple]:
             body(n),
             branches(n),
             n.library_source,
+            layers[n.id],
         )
         for n in g.nodes
     )

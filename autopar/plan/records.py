@@ -49,6 +49,9 @@ class OpRecord:
     # the library line (Flax, optax, ...) that made the op when `source`, the user's
     # line, is not it; "" otherwise (and in plans written before the field)
     library_source: str = ""
+    # the layer the search placed the op in where its key names none (an NNX model's
+    # ops, a plain function's: `search.layers.op_layer_names`); "" otherwise
+    layer: str = ""
 
     def to_json(self) -> dict:
         d = {
@@ -62,6 +65,8 @@ class OpRecord:
         }
         if self.library_source:
             d["library_source"] = self.library_source
+        if self.layer:
+            d["layer"] = self.layer
         if self.body is not None:
             d["body"] = self.body.to_json()
         if self.branches is not None:
@@ -81,6 +86,7 @@ class OpRecord:
             BodyRecord.from_json(d["body"]) if "body" in d else None,
             tuple(BodyRecord.from_json(b) for b in d["branches"]) if "branches" in d else None,
             d.get("library_source", ""),
+            d.get("layer", ""),
         )
 
 

@@ -151,6 +151,45 @@ def _segments(name: str) -> list[tuple[str, int]]:
     return out
 
 
+def _shown(name: str, label: tuple[str, int]) -> str | None:
+    """The segment of `name` that makes it layer `label`, as `inspect` names a layer's
+    arrays: `layers/3`, `h_3`."""
+    prev = ""
+    for seg in name.split("/"):
+        seg = _WRAPPER.sub("", seg)
+        if _NUMBER.match(seg):
+            if prev and (prev, int(seg)) == label:
+                return f"{prev}/{seg}"
+        else:
+            m = _INDEXED.match(seg)
+            if m and (m["base"], int(m["idx"])) == label:
+                return seg
+        prev = seg
+    return None
+
+
+def op_layer_names(problem: Problem) -> list[str]:
+    """Per op, the layer the search placed it in (`layer_labels`: by its name, else by
+    its labelled neighbours, so the loss may join the last layer), named as its arrays'
+    paths name it (`layers/3`), for a step whose ops name no layer (NNX modules and
+    plain functions add no name scopes to the ops they trace); all "" otherwise."""
+    labels, names = layer_labels(problem), _names(problem)
+    shown: dict[tuple[str, int], str] = {}
+    for k in range(problem.num_inputs):
+        if labels[k] is not None and labels[k] not in shown:
+            got = _shown(names[k], labels[k])
+            if got is not None:
+                shown[labels[k]] = got
+    out = []
+    for node in problem.graph.nodes:
+        lab = labels[problem.num_inputs + node.id]
+        name = shown.get(lab, "") if lab is not None else ""
+        if name and f"/{name}/" in f"/{node.name_stack}/":  # ops that name their layers
+            return [""] * len(problem.graph.nodes)  # (linen's): the keys say it all
+        out.append(name)
+    return out
+
+
 def _names(problem: Problem) -> list[str]:
     """Each cost-graph node's name; a loop body's arguments are named by their role
     (`body/x12`: `ir.graph.is_body_path`), which is no layer index."""

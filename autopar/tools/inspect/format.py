@@ -144,6 +144,9 @@ def _named(part: str) -> bool:
     return bool(_NAME_RE.match(part) or _GROUP_RE.match(part))
 
 
+TOP = "(top level)"  # the row of ops that name no layer or module
+
+
 def layer_of_op(key: str) -> str:
     """The layer an op key's name stack names: `transpose(jvp(GPT))/h_0/mlp/c_fc/dot_general#1`
     -> `h_0`, `jvp(Llama)/model/layers/3/self_attn/...` -> `layers/3`,
@@ -164,7 +167,7 @@ def layer_of_op(key: str) -> str:
         return layer
     if named and inner != "":
         return named[0]
-    return inner or "(top level)"
+    return inner or TOP
 
 
 def rolled_slots(pipeline: dict | None) -> dict[str, str]:
@@ -198,6 +201,8 @@ def op_layers(plan: Plan) -> list[tuple[str, OpRecord]]:
     out = []
     for o in plan.ops:
         name = layer_of_op(o.key)
+        if name == TOP and o.layer:  # its name says none: where the search placed it
+            name = o.layer
         out.append((slots.get(name, name), o))
         if slots and o.body is not None and o.key.startswith(ROLL_SCOPE + "/"):
             for b in o.body.ops:
