@@ -535,6 +535,14 @@ def test_a_loop_that_mixes_the_batch_is_refused():
     par = autopar.parallelize(step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=2)
     with pytest.raises(PipelineError, match="mixes the batch"):
         par.plan(w, x)
+    # on every shape of `mesh=8` and at every micro-batch count alike: said once (a
+    # trial's BatchNorm ResNet repeated the sentence for 2 shapes x 4 counts)
+    par = autopar.parallelize(step, mesh=8, cluster=CLUSTER, pipeline_stages=2)
+    with pytest.raises(PipelineError) as e:
+        par.plan(w, x)
+    text = str(e.value)
+    assert text.count("mixes the batch") == 1, text
+    assert "}, {'stage': 2" in text and "2, 4, 8 micro-batches: " in text, text
 
 
 def test_a_head_that_mixes_the_batch_falls_back_to_gpipe():

@@ -26,6 +26,7 @@ from autopar.compile.clock import Clock, left_out, try_name
 from autopar.compile.lowering import compiled_memory, info_str, lowered
 from autopar.compile.merged import merged_seeds
 from autopar.compile.notes import (
+    grouped,
     no_pipeline_why,
     offline_warning,
     over_floor,
@@ -366,7 +367,7 @@ class _Driver(PipelineTries):
         if left:
             self.clock.skip(left_out(tries, left, self.remat_policy))
         if not ranked:
-            why = "\n  ".join(failures)
+            why = "\n  ".join(grouped(failures, "}: ", kept="}"))
             if memory_bound:
                 return Infeasible(
                     MemoryBudgetError("no mesh shape gives a plan that fits:\n  " + why)

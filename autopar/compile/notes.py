@@ -5,6 +5,7 @@ offline plan that was never compiled."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import jax
 
@@ -170,6 +171,18 @@ def screen_note(tries, screen: dict, dropped: list, same: dict, best: float, mar
             + ", ".join(f"{shape(i)} as {shape(j)}" for i, j in sorted(same.items()))
         )
     return f"mesh-shape search over {len(tries)} shapes, not searched in full: " + "; ".join(parts)
+
+
+def grouped(reasons: Sequence[str], sep: str = ": ", kept: str = "") -> list[str]:
+    """`what{sep}why` lines, those of one `why` joined into one (`what, what{sep}why`), in
+    order of first appearance: a refusal that every mesh (or micro-batch count) gives
+    alike is said once. `kept`: the head of `sep` that belongs to `what` (a mesh's `}`)."""
+    by: dict[str, list[str]] = {}
+    for r in reasons:
+        what, found, why = r.partition(sep)
+        by.setdefault(why if found else "", []).append(what + kept if found else r)
+    rest = sep[len(kept) :]
+    return [f"{', '.join(w)}{rest}{why}" if why else ", ".join(w) for why, w in by.items()]
 
 
 def no_pipeline_why(failures) -> str:

@@ -15,7 +15,7 @@ from typing import TypeVar
 import jax
 
 from autopar.compile.calls import OneLoop, Proxy, pipeline_of
-from autopar.compile.notes import no_layer_loop
+from autopar.compile.notes import grouped, no_layer_loop
 from autopar.errors import AutoparError, MemoryBudgetError, MicrobatchError, PipelineError
 from autopar.ir.graph import Graph, find_aliases
 from autopar.meshes import drops_barriers
@@ -200,11 +200,10 @@ class PipelineTries:
             elif o.microbatches is not None:
                 return got
             else:  # e.g. a batch of 1 traces to different ops
-                skipped.append(f"{m} micro-batches: {got.why}")
+                skipped.append(f"{m}{MICRO}{got.why}")
         if not out:
-            return Infeasible(
-                PipelineError("no micro-batch count works:\n  " + "\n  ".join(skipped))
-            )
+            lines = "\n  ".join(grouped(skipped, MICRO))
+            return Infeasible(PipelineError("no micro-batch count works:\n  " + lines))
         return out
 
     def _unpipelined(self, graph: Graph, mesh) -> OneLoop | None:
@@ -533,6 +532,9 @@ class PipelineTries:
             "micro-batch's activations until its backward pass"
         )
         return PipelinedScans(replace(pipe, schedule="gpipe"), bodies, fallback=fallback, **extra)
+
+
+MICRO = " micro-batches: "  # a micro-batch count's refusal: `{m}{MICRO}{why}`
 
 
 def _constrains(graph: Graph) -> bool:
