@@ -256,3 +256,18 @@ def test_the_screen_keeps_a_two_axis_shape_whose_recursive_plan_is_poor():
             return autopar.parallelize(step, mesh=mesh).plan(*args).cost.step_s
 
     assert price(8) <= price({"data": 2, "model": 4}) * (1 + 1e-9)
+
+
+def test_pipeline_auto_tries_every_tensor_width_without_a_pipeline():
+    """`pipeline_stages="auto"`'s shapes: per stage count the widest tensor axis a node
+    holds, and without a pipeline every width (a trial's ViT-B/16 on 64 devices ran
+    best as data 16 x model 4, which the one unpipelined shape, model 8, missed); one
+    1-D shape (data n and model n are one mesh)."""
+    from autopar.meshes import pipeline_meshes
+
+    shapes = pipeline_meshes(64, 8)
+    plain = [m for m in shapes if "stage" not in m]
+    assert plain == [{"data": 64}, {"data": 32, "model": 2}, {"data": 16, "model": 4},
+                     {"data": 8, "model": 8}]  # fmt: skip
+    assert all(m["model"] == 8 for m in shapes if "stage" in m and m["stage"] <= 8)
+    assert pipeline_meshes(2, 8) == [{"data": 2}, {"stage": 2}]

@@ -223,7 +223,7 @@ def test_alternating_1f1b_branches_train_like_jax_jit(monkeypatch):
     """The alternating 1F1B as it runs on GPUs: each stage's pass a `lax.switch` branch
     (on XLA:CPU only where the layers' plan moves no data by collective-permute inside
     a stage, as here with data parallelism within the stages), equal to `jax.jit`."""
-    import autopar.lower.pipeline as lowering
+    import autopar.lower.devices as lowering
 
     monkeypatch.setattr(lowering, "BRANCHES_ON_CPU", True)
     ts = gpt.make_train_step(_cfg())

@@ -27,6 +27,7 @@ from autopar.compile.lowering import compiled_memory, info_str, lowered
 from autopar.compile.merged import merged_seeds
 from autopar.compile.notes import (
     grouped,
+    held_back,
     no_pipeline_why,
     offline_warning,
     over_floor,
@@ -458,21 +459,23 @@ class _Driver(PipelineTries):
         return pins
 
     def _screen(self, graph: Graph, tries: list, reused: dict[int, Spec]):
-        """`compile.screen.screen` of this call's tries (not for pipelines, an engine as
-        cheap as the screen, or a device count whose memory floor is over the budget)."""
+        """`compile.screen.screen` of this call's tries without a pipeline (not for an
+        engine as cheap as the screen, or a device count whose memory floor is over the
+        budget): a pipeline's tries are searched in full, its shapes without one screened
+        beside them."""
         o = self.o
+        plain = [i for i, (_, _, p) in enumerate(tries) if p is None]
         # every shape has the same devices, so the same memory floor: over the budget, no
         # shape can fit, and the walk drops each unbuilt (`_try`) without a screen
         if (
-            len(tries) < 2
+            len(plain) < 2
             or o.engine in ("recursive", "propagate")
-            or any(p is not None for _, _, p in tries)
             or self._memory_floor(graph, tries[0][1].size, None) > o.memory_budget
         ):
             return {}, {}, {}
         build = lambda info: self._built(graph, info, None)  # noqa: E731
         pins = lambda problem: self._pins(problem, None, reused)  # noqa: E731
-        return screen(graph, tries, self.clock, self._info, build, pins, o.memory_budget)
+        return screen(graph, tries, self.clock, self._info, build, pins, o.memory_budget, plain)
 
     def _first_tasks(self, problem: Problem, reused: dict) -> dict:
         """`search.first_tasks` of a screened shape's problem ({} where its pins fail:
@@ -550,13 +553,8 @@ class _Driver(PipelineTries):
             if whole:  # of the plan returned, once
                 warnings.warn(f"autopar: {whole}", stacklevel=user_level())
                 plan = replace(plan, warnings=(*plan.warnings, whole))
-            # held back by memory: a faster plan found over the budget (remat="auto"
-            # then tries the next policy: a trial's 8B step kept a plan 1.47x dearer)
-            over = any(
-                c.step_s < plan.cost.step_s and c.peak_memory_bytes > o.memory_budget
-                for c in plan.candidates.values()
-            )
-            memory_bound = found.memory_bound or bool(rejected) or "+zero" in plan.engine or over
+            held = held_back(plan, o.memory_budget)
+            memory_bound = found.memory_bound or bool(rejected) or "+zero" in plan.engine or held
             return Compiled(g, plan, problem, jitted, mesh, memory_bound, rolled)
         budget = format_bytes(o.memory_budget)
         head = f"every plan the cost model fit into {budget} needs more once compiled by XLA:"

@@ -11,7 +11,7 @@ import jax
 
 from autopar.compile.calls import pipeline_of
 from autopar.errors import format_bytes
-from autopar.lower.pipeline import branches
+from autopar.lower.devices import branches
 from autopar.passes.pipeline import PipelinedScans
 from autopar.plan.plan import Plan
 
@@ -183,6 +183,16 @@ def grouped(reasons: Sequence[str], sep: str = ": ", kept: str = "") -> list[str
         by.setdefault(why if found else "", []).append(what + kept if found else r)
     rest = sep[len(kept) :]
     return [f"{', '.join(w)}{rest}{why}" if why else ", ".join(w) for why, w in by.items()]
+
+
+def held_back(plan: Plan, budget: float) -> bool:
+    """Whether memory held `plan` back: a faster plan was found over the budget
+    (`remat="auto"` then tries the next policy: a trial's 8B step kept remat=none's
+    plan, 1.47x dearer than dots')."""
+    return any(
+        c.step_s < plan.cost.step_s and c.peak_memory_bytes > budget
+        for c in plan.candidates.values()
+    )
 
 
 def no_pipeline_why(failures) -> str:

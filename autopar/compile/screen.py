@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopar.compile.clock import Clock, left_out
@@ -40,10 +40,16 @@ def screen(
     build: Callable[[Any], Problem],
     pins_of: Callable[[Problem], dict | MeshError],
     budget: float,
+    which: Sequence[int] | None = None,
 ) -> tuple[dict[int, float], dict[int, Problem], dict[int, int]]:
-    """The screen of `tries` (mesh, no pipeline): ({try index: screen price}, {try
-    index: its problem} for the shapes that may still be searched in full, {try index:
-    the earlier try it equals}). A shape left out at `time_limit=` is priced inf."""
+    """The screen of `tries` (mesh, no pipeline; `which`: the indices of those to
+    screen, default all): ({try index: screen price}, {try index: its problem} for the
+    shapes that may still be searched in full, {try index: the earlier try it
+    equals}). A shape left out at `time_limit=` is priced inf."""
+    if which is not None:  # the others' indices, mapped back
+        got = screen(graph, [tries[i] for i in which], clock, info_of, build, pins_of, budget)
+        prices, built = ({which[k]: v for k, v in d.items()} for d in got[:2])
+        return prices, built, {which[k]: which[j] for k, j in got[2].items()}
     infos: dict[int, Any] = {}
     same: dict[int, int] = {}  # try -> the earlier try it is the same mesh as
     for step, (_, mesh, _) in enumerate(tries):

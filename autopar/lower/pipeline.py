@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autopar.ir.graph import Graph, Node
 from autopar.lower import slots
+from autopar.lower.devices import branches, summed
 from autopar.lower.interleave import from_chunks, to_chunks
 from autopar.passes.interleave import interleaved_number, interleaved_slots
 from autopar.passes.microbatch import cut, uncut
@@ -557,37 +558,6 @@ def run_1f1b(
         f_results[fw.n_k + j] = y
     heads = {v: a if lab == SUM else uncut(a, lab) for (v, lab), a in zip(fused.head_outs, hacc)}
     return f_results, [*bw.finish_carry(bout), *bw.finish_ys(bys)], heads
-
-
-# XLA:CPU runs the alternating schedule's passes as branches too (tests of the branch
-# code on layers whose plan moves no data by collective-permute, see `slots.alternating`)
-BRANCHES_ON_CPU = False
-
-
-def summed(xs: Sequence, axis: str, mesh) -> list:
-    """Each of `xs` summed over the stage axis (`psum`). On XLA:CPU devices a 16-bit
-    float is summed in float32: inside a partly manual `shard_map`, JAX 0.10.2 puts a
-    sharding constraint in the all-reduce's reducer, which XLA:CPU's bf16 all-reduce
-    promotion cannot clone (it aborts the process: "Invalid binary instruction opcode
-    copy")."""
-    devices = getattr(mesh, "devices", None)
-    cpu = devices is not None and devices.flat[0].platform == "cpu"
-    wide = lambda x: cpu and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4  # noqa: E731
-    return [
-        jax.lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
-        if wide(x)
-        else jax.lax.psum(x, axis)
-        for x in xs
-    ]
-
-
-def branches(mesh) -> bool:
-    """Whether the alternating schedule runs each stage's pass as a branch: not on
-    XLA:CPU devices (unless `BRANCHES_ON_CPU`)."""
-    devices = getattr(mesh, "devices", None)
-    if devices is None or BRANCHES_ON_CPU:  # an abstract mesh: lowered for GPUs
-        return True
-    return devices.flat[0].platform != "cpu"
 
 
 def _head_buffer(v: int, lab: Label, fused: Fused, M: int):
