@@ -551,3 +551,21 @@ def test_a_reason_that_lists_plans_keeps_its_list_in_the_tried_notes():
     brief = Infeasible(MemoryBudgetError(why)).brief
     assert brief.endswith("by XLA: data: compiled 40.6 MiB; dp: compiled 41.2 MiB"), brief
     assert Infeasible(MemoryBudgetError("no plan fits\nTry more devices")).brief == "no plan fits"
+
+
+def test_a_chosen_plan_priced_again_says_its_own_price():
+    """A plan whose layouts were priced again under another schedule (`pipeline_stages=
+    "auto"` re-prices lock-step 1F1B's plans under ZB-H1) costs other than its engine's
+    candidate entry: the summary and `inspect` say its own price beside the mark (a
+    trial read "dp 34.3 ms <- chosen" on a 33.4 ms plan)."""
+    import dataclasses
+
+    from autopar.tools.inspect.report import render_inspect
+
+    step, variables, x = _loss_step("list")
+    plan = autopar.parallelize(step, mesh=MESH, engine="dp").plan(variables, x)
+    assert "as it runs" not in plan.summary() and "as it runs" not in render_inspect(plan)
+    cheaper = dataclasses.replace(plan.cost, compute_s=plan.cost.compute_s * 0.5)
+    again = dataclasses.replace(plan, cost=cheaper)
+    assert f"dp's plan as it runs: {cheaper.step_s * 1e3:.3f} ms" in again.summary()
+    assert "<- chosen (" in render_inspect(again) and "as it runs)" in render_inspect(again)

@@ -319,6 +319,9 @@ class Plan:
             replicated += op.compute_s if split == 1 else 0.0
         return total, replicated
 
+    def _zb(self) -> bool:
+        return (self.pipeline or {}).get("schedule") == "zb-h1"
+
     def summary(self) -> str:
         c = self.cost
         axes = " x ".join(f"{a}={s}" for a, s in zip(self.mesh.axis_names, self.mesh.axis_sizes))
@@ -375,6 +378,12 @@ class Plan:
                     for k, v in self.candidates.items()
                 )
             )
+            mine = self.candidates.get(self.engine)
+            if mine is not None and not math.isclose(mine.step_s, c.step_s, rel_tol=1e-9):
+                lines.append(  # re-priced under another schedule (ZB-H1), say
+                    f"  {self.engine}'s plan as it runs: {c.step_s * 1e3:.3f} ms (its candidate "
+                    f"price is the search's{', under lock-step 1F1B' if self._zb() else ''})"
+                )
         if self.grad_accumulation:
             lines.append(
                 f"  gradient accumulation: {self.grad_accumulation} micro-batches a step "

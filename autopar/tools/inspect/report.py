@@ -3,6 +3,7 @@ inputs, ops or layers, as JSON-able data and as tables."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
@@ -385,10 +386,19 @@ def cost_tables(plan: Plan) -> list[Table]:
                 format_seconds(v.compute_s),
                 format_seconds(v.comm_s),
                 format_bytes(v.peak_memory_bytes),
-                "<- chosen" if k == plan.engine else "",
+                _chosen(plan) if k == plan.engine else "",
             ]
         )
     return [cost, comm, cands]
+
+
+def _chosen(plan: Plan) -> str:
+    """The chosen candidate's mark, with the plan's price where it differs (its layouts
+    re-priced under ZB-H1)."""
+    mine = plan.candidates[plan.engine]
+    if math.isclose(mine.step_s, plan.cost.step_s, rel_tol=1e-9):
+        return "<- chosen"
+    return f"<- chosen ({format_seconds(plan.cost.step_s)} as it runs)"
 
 
 def inspect_tables(plan: Plan, by: str = "param") -> list[Table]:
