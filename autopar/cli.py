@@ -97,6 +97,14 @@ def parse_mesh(text: str) -> dict[str, int]:
     return dict(zip(THREE_AXES if len(sizes) > 1 else ("data",), sizes))
 
 
+def parse_argnums(text: str) -> tuple[int, ...]:
+    """`0` or `0,2` -> (0,) / (0, 2)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise UsageError(f"--donate {text!r}: positional argument numbers, e.g. 0 or 0,1")
+    return tuple(int(p) for p in parts)
+
+
 def parse_bytes(text: str) -> float:
     """`80GB` (1e9), `80GiB` (2**30), `1.5e9`, `512MiB` -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
@@ -195,6 +203,13 @@ def _parser() -> argparse.ArgumentParser:
         "--precision",
         choices=("bf16", "fp16"),
         help="bf16 or fp16 (per-tensor scaled) compute, f32 master weights",
+    )
+    s.add_argument(
+        "--donate",
+        metavar="I,J",
+        help="positional arguments the step donates (as donate_argnums=; the train state "
+        "of a training loop: its update then needs no second copy), in place of the "
+        "Workload's donate_argnums",
     )
     s.add_argument(
         "--out", "-o", default=DEFAULT_OUT, help=f"plan file to write (default: {DEFAULT_OUT})"
@@ -375,6 +390,7 @@ def cmd_search(args) -> int:
         if not stages.isdigit():
             raise UsageError(f"--pipeline-stages {stages!r}: a stage count or 'auto'")
         stages = int(stages)
+    donate = parse_argnums(args.donate) if args.donate else wl.donate_argnums
     step = autopar.parallelize(
         wl.fn,
         mesh=search_mesh,
@@ -382,7 +398,7 @@ def cmd_search(args) -> int:
         engine=args.engine,
         memory_budget=budget,
         static_argnums=wl.static_argnums,
-        donate_argnums=wl.donate_argnums,
+        donate_argnums=donate,
         pipeline_stages=stages,
         microbatches=args.microbatches,
         pipeline_schedule=args.pipeline_schedule,
@@ -409,6 +425,7 @@ def cmd_search(args) -> int:
     print(
         f"{wl.name or args.target}: {len(plan.inputs)} inputs, {len(plan.ops)} ops; "
         f"traced and searched in {seconds:.1f} s on {where}"
+        + (f"; arguments {', '.join(map(str, donate))} donated" if donate else "")
     )
     print(f"plan written to {args.out}")
     return 0

@@ -720,3 +720,18 @@ def test_search_with_pipeline_remat_and_precision(tmp_path):
         "x",
     )
     assert bad.returncode == 2 and "a stage count or 'auto'" in bad.stderr
+
+
+def test_search_donates_what_donate_names(tmp_path):
+    """`--donate 0,1`: those positional arguments donated (`donate_argnums=`), in place
+    of the Workload's (a trial asked for it: plans with the state donated differ,
+    GPT-3 175B's by 4 stage counts), and said; a bad value is a usage error."""
+    path = str(tmp_path / "p.json")
+    out = ok(
+        run("search", MLP, "--mesh", "data=8", "--engine", "dp", "--donate", "0,1", "--out", path)
+    )
+    assert "; arguments 0, 1 donated" in out, out
+    out = ok(run("search", MLP, "--mesh", "data=8", "--engine", "dp", "--out", path))
+    assert "; arguments 0 donated" in out, out  # the Workload's own
+    bad = run("search", MLP, "--mesh", "data=8", "--donate", "first", "--out", path)
+    assert bad.returncode == 2 and "--donate 'first'" in bad.stderr, bad.stderr
