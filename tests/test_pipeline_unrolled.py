@@ -396,7 +396,8 @@ def test_the_fastest_try_without_a_pipeline_is_made_as_it_runs_beside_the_pipeli
     monkeypatch,
 ):
     """Where a pipeline try is the fastest as priced on one loop, the fastest try without
-    a pipeline is searched again as it runs too, and the faster of the two made wins:
+    a pipeline is searched again as it runs too (and the pipeline interleaved), and the
+    fastest made wins:
     the one-loop price of an unpipelined step can be well above what it runs at (a
     trial's ViT-B/16 on 64 devices: 36.8 ms on one loop, 32.5 as it runs, against the
     pipeline's 33.4, which `pipeline_stages="auto"` returned). Here the tries without a
@@ -423,6 +424,10 @@ def test_the_fastest_try_without_a_pipeline_is_made_as_it_runs_beside_the_pipeli
     (note,) = [w for w in plan.warnings if "without a pipeline:" in w]
     assert "searched again as it runs" in note
     assert plan.pipeline is None  # the step as it runs is faster than any pipeline
+    # and the lock-step pipeline of these unrolled layers tried interleaved (2 virtual
+    # stages: 4 layers on 2 stages), made as it runs, its leaves in chunk order
+    (tried,) = [w for w in plan.warnings if w.startswith("interleaved 1F1B, 2 virtual")]
+    assert re.search(r"searched as it runs too: [0-9.]+ ms", tried), tried
 
 
 def test_the_rolled_graph_holds_no_dead_ops():

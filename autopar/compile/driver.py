@@ -52,6 +52,7 @@ from autopar.compile.plans import (
     spec_pins,
     user_pins,
 )
+from autopar.compile.realize import Realizing
 from autopar.compile.screen import SCREEN_MARGIN, screen
 from autopar.compile.tries import ahead, firsts_ahead
 from autopar.cost.model import CostModel
@@ -126,7 +127,7 @@ def _searched(
         return Infeasible(e)
 
 
-class _Driver(PipelineTries):
+class _Driver(Realizing, PipelineTries):
     """One remat policy's tries for one call."""
 
     def __init__(
