@@ -345,8 +345,7 @@ class _Rolling:
         `r` is `p mod (v q)`)."""
         if self.resident is None:
             return [tuple(members)]
-        stages = self.resident[0]
-        per = self.S // stages
+        per, stages = self.per, self.resident[0]
         return [tuple(members[self.order[r * per + m]] for r in range(stages)) for m in range(per)]
 
     def _part_of(self, values: Sequence[int]) -> tuple[Any, int]:
@@ -358,9 +357,10 @@ class _Rolling:
         if len(keys) != 1 or None in keys:
             return None, 0
         at = [self.pos[self.rows[v][1]] for v in values]
-        per = self.S // len(values)
         m = at[0]
-        return (keys.pop(), m) if at == [r * per + m for r in range(len(values))] else (None, 0)
+        return (
+            (keys.pop(), m) if at == [r * self.per + m for r in range(len(values))] else (None, 0)
+        )
 
     def _batched(self, values: Sequence[int]) -> Any:
         """The key of the stacked array whose rows are `values`, in stage order, or None."""
