@@ -109,7 +109,7 @@ def micro_batch_args(
         raise MicrobatchError(f"{name}: {why}")
     b = batch[0].shape[0]
     margs = list(args)
-    cut_one = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype)
+    cut_one = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype, weak_type=x.weak_type)  # noqa: E731
     margs[dyn[-1]] = jax.tree_util.tree_map(cut_one, abstractify_tree(args[dyn[-1]]))
     return margs, range(first, first + len(batch))
 

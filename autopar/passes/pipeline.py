@@ -267,10 +267,11 @@ def micro_args(
     out = []
     for i, x in enumerate(flat_args):
         shape = getattr(x, "shape", None)
+        weak = bool(getattr(x, "weak_type", False))  # traced as the whole batch was
         if shape and shape[0] == batch and i not in keep:
-            x = jax.ShapeDtypeStruct((batch // microbatches, *shape[1:]), x.dtype)
+            x = jax.ShapeDtypeStruct((batch // microbatches, *shape[1:]), x.dtype, weak_type=weak)
         elif shape is not None:
-            x = jax.ShapeDtypeStruct(shape, x.dtype)
+            x = jax.ShapeDtypeStruct(shape, x.dtype, weak_type=weak)
         out.append(x)
     return out
 
