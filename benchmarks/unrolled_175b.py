@@ -10,8 +10,11 @@ pipeline, remat, predicted step, MFU (6 N T FLOPs over the a100-80g bf16 peak) a
 predicted peak per device.
 
     python -m benchmarks.unrolled_175b     # writes results/unrolled_175b.md (and .json)
-    python -m benchmarks.unrolled_175b --scan-only   # the scanned row alone (minutes;
-                                                     # the unrolled one takes over 30)
+    python -m benchmarks.unrolled_175b --scan-only   # the scanned row alone
+    python -m benchmarks.unrolled_175b --donate      # and each with its state donated
+    python -m benchmarks.unrolled_175b --fitted      # under the efficiency factors
+                                                     # `benchmarks.published` fits
+(each row 1.5-2.5 minutes on 2 CPUs).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import cost_models  # noqa: E402
 from autopar.search import workers  # noqa: E402
-from benchmarks.pipeline import parallelize_auto  # noqa: E402
+from benchmarks.pipeline import _fitted_profile, parallelize_auto  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "unrolled_175b"
 
@@ -45,10 +49,17 @@ def _row(name: str, r: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="a100-80g")
+    ap.add_argument(
+        "--fitted",
+        action="store_true",
+        help="the profile under the factors benchmarks.published fits (results/published.json)",
+    )
     ap.add_argument("--out", type=Path, default=OUT, help="results path, without suffix")
     ap.add_argument("--scan-only", action="store_true", help="plan the scanned model only")
     ap.add_argument(
-        "--donate", action="store_true", help="also the scanned model with its state donated"
+        "--donate",
+        action="store_true",
+        help="also each model with its state donated (the scanned one alone with --scan-only)",
     )
     a = ap.parse_args(argv)
     rows = {}
@@ -59,11 +70,18 @@ def main(argv=None) -> None:
     )
     if a.donate:
         models.append(("nn.scan, state donated", True, True))
+        if not a.scan_only:
+            models.append(("unrolled, state donated", False, True))
+    profile, factors = a.profile, None
+    if a.fitted:
+        profile, factors = _fitted_profile(cost_models.load(a.profile))
+        if profile is None:
+            raise SystemExit("--fitted: no results/published.json (python -m benchmarks.published)")
     for name, scan, donate in models:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rows[name] = parallelize_auto(
-                a.profile, remat="auto", engine="auto", scan_layers=scan, donate=donate
+                profile, remat="auto", engine="auto", scan_layers=scan, donate=donate
             )
         print(name, json.dumps(rows[name]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)  # kept row by row: a long run
@@ -75,7 +93,8 @@ def main(argv=None) -> None:
             "# GPT-3 175B: layers unrolled in Python against `nn.scan`",
             "",
             "`python -m benchmarks.unrolled_175b`: `parallelize(mesh=1024, "
-            f'cluster="{a.profile}", pipeline_stages="auto", remat="auto")` with the '
+            f'cluster="{a.profile}"{" with the fitted factors " + str(factors) if a.fitted else ""}, '
+            'pipeline_stages="auto", remat="auto")` with the '
             "default engine, abstract arguments, one process, scanned model first. "
             f"Machine: {os.cpu_count()} CPUs, load average {load:.1f} at the end; "
             f"search workers: {workers.count()} (`AUTOPAR_WORKERS`).",
