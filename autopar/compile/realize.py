@@ -105,6 +105,8 @@ class Realizing:
                 said.append(f"interleaved 1F1B, {v} virtual stages: {result.brief}")
                 continue
             mine = self._entries(k, mesh, problem, result, got, other)
+            if not mine:
+                continue
             out += mine
             best = min(r[0] for r in mine)
             said.append(
