@@ -41,8 +41,9 @@ Both under the profile as shipped and under the efficiency factors
 ``benchmarks.published`` fits to published step times (``compute+hbm``, read from
 ``results/published.json``). MFU: 6 N T model FLOPs over the A100's bf16 peak.
 
-Writes ``results/megatron_175b.{json,md}``. About 15 minutes on 2 CPUs (the two ``auto``
-searches take most of it); ``--no-auto`` prices the Megatron rows alone.
+Writes ``results/megatron_175b.{json,md}``. About 18 minutes on 2 CPUs (the two ``auto``
+searches take most of it, the unrolled rows about 3); ``--no-auto`` and ``--no-unrolled``
+leave those out.
 """
 
 from __future__ import annotations
@@ -151,25 +152,33 @@ def price_megatron(
 
 
 def _plan(ts, args, mesh, profile, stages, remat, specs, data, virtual):
+    """A Megatron configuration: its layout pinned, the rest searched by `dp`, no budget."""
+    return _planned(
+        ts, args, mesh, profile, stages, data, virtual, remat,
+        engine="dp", in_specs=specs, memory_budget=1e15,
+    )  # fmt: skip
+
+
+def _planned(ts, args, mesh, profile, stages, data, virtual, remat, **options):
+    """`ts.step` planned on `mesh` with `stages` stages of `GPT3.batch // data`
+    micro-batches under lock-step 1F1B, or interleaved at `virtual` > 1, the state
+    donated (`options`: what else the call fixes)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "not compile-checked": no devices here
-        plan = autopar.parallelize(
+        return autopar.parallelize(
             ts.step,
             mesh=mesh,
             cluster=profile,
-            engine="dp",
             pipeline_stages=stages,
             microbatches=GPT3.batch // data,
             pipeline_schedule="1f1b" if virtual == 1 else "interleaved",
             virtual_stages=virtual if virtual > 1 else None,
             remat=remat,
-            in_specs=specs,
             donate_argnums=(0,),
-            memory_budget=1e15,
             progress=False,
             cache_dir=False,
+            **options,
         ).plan(*args)
-    return plan
 
 
 def _summary(plan, profile, seconds: float) -> dict:
@@ -217,21 +226,7 @@ def _by_name(profile, virtual: int) -> dict:
     ts, args = gpt3_step(False)
     mesh = {"stage": 8, "data": DEVICES // (8 * TP), "model": TP}
     t = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "not compile-checked": no devices here
-        plan = autopar.parallelize(
-            ts.step,
-            mesh=mesh,
-            cluster=profile,
-            pipeline_stages=8,
-            microbatches=GPT3.batch // mesh["data"],
-            pipeline_schedule="interleaved" if virtual > 1 else "1f1b",
-            virtual_stages=virtual if virtual > 1 else None,
-            remat="selective",
-            donate_argnums=(0,),
-            progress=False,
-            cache_dir=False,
-        ).plan(*args)
+    plan = _planned(ts, args, mesh, profile, 8, mesh["data"], virtual, "selective")
     return _summary(plan, profile, time.perf_counter() - t)
 
 

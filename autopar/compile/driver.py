@@ -418,8 +418,8 @@ class _Driver(Realizing, PipelineTries):
         checked = isinstance(mesh, Mesh)
         first = self._first.get(i) if i is not None else None
         # a mesh's plans with its axes merged are candidates too (`merged`)
-        one = o.engine == "auto" and not pins and pipelined is None
-        seeds = merged_seeds(problem.graph, problem) if one else None
+        seeded = o.engine == "auto" and not pins and pipelined is None
+        seeds = merged_seeds(problem.graph, problem) if seeded else None
         result = _searched(
             problem, o.engine, o.memory_budget, pins, self.clock, checked, first, seeds
         )

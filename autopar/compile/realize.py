@@ -40,20 +40,9 @@ class Realizing:
             if not (r[1] == k and proxied(r[6]) and r[6].pipe.microbatches == pipe.microbatches)
         ]
         name = f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} M={pipe.microbatches}"
-        ranked: list = []
-        got = self._looped(graph, pipe.stages, mesh, proxy=False, virtual=pipe.virtual)
-        if not isinstance(got, Infeasible):
-            got = self._pipelined(got[0], pipe, mesh, got[1])
-        piped = got
-        if not isinstance(got, Infeasible):
-            log.info("mesh %s: searching it again rolled into %d stages", name, pipe.stages)
-            problem = self._built(got.graph, self._info(mesh), got)
-            problem, result, other = self._searched_try(problem, mesh, got, {})
-            if not isinstance(result, Infeasible):
-                ranked = sorted(
-                    self._entries(k, mesh, problem, result, got, other), key=lambda r: r[:3]
-                )
-            got = result
+        log.info("mesh %s: searching it again rolled into %d stages", name, pipe.stages)
+        piped, got = self._made(graph, k, mesh, pipe)
+        ranked = sorted(got, key=lambda r: r[:3]) if isinstance(got, list) else []
         again = (
             f"{ranked[0][0] * 1e3:.4g} ms searched again rolled into loops over its "
             f"{pipe.stages} stages (what runs)"
@@ -91,20 +80,12 @@ class Realizing:
         for v in (2, 4):
             if layers % (S * v) or M % S:
                 continue
-            chunked = replace(pipe, schedule="interleaved", virtual=v)
-            got = self._looped(graph, S, mesh, proxy=False, virtual=v)
-            if not isinstance(got, Infeasible):
-                got = self._pipelined(got[0], chunked, mesh, got[1])
-            if isinstance(got, Infeasible):
-                said.append(f"interleaved 1F1B, {v} virtual stages: {got.brief}")
-                continue
             log.info("mesh %s: searching it interleaved, %d virtual stages", mesh.axis_sizes, v)
-            problem = self._built(got.graph, self._info(mesh), got)
-            problem, result, other = self._searched_try(problem, mesh, got, {})
-            if isinstance(result, Infeasible):
-                said.append(f"interleaved 1F1B, {v} virtual stages: {result.brief}")
+            chunked = replace(pipe, schedule="interleaved", virtual=v)
+            _, mine = self._made(graph, k, mesh, chunked)
+            if isinstance(mine, Infeasible):
+                said.append(f"interleaved 1F1B, {v} virtual stages: {mine.brief}")
                 continue
-            mine = self._entries(k, mesh, problem, result, got, other)
             if not mine:
                 continue
             out += mine
@@ -114,6 +95,21 @@ class Realizing:
                 f"order), searched as it runs too: {best * 1e3:.4g} ms"
             )
         return out, said
+
+    def _made(self, graph: Graph, k: int, mesh, pipe) -> tuple:
+        """Try `k` rolled into loops over `pipe`'s stages (its chunks, interleaved) and
+        searched as it runs: (its `PipelinedScans`, or the Infeasible that stopped it
+        first; its entries, or that Infeasible)."""
+        got = self._looped(graph, pipe.stages, mesh, proxy=False, virtual=pipe.virtual)
+        if not isinstance(got, Infeasible):
+            got = self._pipelined(got[0], pipe, mesh, got[1])
+        if isinstance(got, Infeasible):
+            return got, got
+        problem = self._built(got.graph, self._info(mesh), got)
+        problem, result, other = self._searched_try(problem, mesh, got, {})
+        if isinstance(result, Infeasible):
+            return got, result
+        return got, self._entries(k, mesh, problem, result, got, other)
 
     def _realized_unpipelined(
         self, graph: Graph, found, notes: tuple[str, ...], lead: tuple[str, ...]

@@ -159,7 +159,8 @@ def interpret(
 
         sinks = sunk_fills(graph, pipelined) if pipelined is not None else {}
         # interleaved: the rolled groups' rows in chunk order, as the stages hold them
-        kept = resident(graph, pipelined.fused) if pipelined is not None else frozenset()
+        interleaved = pipelined is not None and pipelined.pipe.virtual > 1
+        kept = resident(graph, pipelined.fused) if interleaved else frozenset()
         zb_backward = {f.backward for f in pipelined.fused} if pipelined is not None else set()
 
         def loop_input(node: Node, i: int, spec: Spec):

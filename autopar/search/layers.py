@@ -134,38 +134,31 @@ class Layers:
         return int((self.phi != np.arange(len(self.phi))).sum())
 
 
-def _segments(name: str) -> list[tuple[str, int]]:
-    """(base, index) of every indexed segment of a name, outermost first."""
-    out = []
+def _indexed(name: str):
+    """((base, index), the segment as written: `h_3`, `layers/3`) of every indexed
+    segment of a name, outermost first."""
     prev = ""
     for seg in name.split("/"):
         seg = _WRAPPER.sub("", seg)
         if _NUMBER.match(seg):
             if prev:
-                out.append((prev, int(seg)))
+                yield (prev, int(seg)), f"{prev}/{seg}"
         else:
             m = _INDEXED.match(seg)
             if m:
-                out.append((m["base"], int(m["idx"])))
+                yield (m["base"], int(m["idx"])), seg
         prev = seg
-    return out
+
+
+def _segments(name: str) -> list[tuple[str, int]]:
+    """(base, index) of every indexed segment of a name, outermost first."""
+    return [label for label, _ in _indexed(name)]
 
 
 def _shown(name: str, label: tuple[str, int]) -> str | None:
     """The segment of `name` that makes it layer `label`, as `inspect` names a layer's
     arrays: `layers/3`, `h_3`."""
-    prev = ""
-    for seg in name.split("/"):
-        seg = _WRAPPER.sub("", seg)
-        if _NUMBER.match(seg):
-            if prev and (prev, int(seg)) == label:
-                return f"{prev}/{seg}"
-        else:
-            m = _INDEXED.match(seg)
-            if m and (m["base"], int(m["idx"])) == label:
-                return seg
-        prev = seg
-    return None
+    return next((seg for lab, seg in _indexed(name) if lab == label), None)
 
 
 def op_layer_names(problem: Problem) -> list[str]:
