@@ -409,7 +409,9 @@ def cmd_search(args) -> int:
     )
     from autopar.compile.progress import Progress
 
-    with Progress(show_after=1.0, prefix=""):
+    # shown once a search has run 1 s (AUTOPAR_PROGRESS_AFTER=seconds sets it)
+    after = float(os.environ.get("AUTOPAR_PROGRESS_AFTER", "1.0"))
+    with Progress(show_after=after, prefix=""):
         plan = step.plan(*wl.args)
     seconds = time.perf_counter() - t0
     plan.save(args.out)
