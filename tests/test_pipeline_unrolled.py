@@ -1320,3 +1320,70 @@ def test_a_stack_splits_into_stages_with_its_first_layers_outside():
     assert [len(t.forward) for t in split_stacks([stack(13)], 4, auto=True)] == [12]
     assert split_stacks([stack(96)], 64, auto=True) == []  # it would leave 32 outside
     assert [len(t.forward) for t in split_stacks([stack(96)], 64, auto=False)] == [64]
+
+
+class DenseMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(2 * D, name="fc1")(nn.LayerNorm(name="ln")(x))
+        return x + nn.Dense(D, name="fc2")(jax.nn.gelu(h))
+
+
+class SoftMoE(nn.Module):
+    """A mixture of 4 experts weighted by a router's softmax (an einsum over experts)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(name="ln")(x)
+        gate = jax.nn.softmax(nn.Dense(4, use_bias=False, name="router")(h), -1)
+        w1 = self.param("w1", nn.initializers.normal(0.1), (4, D, 2 * D))
+        w2 = self.param("w2", nn.initializers.normal(0.1), (4, 2 * D, D))
+        y = jnp.einsum("btef,efd->bted", jax.nn.gelu(jnp.einsum("btd,edf->btef", h, w1)), w2)
+        return x + jnp.einsum("bte,bted->btd", gate, y)
+
+
+class Alternating(nn.Module):
+    """Dense and MoE blocks every other layer, under one name (`layers_<i>`), on
+    features whose width is the batch size (`B`): the first Dense's kernel is `[B, D]`."""
+
+    n: int = 8
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(D, name="proj")(x)
+        for i in range(self.n):
+            x = (SoftMoE if i % 2 else DenseMLP)(name=f"layers_{i}")(x)
+        return nn.Dense(VOCAB, name="lm_head")(x)
+
+
+def test_alternating_dense_and_moe_layers_pipeline_in_units_of_two():
+    """Layers that alternate between two kinds under one template make a stack of units
+    of 2 layers (`stack_candidates._units`): 8 layers on 2 stages, layers 0-3 on stage 0
+    and 4-7 on stage 1, trained as `jax.jit` trains them. The input's feature width is
+    the batch size, and the first Dense's `[B, D]` kernel is no batch: it is not cut
+    into micro-batches (`microbatch.batch_operands`)."""
+    model = Alternating()
+    feats = lambda i: jnp.sin(jnp.arange(B * T * B).reshape(B, T, B) * 0.37 + i)  # noqa: E731
+    params = model.init(jax.random.key(0), feats(0))
+    tx = optax.adamw(1e-2, eps=EPS)
+
+    def step(params, opt_state, x, ids):
+        value, grads = jax.value_and_grad(lambda p: _loss(model.apply(p, x), ids))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    par = _parallel(step)
+    ref = jax.jit(step)
+    a = b = (params, tx.init(params))
+    for i in range(2):
+        *a, loss_a = ref(*a, feats(i), _batch(i))
+        *b, loss_b = par(*b, feats(i), _batch(i))
+        assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+    assert_trees_close(b, a, what="params and optimizer state after 2 steps")
+    plan = par.plan(params, tx.init(params), feats(0), _batch(0))
+    rolled = plan.pipeline["rolled"]
+    assert rolled["period"] == 2 and rolled["layers"] == 4 and rolled["stages"] == 2, rolled
+    assert "layers 0-3 | 4-7" in str(plan)
+    for layer in range(8):
+        leaves = jax.tree.leaves(b[0]["params"][f"layers_{layer}"])
+        assert leaves and all(_on_stage(x, layer // 4, par.mesh) for x in leaves)

@@ -123,6 +123,39 @@ def separate(
     return have, first_bad
 
 
+def batch_operands(graph: Graph, node: Node, out: int) -> tuple[int, ...]:
+    """The positions of `node`'s operands whose leading dim is the leading dim of its
+    output `out`, by the strategy registry (a strategy that splits that output's dim 0
+    with no pending sum splits theirs): the batch of `x @ W` comes from `x`, not from a
+    `W` whose contracted dim happens to be as long. A loop nested in the graph: every
+    operand as long as the output along dim 0."""
+    from autopar.strategies import enumerate_factor_rule, strategies_for
+    from autopar.strategies.elementwise import ELEMENTWISE, elementwise_rule
+
+    lead = graph.values[node.outputs[out]].shape[:1]
+    if node.body is not None:
+        return tuple(k for k, x in enumerate(node.inputs) if graph.values[x].shape[:1] == lead)
+    mesh = virtual_mesh(2)
+    if node.op in ELEMENTWISE:
+        candidates = enumerate_factor_rule(
+            elementwise_rule(node, graph, split_broadcast=True), mesh
+        )
+    else:
+        candidates = strategies_for(node, graph, mesh).strategies
+    want = split_spec(graph.values[node.outputs[out]].rank, 0)
+    return tuple(
+        sorted(
+            {
+                k
+                for s in candidates
+                if s.out_specs[out] == want and not any(o.partial for o in s.out_specs)
+                for k, spec in enumerate(s.in_specs)
+                if spec.dims[:1] == (want.dims[0],)
+            }
+        )
+    )
+
+
 def _scan_specs(
     node: Node, got: Sequence[Spec], microbatches: int, micro_body: Graph | None
 ) -> list[Spec] | None:

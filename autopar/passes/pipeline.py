@@ -37,7 +37,7 @@ import jax
 
 from autopar.errors import MicrobatchError, PipelineError
 from autopar.ir.graph import Graph, Node, TensorType
-from autopar.passes.microbatch import fits, separate, split_spec, sum_spec
+from autopar.passes.microbatch import batch_operands, fits, separate, split_spec, sum_spec
 from autopar.sharding import MeshInfo, Spec
 
 SUM = "sum"
@@ -234,7 +234,8 @@ def batch_size(graph: Graph, scans: Sequence[int]) -> int:
 def feeding_carry(graph: Graph, scans: Sequence[int], batch: int) -> set[int]:
     """Positions of the step's inputs that the carry of the forward loops among `scans`
     is computed from, through values that lead with the batch (the activations, not the
-    weights that make them; the backward loops' carry comes from everything)."""
+    weights that make them, even where a weight's contracted dim is as long as the batch:
+    `microbatch.batch_operands`; the backward loops' carry comes from everything)."""
     want = [
         v
         for i in scans
@@ -249,7 +250,9 @@ def feeding_carry(graph: Graph, scans: Sequence[int], batch: int) -> set[int]:
             continue
         seen.add(v)
         if v in graph.producer:
-            want.extend(graph.nodes[graph.producer[v]].inputs)
+            node = graph.nodes[graph.producer[v]]
+            ks = batch_operands(graph, node, node.outputs.index(v))
+            want.extend(node.inputs[k] for k in ks)
     return {k for k, v in enumerate(graph.inputs) if v in seen}
 
 

@@ -548,6 +548,7 @@ def roll(
         len(g.outputs),
         g.out_tree,
         resident,
+        stack.period,
     )
     args = []
     for ms, st in zip(inputs, stacked_in):

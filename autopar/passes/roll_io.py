@@ -31,11 +31,16 @@ class Roll:
     # (stages, virtual stages) where the groups are stored in the interleaved schedule's
     # chunk order (`autopar.ir.chunks`): each stage's leaves of every chunk it runs
     resident: tuple[int, int] | None = None
+    # layers a unit, where the template's layers alternate between kinds and `layers`
+    # counts units of `period` consecutive layers (`LayerStack.period`)
+    period: int = 1
 
     def to_json(self) -> dict:
         out = {"template": self.template, "layers": self.layers, "stages": self.stages}
         if self.resident is not None:
             out["stages"], out["virtual_stages"] = self.resident
+        if self.period > 1:
+            out["period"] = self.period
         return out
 
     def donated(self, donate: Sequence[int]) -> tuple[int, ...]:
@@ -45,29 +50,38 @@ class Roll:
     def describe(self) -> str:
         k = self.layers // self.stages
         groups = sum(len(m) > 1 for m in self.inputs)
+        unit = f" units of {self.period} layers" if self.period > 1 else ""
+        kind = f"unit{'s' * (k > 1)}" if self.period > 1 else f"layer{'s' * (k > 1)}"
         if self.resident is not None:
             S, v = self.resident
             return (
-                f"layer stack: {self.layers} x {self.template} (unrolled in Python) rolled into "
-                f"loops over {S} stages x {v} chunks of {k} layer{'s' * (k > 1)}; {groups} "
+                f"layer stack: {self.layers}{unit} x {self.template} (unrolled in Python) rolled into "
+                f"loops over {S} stages x {v} chunks of {k} {kind}; {groups} "
                 f"leaves grouped per chunk and layer slot (layer (c*{S}+s)*{k}+j of every "
                 "stage s), split over the stage axis: each stage keeps its chunks' layers"
             )
         return (
-            f"layer stack: {self.layers} x {self.template} (unrolled in Python) rolled into "
-            f"loops over {self.stages} stages of {k} layer{'s' * (k > 1)}; {groups} leaves "
+            f"layer stack: {self.layers}{unit} x {self.template} (unrolled in Python) rolled into "
+            f"loops over {self.stages} stages of {k} {kind}; {groups} leaves "
             "grouped per layer slot (layer s*k+j of every stage s), split over the stage axis"
         )
 
 
-def _group_path(path: str, template: str, indices: Sequence[int]) -> str:
-    """`params/h_3/attn/w` -> `params/h_<3,7>/attn/w` (the group of layers 3 and 7)."""
-    comps, which = path.split("/"), ",".join(map(str, indices))
-    firsts = {f"{base}{indices[0]}": base for base in indexed_names(template)}
-    at = max((i for i, c in enumerate(comps) if c in firsts), default=None)
+def _group_path(path: str, template: str, indices: Sequence[int], period: int = 1) -> str:
+    """`params/h_3/attn/w` -> `params/h_<3,7>/attn/w` (the group of layers 3 and 7).
+    `indices` are the layers' (units of `period` layers') first indices: a leaf of a
+    unit's second layer (`h_4/...` in the unit of layers 3, 4) names layers 4 and 8."""
+    comps = path.split("/")
+    named = {
+        f"{base}{indices[0] + q}": (base, q)
+        for base in indexed_names(template)
+        for q in range(period)
+    }
+    at = max((i for i, c in enumerate(comps) if c in named), default=None)
     if at is None:
-        return f"{path} <{which}>"
-    comps[at] = f"{firsts[comps[at]]}<{which}>"
+        return f"{path} <{','.join(map(str, indices))}>"
+    base, q = named[comps[at]]
+    comps[at] = f"{base}<{','.join(str(i + q) for i in indices)}>"
     return "/".join(comps)
 
 
@@ -88,5 +102,5 @@ def layout(count: int, groups, g: Graph, values, paths, stack: LayerStack):
             ms, ids = groups[gi]
             entries.append(tuple(ms))
             stacked.append(g.values[values[p]].rank == 0)
-            names.append(_group_path(paths[ms[0]], stack.template, ids))
+            names.append(_group_path(paths[ms[0]], stack.template, ids, stack.period))
     return entries, stacked, names

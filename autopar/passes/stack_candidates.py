@@ -1,8 +1,10 @@
 """Layer-stack candidates from parameter paths: runs of consecutive indices of one
 template (`params/h_<i>`, siblings numbered alike `params/{ln_,mlp_}<i>`) with the
-same leaves, read by forward ops, with the optimizer state that mirrors them. Step 1
-of `autopar.passes.stacks` (whose module doc has the whole story), which then checks
-each candidate's ops."""
+same leaves, read by forward ops, with the optimizer state that mirrors them. Where
+layers of one template alternate between kinds (dense and MoE blocks, every other
+layer), runs of *units* of `p` consecutive layers with the same leaves (`Layer.period`).
+Step 1 of `autopar.passes.stacks` (whose module doc has the whole story), which then
+checks each candidate's ops."""
 
 from __future__ import annotations
 
@@ -18,9 +20,22 @@ _INDEXED = re.compile(r"(.*?)(\d+)")
 
 @dataclass(frozen=True)
 class Layer:
+    """One layer of a candidate run, or a unit of `period` consecutive layers (`index`
+    the first): its leaves keyed by the path below the indexed component (in a unit,
+    prefixed by the member's offset: `1/MoE_0/w1`)."""
+
     index: int
     leaves: tuple[tuple[str, int], ...]  # (path below the indexed component, input position)
     state: tuple[int, ...]
+    period: int = 1
+
+    @property
+    def members(self) -> range:
+        return range(self.index, self.index + self.period)
+
+
+# the longest units of alternating layers looked for (`_units`)
+MAX_PERIOD = 4
 
 
 def candidates(graph: Graph, phase: Sequence[int], min_layers: int):
@@ -45,19 +60,22 @@ def candidates(graph: Graph, phase: Sequence[int], min_layers: int):
     for tpl, by_index in groups.items():
         idx = sorted(by_index)
         same = lambda a, b, d=by_index: b == a + 1 and sig(d[a]) == sig(d[b])  # noqa: E731
-        for r in runs_of(idx, same):
-            if len(r) >= min_layers:
-                run = {i: sorted(by_index[i]) for i in r}
-                values = (graph.inputs[p] for lf in run.values() for _, p in lf)
-                read = any(phase[c] == FORWARD for v in values for c in graph.consumers.get(v, ()))
-                runs.append((tpl, run, read))
+        singles = runs_of(idx, same)
+        found = [(1, {i: sorted(by_index[i]) for i in r}) for r in singles if len(r) >= min_layers]
+        if 2 * max(map(len, singles)) < len(idx):  # mostly unlike neighbours: alternating?
+            found += _units(idx, by_index, sig, min_layers)
+        for period, run in found:
+            values = (graph.inputs[p] for lf in run.values() for _, p in lf)
+            read = any(phase[c] == FORWARD for v in values for c in graph.consumers.get(v, ()))
+            runs.append((tpl, period, run, read))
     out = []
-    for tpl, run, read in runs:
+    for tpl, period, run, read in runs:
         state: dict[int, list[int]] = defaultdict(list)
-        for other, orun, oread in runs:
+        for other, operiod, orun, oread in runs:
             if (
                 read
                 and not oread
+                and operiod == period
                 and _mirrors(other, tpl)
                 and orun.keys() == run.keys()
                 and all(_within(sig(orun[i], False), sig(run[i], False)) for i in run)
@@ -65,11 +83,56 @@ def candidates(graph: Graph, phase: Sequence[int], min_layers: int):
                 for i in run:
                     state[i] += [p for _, p in orun[i]]
         if read:
-            out.append((tpl, [Layer(i, tuple(run[i]), tuple(sorted(state[i]))) for i in run]))
-    # outer templates first, then long runs, then more leaves a layer (siblings joined)
+            layers = [Layer(i, tuple(run[i]), tuple(sorted(state[i])), period) for i in run]
+            out.append((tpl, layers))
+    # outer templates first, then runs covering more layers, then more units (a period
+    # of 2 before 4), then more leaves a layer (siblings joined)
     return sorted(
-        out, key=lambda c: (c[0].count("/"), -len(c[1]), -len(c[1][0].leaves), c[0], c[1][0].index)
+        out,
+        key=lambda c: (
+            c[0].count("/"),
+            -len(c[1]) * c[1][0].period,
+            -len(c[1]),
+            -len(c[1][0].leaves),
+            c[0],
+            c[1][0].index,
+        ),
     )
+
+
+def _units(idx: list[int], by_index: dict, sig, min_layers: int) -> list[tuple[int, dict]]:
+    """Runs of at least `min_layers` units of `p` consecutive layers (2 <= p <=
+    `MAX_PERIOD`, the smallest that makes a run) whose leaves match unit for unit, where
+    layers alternate between kinds (`for i in range(n): Block(moe=i % 2 == 1)`): per
+    run, (p, {first index: leaves keyed `offset/path`}). A unit's layers are not all
+    alike (that is a run of single layers); the offset that covers most layers wins."""
+    have = set(idx)
+    for p in range(2, MAX_PERIOD + 1):
+        best: list[list[int]] = []
+        for o in range(p):
+            starts = [
+                i
+                for i in range(idx[0] + o, idx[-1] + 1, p)
+                if all(i + q in have for q in range(p))
+                and len({repr(sig(by_index[i + q])) for q in range(p)}) > 1
+            ]
+            unit = {i: [sig(by_index[i + q]) for q in range(p)] for i in starts}
+            alike = lambda a, b, p=p, u=unit: b == a + p and u[a] == u[b]  # noqa: E731
+            got = [r for r in runs_of(starts, alike) if len(r) >= min_layers]
+            if sum(map(len, got)) > sum(map(len, best)):
+                best = got
+        if best:
+            return [
+                (
+                    p,
+                    {
+                        i: sorted((f"{q}/{s}", pos) for q in range(p) for s, pos in by_index[i + q])
+                        for i in r
+                    },
+                )  # fmt: skip
+                for r in best
+            ]
+    return []
 
 
 def _siblings(groups: dict, names: dict, min_layers: int) -> None:

@@ -80,13 +80,21 @@ class LayerStack:
     # the template's other layers, whose ops differ from the run's (T5's first block,
     # which computes the relative position bias)
     apart: tuple[int, ...] = ()
+    # layers a unit: the stack's "layers" are units of `period` consecutive layers of the
+    # template where its layers alternate between kinds (`Block.index` is a unit's first)
+    period: int = 1
+
+    def members(self, block: Block) -> range:
+        """The template's layer indices that `block` (one unit) holds."""
+        return range(block.index, block.index + self.period)
 
     def describe(self) -> str:
         # the forward and backward ranges apart: between them run the ops after the
         # stack (another stack, a decoder after an encoder)
         apart = ", ".join(map(str, self.apart))
         one = len(self.apart) == 1
-        text = f"{len(self.forward)} x {self.template}" + (
+        unit = f" units of {self.period} layers" if self.period > 1 else ""
+        text = f"{len(self.forward)}{unit} x {self.template}" + (
             f" (layer{'' if one else 's'} {apart} not in it: {'its' if one else 'their'} "
             "parameters or ops differ from the others')"
             if self.apart
@@ -128,7 +136,7 @@ class LayerStack:
             forward=self.forward[r:],
             backward=tuple(b for b in self.backward if b.index not in firsts),
             pads=(),
-            outside=(*self.outside, *(b.index for b in self.forward[:r])),
+            outside=(*self.outside, *(i for b in self.forward[:r] for i in self.members(b))),
         )
 
     def why_left_out(self) -> str:
@@ -182,7 +190,8 @@ def _apart(graph: Graph, stack: LayerStack) -> tuple[int, ...]:
         return ()
     pattern = re.compile(re.escape(stack.template).replace(re.escape("<i>"), r"(\d+)") + "(?:/|$)")
     present = {int(m.group(1)) for p in graph.input_paths if (m := pattern.match(p))}
-    inside = {b.index for b in stack.forward} | set(stack.left_out)
+    inside = {i for b in stack.forward for i in stack.members(b)}
+    inside |= {i + q for i in stack.left_out for q in range(stack.period)}
     return tuple(sorted(present - inside))
 
 
@@ -212,11 +221,12 @@ class _Stack:
 
     def _scoped(self, i: int, k: int) -> bool:
         """Whether op `i` runs in layer `k`'s module: its name stack names the layer."""
-        comps, idx = self.g.nodes[i].name_stack.split("/"), str(self.layers[k].index)
+        comps = self.g.nodes[i].name_stack.split("/")
+        idx = {str(m) for m in self.layers[k].members}
         if (names := indexed_names(self.template)) == ("",):  # `layers/<i>`: named 0..n-1
             parent = self.template.rsplit("/", 2)[-2] if "/" in self.template else ""
-            return any(a == parent and c == idx for a, c in zip(comps, comps[1:]))
-        return any(c == f"{nm}{idx}" for c in comps for nm in names)
+            return any(a == parent and c in idx for a, c in zip(comps, comps[1:]))
+        return any(c == f"{nm}{m}" for c in comps for nm in names for m in idx)
 
     # ------------------------------------------------------------------ labels and cuts
     def _label(self, order: list, src: dict[int, int], pick) -> tuple[dict[int, int], set[int]]:
@@ -549,6 +559,8 @@ class _Stack:
         def block(k: int, ids: set[int]) -> Block:
             layer = self.layers[k]
             params = sorted((p for _, p in layer.leaves), key=lambda p: g.input_paths[p])
+            if layer.period > 1:  # a unit's, by the path below its offset: all line up
+                params = [p for _, p in layer.leaves]
             made = {y for i in ids for y in g.nodes[i].outputs}
             ins = {x for i in ids for x in g.nodes[i].inputs if x not in g.consts}
             ins -= made | {g.inputs[p] for p in params}
@@ -559,4 +571,5 @@ class _Stack:
         fwd = tuple(block(k, fblocks[k]) for k in ks)
         bwd = sorted((block(k, bblocks[k]) for k in ks), key=lambda b: b.nodes[:1])
         ok = diff and all(b.nodes for b in bwd)
-        return LayerStack(self.template, fwd, tuple(bwd) if ok else ())
+        period = self.layers[0].period
+        return LayerStack(self.template, fwd, tuple(bwd) if ok else (), period=period)

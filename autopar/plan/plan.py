@@ -391,6 +391,7 @@ class Plan:
             )
         if self.pipeline:
             p = self.pipeline
+            unit = int((p.get("rolled") or {}).get("period", 1))  # layers an iteration
             lines.append(
                 f"  pipeline: {p['stages']} stages over '{p['axis']}', {p['microbatches']} micro-batches, "
                 f"{p['schedule']}"
@@ -406,7 +407,8 @@ class Plan:
                     else ""
                 )
                 + "; ".join(
-                    f"{s['op']}: layers " + " | ".join(f"{a}-{b - 1}" for a, b in s["stages"])
+                    f"{s['op']}: layers "
+                    + " | ".join(f"{a * unit}-{b * unit - 1}" for a, b in s["stages"])
                     for s in p["scans"]
                 )
             )

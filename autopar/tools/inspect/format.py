@@ -183,12 +183,14 @@ def rolled_slots(pipeline: dict | None) -> dict[str, str]:
     parts = rolled["template"].split("/")
     tail = "/".join(parts[-2:]) if parts[-1] == "<i>" and len(parts) > 1 else parts[-1]
     stages, layers = int(rolled["stages"]), int(rolled["layers"])
-    k = layers // max(stages, 1)
+    k, p = layers // max(stages, 1), int(rolled.get("period", 1))  # units of p layers
     out = {}
     for j in range(k):
-        group = tail.replace("<i>", "<" + ",".join(str(s * k + j) for s in range(stages)) + ">")
-        out[tail.replace("<i>", str(j))] = group
-        out[f"{ROLL_SCOPE}_slot{j}"] = group
+        for q in range(p):
+            ids = ",".join(str((s * k + j) * p + q) for s in range(stages))
+            group = tail.replace("<i>", f"<{ids}>")
+            out[tail.replace("<i>", str(j * p + q))] = group
+            out.setdefault(f"{ROLL_SCOPE}_slot{j}", group)
     return out
 
 
