@@ -608,7 +608,9 @@ def test_train_state_python_step_counter_is_one_signature():
     a weakly typed int32 scalar and returns as one: the next calls pass that array, and
     autopar does not search again (it did: the int and the array were two signatures,
     and the second plan, traced without the weak type, returned a strongly typed
-    counter, which a third call compiled for again)."""
+    counter, which a third call compiled for again), nor compile again (it did: jit keys
+    a Python scalar apart from an array, so the int is put on the mesh as the array the
+    step returns for it)."""
     import flax.linen as nn
     import optax
     from flax.training import train_state
@@ -634,3 +636,5 @@ def test_train_state_python_step_counter_is_one_signature():
     assert_trees_close(b.params, a.params)
     assert int(b.step) == 3 and b.step.weak_type == a.step.weak_type
     assert len(par._cache) == 1  # one search
+    (compiled,) = par._cache.values()
+    assert compiled.jitted._cache_size() == 1  # one trace and compile

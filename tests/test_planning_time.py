@@ -287,6 +287,32 @@ def test_progress_keeps_the_users_log_records(caplog):
     assert [r.getMessage() for r in caplog.records] == ["a warning"]
 
 
+def test_after_the_display_closes_info_records_stay_quiet():
+    """The display raises the `autopar` logger to INFO while open and puts its level back
+    through `setLevel`, which clears logging's level cache: set back by assignment, the
+    cached `isEnabledFor(INFO)` stayed true and a later plan without the display printed
+    its phases through the user's handlers."""
+    import logging
+
+    from autopar.compile.progress import Progress
+
+    log, root, seen = logging.getLogger("autopar"), logging.getLogger(), []
+    handler = logging.Handler()  # the user's, as `logging.basicConfig` adds it
+    handler.emit = lambda record: seen.append(record.getMessage())
+    level = log.level
+    log.setLevel(logging.WARNING)
+    root.addHandler(handler)
+    try:
+        with Progress(show_after=60):
+            log.info("a phase")  # the display's
+        log.info("after")
+        assert not log.isEnabledFor(logging.INFO)
+    finally:
+        root.removeHandler(handler)
+        log.setLevel(level)
+    assert seen == []
+
+
 # ---- time_limit ------------------------------------------------------------------------------
 
 

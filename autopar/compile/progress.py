@@ -150,7 +150,8 @@ class Progress(logging.Handler):
         self._stop.set()
         self._thread.join()
         log.removeHandler(self)
-        log.level, log.propagate = self._saved
+        log.setLevel(self._saved[0])  # not `log.level =`: that keeps the level cache stale
+        log.propagate = self._saved[1]
         if self.shown:
             done = "stopped" if exc[0] is not None else "planned"
             self.stream.write(f"autopar: {done} in {time.perf_counter() - self.start:.1f} s\n")
