@@ -506,10 +506,10 @@ def parallelize(
     max|x| (per-tensor dynamic scaling, in place of loss scaling: the captured step is
     already differentiated).
 
-    `grad_accumulation=M` cuts the batch (the last non-static argument, along its
-    leaves' leading dim) into M micro-batches and runs everything that can go micro-batch
-    by micro-batch (forward, backward, up to the gradient sums) in a loop over them,
-    then the rest (the optimizer) once (`autopar.passes.accumulate`).
+    `grad_accumulation=M` cuts the batch (the last non-static argument that is not PRNG
+    keys, along its leaves' leading dim) into M micro-batches and runs everything that
+    can go micro-batch by micro-batch (forward, backward, up to the gradient sums) in a
+    loop over them, then the rest (the optimizer) once (`autopar.passes.accumulate`).
 
     `remat` rematerializes a layer loop's residuals (`autopar.passes.remat`, layers under a
     `scan`): "dots" keeps only matmul outputs and the layer input, "selective" also

@@ -158,12 +158,27 @@ def test_a_batch_in_several_arguments_gets_a_hint():
     with pytest.raises(MicrobatchError, match=r"x \[64, 128\] before it .* \(x, y\)"):
         par.plan(params, opt, x, y)
 
-    def rng_last(params, opt, batch, rng):  # a common ordering: the batch is not last
-        return step(params, opt, batch)
+
+@pytest.mark.parametrize("key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_the_batch_is_the_last_argument_but_prng_keys(key):
+    """`transformers`' Flax scripts call `train_step(state, batch, dropout_rng)`: the
+    key after the batch is not cut (cutting it raised "invalid PRNG key data"), the batch
+    before it is, and the step trains as under `jax.jit`."""
+    import jax.numpy as jnp
+
+    step, params, opt, _ = _mlp_step()
+    x = jnp.sin(jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128) / 50)
+    y = jnp.arange(64) % 8
+
+    def rng_last(params, opt, batch, rng):
+        noisy = (batch[0] + 0.0 * jax.random.normal(rng, batch[0].shape[1:]), batch[1])
+        return step(params, opt, noisy)
 
     par = autopar.parallelize(rng_last, mesh=MESH, cluster=CLUSTER, grad_accumulation=4)
-    with pytest.raises(MicrobatchError, match=r"rng key<fry>\[\]\): put the batch last"):
-        par.plan(params, opt, (x, y), jax.random.key(0))
+    got = par(params, opt, (x, y), key(0))
+    want = jax.jit(rng_last)(params, opt, (x, y), key(0))
+    assert_trees_close(got, want, atol=2e-3, what="params and optimizer state")
+    assert par.plan(params, opt, (x, y), key(0)).grad_accumulation == 4
 
 
 def test_the_predicted_peak_holds_a_micro_batchs_pass():
@@ -384,6 +399,9 @@ def test_micro_batches_too_small_to_split_say_so():
 
     case = t5(dict(batch=16, seq=32, vocab=1024, d=128, heads=4, ffn=512, layers=1))
     step = autopar.parallelize(case.step, mesh=MESH, grad_accumulation=4)
-    with pytest.warns(UserWarning, match=r"a micro-batch has 4 examples for 8 devices.*=2 or less"):
+    with pytest.warns(
+        UserWarning,
+        match=r"a micro-batch has 4 examples for 8 devices.*grad_accumulation=2 \(micro-batches of 8\)",
+    ):
         plan = step.plan(*case.args(False))
     assert plan.replicated_share() > 0.5

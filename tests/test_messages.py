@@ -227,7 +227,8 @@ def test_grad_accumulation_blames_the_scalar_leaf(scale):
     what = "float32[]" if hasattr(scale, "dtype") else "(a Python float)"
     assert str(e.value).startswith(
         f"_regression ({HERE}:{_regression.__code__.co_firstlineno}): grad_accumulation=4 cuts "
-        "the batch (the last argument, batch) along its leaves' leading dim, 32 for the others, "
+        "the batch (batch, the last argument but PRNG keys) along its leaves' leading dim, 32 for "
+        "the others, "
         f"but batch['scale'] {what} has none; pass such values in another argument or close "
         "over them"
     ), str(e.value)

@@ -583,8 +583,8 @@ class _Driver(Realizing, PipelineTries):
 
     def _accumulated(self, graph: Graph) -> tuple[Graph, tuple[str, ...]]:
         """`graph` with its per-micro-batch part in a loop (`autopar.passes.accumulate`),
-        and the pass's notes; the batch is the last non-static argument, cut along its
-        leaves' leading dim."""
+        and the pass's notes; the batch is the last non-static argument but PRNG keys
+        (`accumulate.batch_argument`), cut along its leaves' leading dim."""
         M, name = self.o.grad_accumulation, self.name
         margs, batch = micro_batch_args(
             self.o.fn, self.call.args, self.call.static, len(self.o.keywords), M, name

@@ -81,16 +81,21 @@ def replicated_microbatches(graph, plan, microbatches: int | None) -> str | None
     devices = plan.mesh.num_devices
     if not examples or examples >= devices:
         return None
-    fewer = [m for m in range(microbatches - 1, 0, -1) if examples * microbatches % m == 0]
+    batch = examples * microbatches
+    # the most micro-batches that still give every device an example
+    fewer = next(
+        (m for m in range(microbatches - 1, 0, -1) if not batch % m and batch // m >= devices), None
+    )
+    if fewer is None:
+        hint = ""
+    elif fewer == 1:
+        hint = f"; without accumulation the batch of {batch} splits over them"
+    else:
+        hint = f"; grad_accumulation={fewer} (micro-batches of {batch // fewer}) would split them"
     return (
         f"gradient accumulation: a micro-batch has {examples} examples for {devices} "
         f"devices, and {100 * share:.0f}% of the step's compute runs replicated (whole on "
-        "every device): the micro-batches may be too small to split well over the mesh"
-        + (
-            f"; fewer of them (grad_accumulation={fewer[0]} or less) let the batch split"
-            if fewer
-            else ""
-        )
+        "every device): the micro-batches may be too small to split well over the mesh" + hint
     )
 
 

@@ -68,7 +68,10 @@ def batch_problem(batch: Any, microbatches: int, name: str = "batch") -> str | N
 
     scalars = [described(p, x) for (p, x), d in zip(leaves, lead) if not d]
     other = [described(p, x) for (p, x), d in zip(leaves, lead) if d and d[0] != b]
-    head = f"grad_accumulation={M} cuts the batch (the last argument, {name}) along its leaves' leading dim"
+    head = (
+        f"grad_accumulation={M} cuts the batch ({name}, the last argument but PRNG keys) "
+        "along its leaves' leading dim"
+    )
     if b is None:
         what = ", ".join(described(p, x) for p, x in leaves[:3]) or "no arrays"
         return (
@@ -92,25 +95,46 @@ def batch_problem(batch: Any, microbatches: int, name: str = "batch") -> str | N
     return None
 
 
+def is_key(x: Any) -> bool:
+    """A PRNG key: a typed key array, or a raw `uint32[2]` one (`jax.random.PRNGKey`)."""
+    dtype, shape = getattr(x, "dtype", None), tuple(getattr(x, "shape", (None,)))
+    if dtype is None:
+        return False
+    return jnp.issubdtype(dtype, jax.dtypes.prng_key) or (dtype == jnp.uint32 and shape == (2,))
+
+
+def batch_argument(args: Sequence[Any], static: Collection[int], n_keywords: int) -> int | None:
+    """The position of the batch: the last non-static positional argument that is not
+    PRNG keys alone (`transformers`' Flax scripts call `train_step(state, batch,
+    dropout_rng)`); None where there is no such argument."""
+    dyn = [i for i in range(len(args) - n_keywords) if i not in static]
+    for i in reversed(dyn):
+        leaves = jax.tree_util.tree_leaves(args[i])
+        if not leaves or not all(is_key(x) for x in leaves):
+            return i
+    return dyn[-1] if dyn else None
+
+
 def micro_batch_args(
     fn: Callable, args: Sequence[Any], static: Collection[int], n_keywords: int, M: int, name: str
 ) -> tuple[list, range]:
-    """The call's arguments with its batch (the last non-static positional argument)
-    as one micro-batch's abstract arrays, its leaves cut to `1/M` along their leading
-    dim, and the positions of the batch's leaves among the flat inputs. Raises
-    MicrobatchError, naming the leaves at fault, where the batch does not cut so."""
-    dyn = [i for i in range(len(args) - n_keywords) if i not in static]
-    if not dyn:
+    """The call's arguments with its batch (`batch_argument`) as one micro-batch's
+    abstract arrays, its leaves cut to `1/M` along their leading dim, and the positions
+    of the batch's leaves among the flat inputs. Raises MicrobatchError, naming the
+    leaves at fault, where the batch does not cut so."""
+    at = batch_argument(args, static, n_keywords)
+    if at is None:
         raise MicrobatchError(f"{name}: grad_accumulation needs a batch argument")
-    leaves = [jax.tree_util.tree_leaves(args[i]) for i in dyn]
-    first, batch = sum(len(x) for x in leaves[:-1]), leaves[-1]
-    why = batch_problem(args[dyn[-1]], M, arg_names(fn, dyn[-1] + 1)[dyn[-1]])
+    dyn = [i for i in range(len(args) - n_keywords) if i not in static]
+    first = sum(len(jax.tree_util.tree_leaves(args[i])) for i in dyn if i < at)
+    batch = jax.tree_util.tree_leaves(args[at])
+    why = batch_problem(args[at], M, arg_names(fn, at + 1)[at])
     if why:
         raise MicrobatchError(f"{name}: {why}")
     b = batch[0].shape[0]
     margs = list(args)
     cut_one = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype, weak_type=x.weak_type)  # noqa: E731
-    margs[dyn[-1]] = jax.tree_util.tree_map(cut_one, abstractify_tree(args[dyn[-1]]))
+    margs[at] = jax.tree_util.tree_map(cut_one, abstractify_tree(args[at]))
     return margs, range(first, first + len(batch))
 
 
@@ -121,18 +145,20 @@ def batch_hint(
     argument is the batch, so the arguments before it that look like part of the batch
     (arrays whose leading dim is the batch's) are named, with how to pass them."""
     dyn = [i for i in range(len(args) - n_keywords) if i not in static]
+    at = batch_argument(args, static, n_keywords)
     names = arg_names(fn, dyn[-1] + 1)
-    b = jax.tree_util.tree_leaves(args[dyn[-1]])[0].shape[0]
+    b = jax.tree_util.tree_leaves(args[at])[0].shape[0]
     shapes = {
         names[i]: leaves[0].shape
-        for i in dyn[:-1]
+        for i in dyn
+        if i != at
         for leaves in [jax.tree_util.tree_leaves(args[i])]
         if len(leaves) == 1 and getattr(leaves[0], "ndim", 0) >= 1 and leaves[0].shape[0] == b
     }
-    last = names[dyn[-1]]
+    which = "the last positional argument" if at == dyn[-1] else "the last but PRNG keys"
     head = (
-        f"grad_accumulation={M} cuts the batch, the last positional argument "
-        f"({last}), into {M} micro-batches of {b // M}"
+        f"grad_accumulation={M} cuts the batch, {which} ({names[at]}), into {M} "
+        f"micro-batches of {b // M}"
     )
     if not shapes:
         return head + "; the step must run on a micro-batch of that size"
@@ -140,7 +166,7 @@ def batch_hint(
     return (
         f"{head}, but {listed} before it also has the batch's leading dim {b} and was not "
         f"cut: pass the whole batch as the last argument, e.g. f(..., ({', '.join(shapes)}, "
-        f"{last}))"
+        f"{names[at]}))"
     )
 
 
