@@ -402,6 +402,9 @@ class Program:
         self.slot_names, self.trees, self.graph = list(slot_names), trees, graph
         self.keywords = tuple(slot_names[n_pos:])
         self.out_tree: _Tree | None = None  # recorded while tracing
+        # where the function adds or removes Variables (`sow`, `nnx.pop`): the new
+        # state's abstract template and the paths it removed, recorded while tracing
+        self.reshaped: tuple[Any, tuple] | None = None
         # what `ir.capture` reads: the parameter names and the user's function's name
         kind = inspect.Parameter
         params = [
@@ -432,12 +435,17 @@ class Program:
             return out_pure
         from flax import nnx
 
-        new = nnx.to_pure_dict(nnx.state(merged))
+        state = nnx.state(merged)
+        new = nnx.to_pure_dict(state)
+        self.reshaped = None
         if jax.tree_util.tree_structure(new) != self.graph.structure:
-            raise AutoparError(
-                f"{self.name}: the function changed the structure of the NNX state of its "
-                "arguments (added or removed a Variable); autopar writes back values only: "
-                "create every Variable before the call"
+            # Variables added (`sow`) or removed (`nnx.pop`): written back as `nnx.jit`
+            # does, the new ones added to the caller's nodes, the removed ones popped
+            before = {p for p, _ in nnx.to_flat_state(self.graph.template)}
+            after = {p for p, _ in nnx.to_flat_state(state)}
+            self.reshaped = (
+                jax.tree_util.tree_map(abstractify, state),
+                tuple(sorted(before - after, key=str)),
             )
         return out_pure, new
 
@@ -448,7 +456,14 @@ class Program:
             from flax import nnx
 
             outs, new = outs
-            state = nnx.state(nodes)
+            if self.reshaped is None:
+                state = nnx.state(nodes)
+            else:
+                template, removed = self.reshaped
+                state = jax.tree_util.tree_map(lambda x: x, template)  # fresh Variables
+                if removed:
+                    gone = set(removed)
+                    nnx.pop(nodes, lambda path, _: tuple(path) in gone)
             nnx.replace_by_pure_dict(state, new)
             nnx.update(nodes, state)
         tree = self.out_tree

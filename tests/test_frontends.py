@@ -95,6 +95,56 @@ def test_nnx_idiomatic_step_matches_nnx_jit():
     assert _sharded(step.plan(model, optimizer, *_batch(0)))
 
 
+class _Sowing(nnx.Module):
+    """A layer that sows an aux loss, as NNX MoE code does."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(DIN, DIN, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.lin(x)
+        self.sow(nnx.Intermediate, "aux_loss", jnp.mean(y**2))
+        return y
+
+
+def _sown_then_popped(wrap) -> tuple:
+    """An eval that leaves the sown Variable on the model, then a train step (which pops
+    it) on a model that sowed in an eager call: what each leaves on the module."""
+    x = _batch(0)[0]
+
+    def evaluate(model, x):
+        return model(x).sum()
+
+    def train(model, opt, x):
+        def loss_fn(m):
+            y = m(x)
+            return jnp.mean(y) + 0.01 * sum(jax.tree.leaves(nnx.pop(m, nnx.Intermediate)))
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    model = _Sowing(nnx.Rngs(0))
+    out = wrap(evaluate)(model, x)
+    sown = nnx.state(model, nnx.Intermediate)
+    model2 = _Sowing(nnx.Rngs(1))
+    model2(x)  # an eager call leaves its aux loss on the module
+    opt = nnx.Optimizer(model2, optax.sgd(0.1), wrt=nnx.Param)
+    loss = wrap(train)(model2, opt, x)
+    return out, sown, loss, nnx.state(model2, nnx.Intermediate), nnx.state(model2, nnx.Param)
+
+
+def test_variables_a_step_adds_or_pops_are_written_back_as_nnx_jit_does():
+    """A function that sows (adds an `Intermediate`) or pops one changes the structure
+    of the module's state: autopar refused both ("create every Variable before the
+    call"); now the new Variable is added to the caller's module and the popped one
+    removed, with the values `nnx.jit` gives."""
+    want = _sown_then_popped(nnx.jit)
+    got = _sown_then_popped(lambda f: autopar.parallelize(f, mesh=MESH))
+    assert "aux_loss" in got[1] and not got[3]  # added by the eval, popped by the step
+    assert_trees_close(got, want)
+
+
 def test_nnx_jit_and_jax_jit_wrapped_steps():
     ref_losses, ref_params, *_ = _nnx_run(nnx.jit)
     losses, params, step, *_ = _nnx_run(
