@@ -41,7 +41,7 @@ from autopar.errors import (
     did_you_mean,
     user_level,
 )
-from autopar.frontends import Bound, bind, check_static_argnames, unwrap
+from autopar.frontends import Bound, bind, check_static_argnames, is_graph_node, unwrap
 from autopar.ir.capture import abstractify_tree, fn_name, leaf_signature
 from autopar.lower.rolled import RolledIO, abstract_inputs
 from autopar.meshes import MeshLike, make_mesh, pipeline_meshes, resolve, staged_meshes
@@ -119,6 +119,33 @@ class Parallelized:
         c = self._get(call, bound)
         flat = abstract_inputs(c.roll, call.flat) if c.roll else call.flat
         return lowered(c.jitted, flat, c.plan, c.mesh)
+
+    def unstaged(self, tree: Any) -> Any:
+        """`tree` with every array a pipeline left on its stage's devices (a leaf of a
+        layer unrolled in Python, on the stage's sub-mesh) copied onto the whole mesh,
+        its spec kept (replicated over the stage axis), for functions other than this
+        one (an `nnx.jit` or eager evaluation of the trained model, which raises JAX's
+        "incompatible devices" on such leaves). NNX modules and optimizers in `tree` are
+        updated in place and returned; other leaves come back as they are."""
+        full = self.mesh
+        if isinstance(full, AbstractMesh):
+            raise MeshError(f"{fn_name(self.fn)}: unstaged() needs a mesh of real devices")
+
+        def place(x):
+            sharding = getattr(x, "sharding", None)
+            if not isinstance(sharding, NamedSharding) or sharding.mesh.size == full.size:
+                return x
+            return jax.device_put(x, NamedSharding(full, sharding.spec))
+
+        def one(node):
+            if is_graph_node(node):
+                from flax import nnx
+
+                nnx.update(node, jax.tree_util.tree_map(place, nnx.state(node)))
+                return node
+            return place(node)
+
+        return jax.tree_util.tree_map(one, tree, is_leaf=is_graph_node)
 
     def __call__(self, *args, **kwargs):
         call, bound = self._bind(args, kwargs)

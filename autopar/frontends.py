@@ -128,7 +128,7 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _is_graph_node(x: Any) -> bool:
+def is_graph_node(x: Any) -> bool:
     nnx_graph = sys.modules.get("flax.nnx.graph")
     return nnx_graph is not None and not _is_array(x) and nnx_graph.is_graph_node(x)
 
@@ -137,8 +137,8 @@ def graph_nodes(tree: Any) -> list:
     """The NNX graph nodes (modules, optimizers) among `tree`'s leaves, each once, in
     order: what a step may update in place."""
     seen: dict[int, Any] = {}
-    for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_graph_node):
-        if _is_graph_node(x):
+    for x in jax.tree_util.tree_leaves(tree, is_leaf=is_graph_node):
+        if is_graph_node(x):
             seen.setdefault(id(x), x)
     return list(seen.values())
 
@@ -149,7 +149,7 @@ def _is_eqx_module(x: Any) -> bool:
 
 
 def _is_node(x: Any) -> bool:
-    return _is_graph_node(x) or _is_eqx_module(x)
+    return is_graph_node(x) or _is_eqx_module(x)
 
 
 def _hashable(x: Any) -> Any:
@@ -271,8 +271,8 @@ def bind(
         if i in static_pos or slot in names:
             static.append(i)
         elif (i >= n_pos or slot in kwargs) and not any(
-            _is_array(x) or _is_graph_node(x)
-            for x in jax.tree_util.tree_leaves(v, is_leaf=_is_graph_node)
+            _is_array(x) or is_graph_node(x)
+            for x in jax.tree_util.tree_leaves(v, is_leaf=is_graph_node)
         ):
             static.append(i)  # a keyword argument without arrays: static, as jax.jit's defaults
     # graph nodes and Equinox modules, in every dynamic slot
@@ -341,7 +341,7 @@ def _split_slot(value: Any, nodes: list, filtered: bool) -> tuple[Any, _Tree | N
         return value, None
     out, descs = [], []
     for t in tops:
-        if _is_graph_node(t):
+        if is_graph_node(t):
             descs.append(("nnx", len(nodes)))
             nodes.append(t)
             out.append(None)
@@ -517,7 +517,7 @@ def _split_out(out: Any, merged: tuple) -> tuple[Any, _Tree | None]:
         if k is not None:
             descs.append(("nnx", k))
             pure.append(None)
-        elif _is_graph_node(t):
+        elif is_graph_node(t):
             from flax import nnx
 
             graphdef, state = nnx.split(t)

@@ -724,6 +724,15 @@ def test_nnx_list_of_blocks_pipelines_like_nnx_jit():
         assert _on_stage(w, layer // 2, f.mesh)
         assert _on_stage(mu[layer]["up"]["kernel"][...], layer // 2, f.mesh)
         assert _on_stage(model.blocks[layer].drop.rngs.key[...], layer // 2, f.mesh)
+    # evaluating the trained model with another function: its layers' leaves sit on
+    # their stages' sub-meshes, which `nnx.jit` refuses; `unstaged` puts them on the mesh
+    evaluate = nnx.jit(lambda m, ids: _loss(m(ids), ids))
+    with pytest.raises(ValueError, match="incompatible devices"):
+        evaluate(model, _batch(5))
+    assert f.unstaged(model) is model
+    assert _on_stage(model.blocks[0].up.kernel[...], 0, f.mesh) is False
+    assert_trees_close(evaluate(model, _batch(5)), evaluate(ref_model, _batch(5)), what="eval")
+    f(model, opt, _batch(3))  # and training goes on from the whole mesh
 
 
 @pytest.mark.slow  # 24 s; test_stacks pins the blocks the roll needs for 1F1B
