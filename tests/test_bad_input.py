@@ -77,6 +77,22 @@ def test_batch_no_axis_divides(mesh):
     assert out.shape == (7, 512)
 
 
+def test_the_data_engine_with_a_batch_no_axis_divides_says_it_runs_replicated():
+    """engine="data" on a conv with batch 12 over 8 devices splits nothing: it warns,
+    where it said so only in the summary's `work:` line."""
+
+    def conv(w, x):
+        dims = ("NHWC", "HWIO", "NHWC")
+        return jnp.tanh(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dims))
+
+    w, x = _values((3, 3, 16, 16)), _values((12, 8, 8, 16))
+    step = autopar.parallelize(conv, mesh={"data": 8}, engine="data")
+    with pytest.warns(UserWarning, match=r"engine='data' found no batch dim .* 100% of"):
+        plan = step.plan(w, x)
+    assert any(w.startswith("engine='data' found no batch dim") for w in plan.warnings)
+    assert_trees_close(step(w, x), jax.jit(conv)(w, x))
+
+
 def test_no_dim_divides_runs_replicated():
     """Nothing divides by 8: the step runs whole on every device, and says so (a
     `UserWarning` and the plan's one warning)."""

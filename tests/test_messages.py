@@ -242,6 +242,11 @@ def test_notes_print_as_notes_and_warnings_as_warnings():
     note = "remat='auto' tried remat=none: 1 ms"
     warn = "unsupported primitive 'foo' at model.py:3 runs replicated"
     assert is_note(note) and not is_note(warn)
+    # the interleaved tries a lock-step pipeline of unrolled layers also gets (unasked)
+    assert is_note(
+        "interleaved 1F1B, 2 virtual stages (the layers' leaves kept in chunk order), "
+        "searched as it runs too: 0.1177 ms"
+    )
     text = replace(plan, warnings=(note, warn)).summary()
     assert f"\n  note: {note}\n  warning: {warn}" in text
 

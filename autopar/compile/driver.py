@@ -515,7 +515,9 @@ class _Driver(Realizing, PipelineTries):
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
                 stacks = self._stacks(graph) if rolled else []
-                for why in plan_warnings(graph, plan, o.grad_accumulation, pipelined, mesh, stacks):
+                for why in plan_warnings(
+                    graph, plan, o.grad_accumulation, pipelined, mesh, stacks, o.engine
+                ):
                     warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                     plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers

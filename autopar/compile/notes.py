@@ -45,12 +45,12 @@ def unpipelined_stacks(stacks, rolled) -> str | None:
     )
 
 
-def plan_warnings(graph, plan, microbatches, pipelined, mesh, stacks) -> list[str]:
+def plan_warnings(graph, plan, microbatches, pipelined, mesh, stacks, engine="auto") -> list[str]:
     """What a plan warns of, beyond its search's notes: micro-batches too small to split
     (`grad_accumulation`), and a pipeline's random draws, unbranched schedule, fallback
     to GPipe, unpipelined stacks and layers outside its stages (`stacks`: the step's
     stacks unrolled in Python, where it rolled one)."""
-    whys = [replicated_microbatches(graph, plan, microbatches)]
+    whys = [replicated_microbatches(graph, plan, microbatches), replicated_data(plan, engine)]
     if pipelined is not None:
         rolled = pipelined.roll
         whys += [
@@ -61,6 +61,24 @@ def plan_warnings(graph, plan, microbatches, pipelined, mesh, stacks) -> list[st
             rolled and outside_layers(stacks, rolled, pipelined.pipe.stages),
         ]
     return [w for w in whys if w]
+
+
+def replicated_data(plan, engine: str) -> str | None:
+    """engine="data" asked for, that could split no batch over the mesh: the plan runs
+    (mostly) replicated, which only the summary's `work:` line said (where nothing at
+    all divides, the search's own warning says so)."""
+    share = plan.replicated_share()
+    if engine != "data" or share is None or share <= 0.5:
+        return None
+    if any(w.startswith("nothing in ") for w in plan.warnings):
+        return None
+    sizes = dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
+    return (
+        f"engine='data' found no batch dim that divides over the mesh {sizes}: "
+        f"{100 * share:.0f}% of the step's compute runs replicated (whole on every "
+        "device); a batch the data axes divide, or engine='auto' (which may split the "
+        "weights instead), shards it"
+    )
 
 
 def replicated_microbatches(graph, plan, microbatches: int | None) -> str | None:

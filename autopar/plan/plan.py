@@ -31,7 +31,7 @@ _NOTE_RE = re.compile(
     r"^(mixed precision: |remat \(\w+\): (the backward loop|layer stack)|remat='auto' tried|"
     r"layer stack: |mesh-shape search over |"
     r"\{[^}]*\}[^:]*: \S+ ms as priced with its layers in one loop|"
-    r"pipeline_stages='auto' tried|partial reuse of a plan|"
+    r"pipeline_stages='auto' tried|partial reuse of a plan|interleaved 1F1B, \d+ virtual stages|"
     r"\d+ of \d+ \(mesh, micro-batch count\) tries not searched)"
 )
 
