@@ -533,7 +533,9 @@ def test_a_loop_that_mixes_the_batch_is_refused():
     w = jax.ShapeDtypeStruct((4, 16, 16), jnp.float32)
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
     par = autopar.parallelize(step, mesh=MESH, cluster=CLUSTER, pipeline_stages=2, microbatches=2)
-    with pytest.raises(PipelineError, match="mixes the batch"):
+    # named with the reduction that made the statistic (it showed `R+P[mb]` specs)
+    with pytest.raises(PipelineError, match=r"mixes the batch's examples \(.*a sum over the "
+                       r"examples from reduce_sum at test_pipeline.py"):  # fmt: skip
         par.plan(w, x)
     # on every shape of `mesh=8` and at every micro-batch count alike: said once (a
     # trial's BatchNorm ResNet repeated the sentence for 2 shapes x 4 counts)

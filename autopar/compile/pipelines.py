@@ -316,7 +316,7 @@ class PipelineTries:
                     f"no scan's length ({loops}) is a multiple of {S}"
                     if loops
                     else "; ".join(
-                        f"the {len(s.forward)} layers of {s.template} (unrolled in Python) do not "
+                        f"{s.named()} (unrolled in Python) do not "
                         + (
                             f"split into {S} stages x {virtual} chunks (interleaved: each "
                             "chunk needs as many layers; pick virtual_stages dividing the "
@@ -432,7 +432,7 @@ class PipelineTries:
             full_node, micro_node = graph.nodes[i], micro.nodes[j]
             loop = f"the scan at {full_node.key}"
             if rolled is not None:  # the user wrote layers, not a loop: name them
-                loop = f"the {rolled.layers} layers of {rolled.template} (unrolled in Python)"
+                loop = f"{rolled.named()} (unrolled in Python)"
             labels = _applies(scan_labels, full_node, micro_node, pipe.microbatches, loop)
             if isinstance(labels, Infeasible):
                 return labels

@@ -41,7 +41,7 @@ from autopar.errors import MicrobatchError
 from autopar.ir.capture import abstract_value, abstractify_tree, arg_names, capture
 from autopar.ir.eval import bind_marked, relined, run_nodes
 from autopar.ir.graph import Graph, Node
-from autopar.passes.microbatch import cut, separate, split_spec, uncut
+from autopar.passes.microbatch import cut, mixing, separate, split_spec, uncut
 from autopar.sharding import Spec
 
 SCOPE = "grad_accumulation"  # name scope of the loop, how the search recognizes it
@@ -248,10 +248,13 @@ def accumulate(
         out_tree=graph.out_tree,
         name=graph.name,
     )
-    return new, _notes(graph, new, first_bad, M)
+    why = f" ({mixing(graph, have, first_bad)})" if first_bad is not None else ""
+    return new, _notes(graph, new, first_bad, M, why)
 
 
-def _notes(graph: Graph, new: Graph, first_bad: Node | None, M: int) -> tuple[str, ...]:
+def _notes(
+    graph: Graph, new: Graph, first_bad: Node | None, M: int, why: str = ""
+) -> tuple[str, ...]:
     """What the plan should say of the loop: how little of the step's work it holds
     when something before the optimizer needs the whole batch (batch statistics), and
     that its random draws are the micro-batches' own."""
@@ -260,7 +263,7 @@ def _notes(graph: Graph, new: Graph, first_bad: Node | None, M: int) -> tuple[st
     total = sum(node_flops(n, graph) for n in graph.nodes)
     notes = []
     if total and inside < 0.5 * total:
-        cause = f" from {first_bad.op} at {first_bad.key}" if first_bad is not None else ""
+        cause = f" from {first_bad.op} at {first_bad.key}{why}" if first_bad is not None else ""
         notes.append(
             f"gradient accumulation: only {inside / total:.0%} of the step's FLOPs run "
             f"micro-batch by micro-batch; the rest needs the whole batch{cause} (batch "

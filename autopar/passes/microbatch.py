@@ -123,6 +123,34 @@ def separate(
     return have, first_bad
 
 
+def mixing(graph: Graph, have: dict[int, Spec], node: Node) -> str:
+    """Why `node` (the first that `separate` could not run per micro-batch) needs the
+    whole batch, in words: each operand that is a sum over the batch's examples named
+    by the reduction that made it (following the ops that carry the pending sum back
+    to the one that started it: `mask.sum()`, a mean over tokens), the others by how
+    they stand."""
+    parts = []
+    for v in node.inputs:
+        spec, t = have.get(v), graph.values[v]
+        if spec is None:
+            parts.append(f"{t} (itself made from the whole batch)")
+        elif spec.partial:
+            at = graph.producer.get(v)
+            while at is not None:
+                ins = graph.nodes[at].inputs
+                up = next((x for x in ins if x in have and have[x].partial), None)
+                if up is None or graph.producer.get(up) is None:
+                    break
+                at = graph.producer[up]
+            made = f" from {graph.nodes[at].op} at {graph.nodes[at].key}" if at is not None else ""
+            parts.append(f"{t}, a sum over the examples{made}")
+        elif spec.used_axes:
+            parts.append(f"{t}, per example")
+        else:
+            parts.append(f"{t}, the same for every example")
+    return "; ".join(parts)
+
+
 def batch_operands(graph: Graph, node: Node, out: int) -> tuple[int, ...]:
     """The positions of `node`'s operands whose leading dim is the leading dim of its
     output `out`, by the strategy registry (a strategy that splits that output's dim 0

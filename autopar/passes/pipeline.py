@@ -37,7 +37,14 @@ import jax
 
 from autopar.errors import MicrobatchError, PipelineError
 from autopar.ir.graph import Graph, Node, TensorType
-from autopar.passes.microbatch import batch_operands, fits, separate, split_spec, sum_spec
+from autopar.passes.microbatch import (
+    batch_operands,
+    fits,
+    mixing,
+    separate,
+    split_spec,
+    sum_spec,
+)
 from autopar.sharding import MeshInfo, Spec
 
 SUM = "sum"
@@ -355,11 +362,11 @@ def _check_separable(
         body, [spec(v, lab) for v, lab in zip(body.inputs, ins)], microbatches, micro_body
     )
     if bad is not None:
-        shown = ", ".join(f"{body.values[v]} {have.get(v, '?')}" for v in bad.inputs)
         raise PipelineError(
             f"{loop} cannot run micro-batch by micro-batch: its body's "
-            f"{bad.op} at {bad.key} mixes the batch ({shown}); pipelining needs a loop "
-            "whose steps treat every example separately (no batch statistics inside)"
+            f"{bad.op} at {bad.key} mixes the batch's examples ({mixing(body, have, bad)}); "
+            "pipelining needs a loop whose steps treat every example separately (no batch "
+            "statistics inside, such as a load-balancing loss over the tokens)"
         )
     for v, lab in zip(body.outputs, outs):
         want = spec(v, lab)

@@ -87,7 +87,7 @@ class _Rolling:
         L = len(fwd)
         if S < 2 or L % S:
             raise PipelineError(
-                f"the {L} layers of {stack.template} (unrolled in Python) do not split into "
+                f"{stack.named()} (unrolled in Python) do not split into "
                 f"{S} equal stages; pick pipeline_stages that divides {L}"
             )
         self.g, self.stack, self.S, self.k = g, stack, S, L // S

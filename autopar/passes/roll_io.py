@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.ir.graph import Graph
-from autopar.passes.stacks import LayerStack, indexed_names
+from autopar.passes.stacks import LayerStack, indexed_names, units_named
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,10 @@ class Roll:
         if self.period > 1:
             out["period"] = self.period
         return out
+
+    def named(self) -> str:
+        """`the 8 layers of T`, or `the 4 units of 2 layers of T`."""
+        return units_named(self.layers, self.period, self.template)
 
     def donated(self, donate: Sequence[int]) -> tuple[int, ...]:
         """The rolled inputs all of whose leaves the user donates."""

@@ -39,7 +39,7 @@ from autopar.ir.graph import BACKWARD, FORWARD, OTHER, Graph, phases, signature
 from autopar.passes.stack_candidates import Layer, candidates, indexed_names, runs_of
 from autopar.passes.stack_pad import Pad, first_layer_pads
 
-__all__ = ["Block", "LayerStack", "find_stacks", "indexed_names", "signature"]
+__all__ = ["Block", "LayerStack", "find_stacks", "indexed_names", "signature", "units_named"]
 
 _FWD, _BWD, _OTHER = FORWARD, BACKWARD, OTHER
 
@@ -83,6 +83,10 @@ class LayerStack:
     # layers a unit: the stack's "layers" are units of `period` consecutive layers of the
     # template where its layers alternate between kinds (`Block.index` is a unit's first)
     period: int = 1
+
+    def named(self) -> str:
+        """`the 8 layers of T`, or `the 4 units of 2 layers of T` (`period`)."""
+        return units_named(len(self.forward), self.period, self.template)
 
     def members(self, block: Block) -> range:
         """The template's layer indices that `block` (one unit) holds."""
@@ -147,6 +151,13 @@ class LayerStack:
             f"layer {', '.join(map(str, self.left_out))} left out: its forward ops are the "
             f"others' but its backward ops differ, {BACKWARD_DIFFERS}"
         )
+
+
+def units_named(n: int, period: int, template: str) -> str:
+    """`the 8 layers of T`, or, where the stack's layers are units of `period`
+    consecutive ones, `the 4 units of 2 layers of T`."""
+    unit = f"units of {period} layers" if period > 1 else "layers"
+    return f"the {n} {unit} of {template}"
 
 
 # why a layer's backward ops differ from its stack's when its forward ops do not
