@@ -298,8 +298,11 @@ class _Stack:
         layer adds to a sum the loss reads) is its layer's tail, and its results are not
         counted live; nor are those of the ops that add them up across layers (in none)."""
         last: dict[int, int] = {}
-        for nd in order:
-            last.update((x, nd.id) for x in nd.inputs)
+        for nd in order:  # a value's last reader, sums across layers aside: the first
+            # backward layer's share of a shared value's gradient (T5's position bias)
+            # waits for the next layer's share, but is no live value of the gap
+            if nd.id not in self.acc:
+                last.update((x, nd.id) for x in nd.inputs)
         cons, first = self.cons, 0 if step > 0 else self.n - 1
         side, across = self._side(order, lab, core, step)
 
@@ -312,7 +315,7 @@ class _Stack:
         cut: dict[int, int] = {}
         for nd in order:
             for x in nd.inputs:
-                if last[x] == nd.id:
+                if last.get(x) == nd.id:
                     live.discard(x)
             b = lab.get(nd.id)
             outs = [y for y in nd.outputs if last.get(y, -1) > nd.id and set(cons[y]) - self.acc]
