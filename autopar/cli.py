@@ -98,10 +98,14 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def parse_argnums(text: str) -> tuple[int, ...]:
-    """`0` or `0,2` -> (0,) / (0, 2)."""
+    """`0` or `0,2` -> (0,) / (0, 2); `none` -> ()."""
+    if text.strip().lower() == "none":
+        return ()
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts or not all(p.isdigit() for p in parts):
-        raise UsageError(f"--donate {text!r}: positional argument numbers, e.g. 0 or 0,1")
+        raise UsageError(
+            f"--donate {text!r}: positional argument numbers, e.g. 0 or 0,1 (none: no donation)"
+        )
     return tuple(int(p) for p in parts)
 
 
@@ -209,7 +213,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="I,J",
         help="positional arguments the step donates (as donate_argnums=; the train state "
         "of a training loop: its update then needs no second copy), in place of the "
-        "Workload's donate_argnums",
+        "Workload's donate_argnums; none: nothing donated",
     )
     s.add_argument(
         "--out", "-o", default=DEFAULT_OUT, help=f"plan file to write (default: {DEFAULT_OUT})"
@@ -427,7 +431,6 @@ def cmd_search(args) -> int:
     print(
         f"{wl.name or args.target}: {len(plan.inputs)} inputs, {len(plan.ops)} ops; "
         f"traced and searched in {seconds:.1f} s on {where}"
-        + (f"; arguments {', '.join(map(str, donate))} donated" if donate else "")
     )
     print(f"plan written to {args.out}")
     return 0

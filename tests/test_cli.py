@@ -444,6 +444,21 @@ def test_verify_compiles_and_compares(plans):
     assert re.search(r"compiled\s+\S+ \S+ = arguments", out), out
 
 
+def test_verify_compiles_with_the_donation_the_plan_was_searched_with(tmp_path):
+    """A plan searched with `--donate` other than the workload's (here none, and the
+    workload's own argument 0) did not record it, and `verify` compiled every plan with
+    the workload's donation: a false overshoot against a peak priced without buffers
+    reused, or the reverse; it now donates as the plan says."""
+    aliased = []
+    for donate in ("none", "0"):
+        path = str(tmp_path / f"p{donate}.json")
+        ok(run("search", MLP, "--mesh", "data=8", "--engine", "dp", "--donate", donate,
+               "--out", path))  # fmt: skip
+        out = ok(run("verify", path, MLP))
+        aliased.append(re.search(r"aliased \(donated\) (\S+ \S+)", out).group(1))
+    assert aliased[0] != aliased[1], aliased
+
+
 NNX_WORKLOAD = """
 import jax, optax
 from flax import nnx
@@ -481,6 +496,18 @@ def test_verify_numerics_of_an_nnx_step_compares_the_state_it_writes_back(tmp_pa
     out = ok(run("verify", plan, target, "--numerics"))
     got = re.search(r"all (\d+) outputs and state arrays written back: .*: MATCH", out)
     assert got and int(got.group(1)) > 8, out  # the loss, the 4 weights, Adam's moments
+
+
+@pytest.mark.parametrize("option", [["--remat", "full"], ["--precision", "bf16"]])
+def test_explain_with_target_rewrites_the_step_as_its_plan_says(tmp_path, option):
+    """A plan searched with remat or mixed precision holds the rewritten step's ops:
+    `explain --target` traced the step bare and refused it as "a different function"."""
+    plan = str(tmp_path / "p.json")
+    ok(run("search", GPT, "--mesh", "data=2,model=2", "--engine", "recursive", *option,
+           "--out", plan))  # fmt: skip
+    key = next(o.key for o in autopar.Plan.load(plan).ops if o.op == "dot_general")
+    out = ok(run("explain", plan, key, "--target", GPT))
+    assert re.search(r"(\d+) strategies, priced", out) and "<- chosen" in out, out
 
 
 def test_explain_with_target_traces_an_nnx_step_as_parallelize_does(tmp_path):
@@ -733,8 +760,9 @@ def test_search_donates_what_donate_names(tmp_path):
     out = ok(
         run("search", MLP, "--mesh", "data=8", "--engine", "dp", "--donate", "0,1", "--out", path)
     )
-    assert "; arguments 0, 1 donated" in out, out
+    assert "; argument 0, 1 donated" in out, out
+    assert autopar.Plan.load(path).donate_argnums == (0, 1)  # recorded, for `verify`
     out = ok(run("search", MLP, "--mesh", "data=8", "--engine", "dp", "--out", path))
-    assert "; arguments 0 donated" in out, out  # the Workload's own
+    assert "; argument 0 donated" in out, out  # the Workload's own
     bad = run("search", MLP, "--mesh", "data=8", "--donate", "first", "--out", path)
     assert bad.returncode == 2 and "--donate 'first'" in bad.stderr, bad.stderr

@@ -510,14 +510,13 @@ class _Driver(Realizing, PipelineTries):
                     remat=self.remat_policy if self.remat_policy != "none" else None,
                     remat_layers=self.remat_layers if self.remat_policy else None,
                     memory_budget=o.memory_budget,
+                    donate_argnums=tuple(o.donate_argnums),
                     warnings=(*notes, *plan.warnings),
                 )
                 g, rolled = graph_of(graph, pipelined), roll_of(pipelined)
                 donate = rolled.donated(call.donate) if rolled else call.donate
                 stacks = self._stacks(graph) if rolled else []
-                for why in plan_warnings(
-                    graph, plan, o.grad_accumulation, pipelined, mesh, stacks, o.engine
-                ):
+                for why in plan_warnings(graph, plan, o, pipelined, mesh, stacks):
                     warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                     plan = replace(plan, warnings=(*plan.warnings, why))
                 if rolled is not None:  # remat ran on the rolled loops, not the layers

@@ -45,12 +45,15 @@ def unpipelined_stacks(stacks, rolled) -> str | None:
     )
 
 
-def plan_warnings(graph, plan, microbatches, pipelined, mesh, stacks, engine="auto") -> list[str]:
+def plan_warnings(graph, plan, options, pipelined, mesh, stacks) -> list[str]:
     """What a plan warns of, beyond its search's notes: micro-batches too small to split
     (`grad_accumulation`), and a pipeline's random draws, unbranched schedule, fallback
     to GPipe, unpipelined stacks and layers outside its stages (`stacks`: the step's
     stacks unrolled in Python, where it rolled one)."""
-    whys = [replicated_microbatches(graph, plan, microbatches), replicated_data(plan, engine)]
+    whys = [
+        replicated_microbatches(graph, plan, options.grad_accumulation),
+        replicated_data(plan, options.engine),
+    ]
     if pipelined is not None:
         rolled = pipelined.roll
         whys += [

@@ -107,6 +107,9 @@ class Plan:
     remat_layers: int | None = None
     # the per-device memory budget the plan was searched under (bytes)
     memory_budget: float | None = None
+    # the positional arguments the step donates (`donate_argnums`), whose buffers the
+    # predicted peak reuses for the results; None: not recorded (a file written before)
+    donate_argnums: tuple[int, ...] | None = None
     # where such a stack is rolled into a pipeline, `inputs` are the rolled program's
     # (a group per layer slot); these are the function's own leaves, each layer's on its
     # stage (`TensorRecord.stage`): what `in_specs` and `in_shardings` give
@@ -213,6 +216,8 @@ class Plan:
             d["remat_layers"] = self.remat_layers
         if self.memory_budget is not None:
             d["memory_budget"] = self.memory_budget
+        if self.donate_argnums is not None:
+            d["donate_argnums"] = list(self.donate_argnums)
         for key in ("user_inputs", "user_outputs"):
             if getattr(self, key) is not None:
                 d[key] = [r.to_json() for r in getattr(self, key)]
@@ -261,6 +266,9 @@ class Plan:
                 remat=d.get("remat"),
                 remat_layers=d.get("remat_layers"),
                 memory_budget=d.get("memory_budget"),
+                donate_argnums=(
+                    tuple(d["donate_argnums"]) if d.get("donate_argnums") is not None else None
+                ),
                 user_inputs=_records(d.get("user_inputs")),
                 user_outputs=_records(d.get("user_outputs")),
                 phases=d.get("phases"),
@@ -336,7 +344,13 @@ class Plan:
                 else ""
             ),
             f"  predicted step {c.step_s * 1e3:.3f} ms = compute {c.compute_s * 1e3:.3f} ms + comm {c.comm_s * 1e3:.3f} ms; "
-            f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)})",
+            f"peak memory {format_bytes(c.peak_memory_bytes)}/device (arguments {format_bytes(c.argument_bytes)}"
+            + (
+                f"; argument {', '.join(map(str, self.donate_argnums))} donated"
+                if self.donate_argnums
+                else ""
+            )
+            + ")",
         ]
         replicated = self.replicated_share()
         if replicated is not None and self.mesh.num_devices > 1:

@@ -44,21 +44,26 @@ def dp_starts(problem: Problem, g, pinned: Mapping[int, int], recipe: bool = Fal
     if recipe:
         plans.append((recipes.batch_wave, POLISH, recipes.DATA_GATHER_PENALTY))
     else:
-        mesh = problem.mesh
+        mesh, seen = problem.mesh, []
         for axis in (a for a, n in zip(mesh.axis_names, mesh.axis_sizes) if n > 1):
+            start = {**layouts.tensor_pins(problem, axis), **pinned}
+            if start in seen:  # the pins fix all this axis's layout would set (a loop
+                continue  # body's candidates with every argument pinned): the same start
+            seen.append(start)
             for engine in ("recursive", "propagate"):
-                plans.append((_tensor_start(axis, engine), ((30, 3), POLISH), 0.0))
+                plans.append((_tensor_start(start, engine), ((30, 3), POLISH), 0.0))
     return [(lambda f=f: g.lower_choice(f(problem, pinned), pinned), *r) for f, *r in plans]
 
 
-def _tensor_start(axis: str, engine: str) -> Callable[[Problem, Mapping[int, int]], list[int]]:
-    """A plan from Megatron's layout with `axis` as the tensor axis
-    (`layouts.tensor_pins`), under the user's pins: recursive's plan from those pins, or
-    (`engine` "propagate") the pins propagated and refined. The descent is free to move
-    every pin but the user's."""
+def _tensor_start(
+    start: Mapping[int, int], engine: str
+) -> Callable[[Problem, Mapping[int, int]], list[int]]:
+    """A plan from Megatron's layout with one mesh axis as the tensor axis
+    (`layouts.tensor_pins`) under the user's pins (`start`, the two merged): recursive's
+    plan from those pins, or (`engine` "propagate") the pins propagated and refined. The
+    descent is free to move every pin but the user's."""
 
     def plan(p: Problem, pins: Mapping[int, int]) -> list[int]:
-        start = {**layouts.tensor_pins(p, axis), **pins}
         if engine == "recursive":
             return engines.recursive(p, start)
         return engines.refine(p, engines.propagate(p, start), pins, 8)

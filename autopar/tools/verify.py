@@ -69,7 +69,10 @@ def verify(
         cluster=cost_models.ClusterProfile.from_dict(plan.cluster),
         plan=plan_path,
         static_argnums=wl.static_argnums,
-        donate_argnums=wl.donate_argnums,
+        # as the plan was searched (`autopar search --donate`), else as the workload says
+        donate_argnums=plan.donate_argnums
+        if plan.donate_argnums is not None
+        else wl.donate_argnums,
         allow_partial=allow_partial,
     )
     t0 = time.perf_counter()

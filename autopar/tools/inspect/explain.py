@@ -345,6 +345,7 @@ def rebuild_problem(
         in_specs=None,
     )
     graph = capture(bound.program, bound.args, bound.static, keywords=bound.program.keywords, **kw)
+    graph = _as_planned(plan, graph)
     bind_plan(plan, graph, plan.mesh, None)  # raises PlanError naming what differs
     profile = cost_models.ClusterProfile.from_dict(plan.cluster)
     problem = build_problem(graph, plan.mesh, CostModel(profile, plan.mesh))
@@ -352,6 +353,26 @@ def rebuild_problem(
     if code is not None:
         dirs = [*dirs, os.path.dirname(code.co_filename)]
     return problem, dirs
+
+
+def _as_planned(plan: Plan, graph):
+    """The traced step through the passes the plan records (mixed precision, remat) as
+    the search saw it; remat's data ordering where the compiler drops barriers (a plan
+    made on CPU devices) is tried where the plain rewrite does not match."""
+    from autopar.passes.precision import mixed_precision
+    from autopar.passes.remat import rematerialize
+    from autopar.plan.plan import fingerprint
+
+    if plan.precision is not None:
+        graph = mixed_precision(graph, plan.precision)
+    if plan.remat is None:
+        return graph
+    got = graph
+    for wait in (False, True):
+        got, _ = rematerialize(graph, plan.remat, plan.remat_layers, wait_for_gradients=wait)
+        if fingerprint(got) == plan.fingerprint:
+            break
+    return got
 
 
 def explain(
