@@ -166,7 +166,7 @@ def op_layer_names(problem: Problem) -> list[str]:
     its labelled neighbours, so the loss may join the last layer), named as its arrays'
     paths name it (`layers/3`), for a step whose ops name no layer (NNX modules and
     plain functions add no name scopes to the ops they trace); all "" otherwise."""
-    labels, names = layer_labels(problem), _names(problem)
+    labels, names = _label(problem, 0, alike=True), _names(problem)
     shown: dict[tuple[str, int], str] = {}
     for k in range(problem.num_inputs):
         if labels[k] is not None and labels[k] not in shown:
@@ -214,16 +214,21 @@ def layer_labels(problem: Problem) -> list[tuple[str, int] | None]:
 _GRAPH_LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _label(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
+def _label(problem: Problem, keep: int, alike: bool = False) -> list[tuple[str, int] | None]:
     """Each cost-graph node's layer (family, index), or None for global nodes; once per
-    graph and `keep`."""
+    graph, `keep` and `alike` (`_labelled`)."""
     per = _GRAPH_LABELS.setdefault(problem.graph, {})
-    if keep not in per:
-        per[keep] = _labelled(problem, keep)
-    return list(per[keep])
+    if (keep, alike) not in per:
+        per[keep, alike] = _labelled(problem, keep, alike)
+    return list(per[keep, alike])
 
 
-def _labelled(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
+def _labelled(problem: Problem, keep: int, alike: bool = False) -> list[tuple[str, int] | None]:
+    """Each node's (family, index): its name's outermost indexed segment of a family (a
+    base with enough indices), else its labelled neighbours' where they agree. `alike`:
+    a family whose arguments differ at every index is none (a plain function's
+    `(params, opt_state)` tuple, `state/0` and `state/1`, is no pair of layers), as
+    `op_layer_names` shows layers."""
     names = _names(problem)
     segs = [_segments(nm) for nm in names]
     indices: dict[str, set[int]] = {}
@@ -231,6 +236,8 @@ def _labelled(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
         for base, i in ss:
             indices.setdefault(base, set()).add(i)
     families = {b for b, ix in indices.items() if len(ix) >= 2 * _ends_kept(b, keep) + 2}
+    if alike:
+        families -= _unlike(problem, names)
     label: list[tuple[str, int] | None] = [
         next(((b, i) for b, i in ss if b in families), None) for ss in segs
     ]
@@ -262,6 +269,22 @@ def _labelled(problem: Problem, keep: int) -> list[tuple[str, int] | None]:
         for v in bad:
             label[v] = None
     return label
+
+
+def _unlike(problem: Problem, names: list[str]) -> set[str]:
+    """The bases of argument paths no two of whose indices hold the same leaves (the
+    paths below the indexed segment, with their shapes)."""
+    g, leaves = problem.graph, {}
+    for k in range(problem.num_inputs):
+        for (base, i), seg in _indexed(names[k]):
+            below = names[k].split(seg + "/", 1)[-1]
+            at = leaves.setdefault(base, {}).setdefault(i, set())
+            at.add((below, g.values[g.inputs[k]].shape))
+    return {
+        b
+        for b, per in leaves.items()
+        if max(Counter(frozenset(s) for s in per.values()).values()) < 2
+    }
 
 
 def find_layers(
