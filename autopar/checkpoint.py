@@ -230,16 +230,18 @@ def _leaves_and_targets(shardings, abstract_state):
     else:
         have = jax.tree_util.tree_structure(shardings, is_leaf=is_sharding)
         if have != tree:
+            keystr = jax.tree_util.keystr  # `[2]`, `[0]['embed']`: as the pytree indexes them
             a = [
-                _name(p)
+                keystr(p)
                 for p, _ in jax.tree_util.tree_flatten_with_path(shardings, is_leaf=is_sharding)[0]
             ]
-            b = [_name(p) for p, _ in leaves]
+            b = [keystr(p) for p, _ in leaves]
             only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
             raise CheckpointError(
                 "restore: the target shardings and abstract_state have different structures"
-                + (f": only the shardings have {_few(only_a)}" if only_a else "")
-                + (f"; only abstract_state has {_few(only_b)}" if only_b else "")
+                + (f": only the shardings have leaves {_few(only_a)}" if only_a else "")
+                + (f"; only abstract_state has leaves {_few(only_b)}" if only_b else "")
+                + f" ({len(a)} leaves against {len(b)})"
                 + (
                     " (an nnx.State names each array's Variable: give its pure dict, "
                     "nnx.to_pure_dict(state), or leave abstract_state out)"
