@@ -3,6 +3,7 @@ outputs, ops), as JSON-able data and as tables."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable
 
@@ -120,7 +121,7 @@ def diff_plans(a: Plan, b: Plan) -> dict:
             ops_changed.append(
                 {
                     "key": k,
-                    "layer": layer_of_op(k),
+                    "layer": x.layer or layer_of_op(k),
                     "op": x.op,
                     "source": x.source,
                     "a": x.strategy,
@@ -147,6 +148,39 @@ def diff_plans(a: Plan, b: Plan) -> dict:
             "only_b": [w for w in b.warnings if w not in a.warnings],
         },
     }
+
+
+_COUNTER = re.compile(r"#\d+")
+
+
+def _folded(rows: list[list[str]], layers: list[str]) -> tuple[list[list[str]], list[str]]:
+    """Rows grouped by layer (`layers`, parallel), a layer whose rows repeat those of a
+    layer shown before it (its own name aside) folded into that one, whose group says
+    so: a 32-layer model's diff listed every layer's identical changes (1,600 lines for
+    4 layers of a tiny Llama)."""
+    by: dict[str, list[list[str]]] = {}
+    for row, layer in zip(rows, layers):
+        by.setdefault(layer, []).append(row)
+    first: dict[tuple, str] = {}
+    alike: dict[str, list[str]] = {}
+    for layer, rs in by.items():
+        # its name and op counters aside (`dot_general#12` in layer 3 is layer 0's `#4`)
+        sig = tuple(tuple(_COUNTER.sub("#", c.replace(layer, "<layer>")) for c in r) for r in rs)
+        if layer and not layer.startswith("(") and sig in first:
+            alike[first[sig]].append(layer)
+        else:
+            first.setdefault(sig, layer)
+            alike[layer] = []
+    out_rows, groups = [], []
+    for layer, more in alike.items():
+        shown = f"{layer} (and {len(more)} alike: {_few(more)})" if more else layer
+        out_rows += by[layer]
+        groups += [shown] * len(by[layer])
+    return out_rows, groups
+
+
+def _few(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f", ... {names[-1]}" if len(names) > n else "")
 
 
 def render_diff(d: dict, name_a: str, name_b: str, fmt: str = "table") -> str:
@@ -185,21 +219,25 @@ def render_diff(d: dict, name_a: str, name_b: str, fmt: str = "table") -> str:
                 key=lambda c: (layer_order(c["layer"]), kind_order(c["path"]), c["path"]),
             ),
         }
+        rows, groups = _folded(
+            [
+                [
+                    c["path"],
+                    c["a"],
+                    c["b"],
+                    format_delta_bytes(c["b_local_bytes"] - c["a_local_bytes"]),
+                ]
+                for c in t["changed"]
+            ],
+            [c["layer"] for c in t["changed"]],
+        )
         tab = Table(
             f"{part}: {len(t['changed'])} changed",
             ["path", "a", "b", "per device"],
-            groups=[c["layer"] for c in t["changed"]],
+            groups=groups,
             right=(3,),
         )
-        tab.rows = [
-            [
-                c["path"],
-                c["a"],
-                c["b"],
-                format_delta_bytes(c["b_local_bytes"] - c["a_local_bytes"]),
-            ]
-            for c in t["changed"]
-        ]
+        tab.rows = rows
         tab.notes += [f"only in a: {p}" for p in t["only_a"]]
         tab.notes += [f"only in b: {p}" for p in t["only_b"]]
         tables.append(tab)
@@ -210,16 +248,20 @@ def render_diff(d: dict, name_a: str, name_b: str, fmt: str = "table") -> str:
         "changed": sorted(o["changed"], key=lambda c: (layer_order(c["layer"]), order[c["key"]])),
     }
     per_layer = Counter(c["layer"] for c in o["changed"])
+    rows, groups = _folded(
+        [
+            [c["key"], c["source"], c["a"], c["b"], format_delta_seconds(c["compute_delta_s"])]
+            for c in o["changed"]
+        ],
+        [c["layer"] for c in o["changed"]],
+    )
     tab = Table(
         f"ops: {len(o['changed'])} changed, {o['unchanged']} unchanged",
         ["key", "source", "a", "b", "compute delta"],
-        groups=[c["layer"] for c in o["changed"]],
+        groups=groups,
         right=(4,),
     )
-    tab.rows = [
-        [c["key"], c["source"], c["a"], c["b"], format_delta_seconds(c["compute_delta_s"])]
-        for c in o["changed"]
-    ]
+    tab.rows = rows
     if per_layer:
         tab.notes.append(
             "changed ops per layer: " + ", ".join(f"{k} {n}" for k, n in per_layer.items())
