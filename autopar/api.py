@@ -176,12 +176,8 @@ class Parallelized:
         # a Python scalar (flax TrainState's `step=0`) goes in as the array the step
         # returns for it, weakly typed and on the mesh: passed as it is, the next call's
         # array would miss jit's cache (a second trace and compile of the same program)
-        flat = [
-            jax.device_put(x, NamedSharding(c.mesh, PartitionSpec()))
-            if isinstance(x, int | float | complex)
-            else x
-            for x in flat
-        ]
+        put = lambda x: jax.device_put(x, NamedSharding(c.mesh, PartitionSpec()))  # noqa: E731
+        flat = [put(x) if isinstance(x, int | float | complex) else x for x in flat]
         if c.roll is not None:  # unrolled layers rolled into a pipeline: leaves to groups
             if c.io is None:
                 specs = [r.spec.to_pspec() for r in c.plan.inputs]

@@ -126,13 +126,14 @@ def outside_layers(stacks, rolled, stages: int) -> str | None:
     for s in stacks:
         r = len(s.forward) - rolled.layers
         if s.template == rolled.template and r > 0:
-            first = s.forward[0].index
+            first, last = s.forward[0].index, s.members(s.forward[r - 1])[-1]
             return (
-                f"layer{'s' * (r > 1)} {first}"
-                + (f"..{s.forward[r - 1].index}" if r > 1 else "")
-                + f" of {s.template} run{'s' * (r == 1)} outside the pipeline, before its "
-                f"first stage, as the step's other ops do (searched on the whole mesh): its "
-                f"{stages} equal stages take {rolled.layers} of the {len(s.forward)} layers"
+                f"layer{'s' * (last > first)} {first}"
+                + (f"..{last}" if last > first else "")
+                + f" of {s.template} run{'s' * (last == first)} outside the pipeline, before "
+                f"its first stage, as the step's other ops do (searched on the whole mesh): its "
+                f"{stages} equal stages take {rolled.layers} of the {len(s.forward)} "
+                + ("units" if s.period > 1 else "layers")
             )
     return None
 

@@ -122,16 +122,10 @@ def _units(idx: list[int], by_index: dict, sig, min_layers: int) -> list[tuple[i
             if sum(map(len, got)) > sum(map(len, best)):
                 best = got
         if best:
-            return [
-                (
-                    p,
-                    {
-                        i: sorted((f"{q}/{s}", pos) for q in range(p) for s, pos in by_index[i + q])
-                        for i in r
-                    },
-                )  # fmt: skip
-                for r in best
-            ]
+            keyed = lambda i, p=p: sorted(  # noqa: E731
+                (f"{q}/{s}", pos) for q in range(p) for s, pos in by_index[i + q]
+            )
+            return [(p, {i: keyed(i) for i in r}) for r in best]
     return []
 
 
