@@ -1396,3 +1396,82 @@ def test_alternating_dense_and_moe_layers_pipeline_in_units_of_two():
     for layer in range(8):
         leaves = jax.tree.leaves(b[0]["params"][f"layers_{layer}"])
         assert leaves and all(_on_stage(x, layer // 4, par.mesh) for x in leaves)
+
+
+class RoutedMoE(nn.Module):
+    """Top-2 of 4 experts weighted after they run (Mixtral's order), returning its
+    router's loss: the z-loss (a mean over tokens, which micro-batches add up) or the
+    Switch balancing loss (a product of two means over the batch, which they do not)."""
+
+    aux: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = RMSNorm(name="norm")(x)
+        logits = nn.Dense(4, use_bias=False, name="router")(h)
+        probs = jax.nn.softmax(logits, -1)
+        gate, idx = jax.lax.top_k(probs, 2)
+        combine = jnp.einsum("btk,btke->bte", gate, jax.nn.one_hot(idx, 4))
+        if self.aux == "z":
+            aux = jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
+        else:
+            aux = 4 * jnp.sum(jax.nn.one_hot(idx, 4).mean((0, 1, 2)) * probs.mean((0, 1)))
+        w = self.param("experts", nn.initializers.normal(0.1), (4, D, D))
+        y = jnp.einsum("btd,edf->btef", h, w)
+        return x + jnp.einsum("btef,bte->btf", y, combine), aux
+
+
+class AuxDecoder(nn.Module):
+    aux: str
+
+    @nn.compact
+    def __call__(self, ids):
+        x, total = nn.Embed(VOCAB, D, name="embed")(ids), 0.0
+        for i in range(LAYERS):
+            x, aux = RoutedMoE(self.aux, name=f"layers_{i}")(x)
+            total = total + aux
+        return nn.Dense(VOCAB, name="lm_head")(x), total
+
+
+def _aux_step(model, tx):
+    def step(params, opt_state, ids):
+        def loss_fn(p):
+            logits, aux = model.apply(p, ids)
+            return _loss(logits, ids) + 0.01 * aux
+
+        value, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step
+
+
+def test_a_router_loss_summed_over_the_layers_pipelines_like_jax_jit():
+    """A MoE decoder that sums each layer's router z-loss in its layer loop pipelines (it
+    was refused: "an op outside the layers ... reads one layer and feeds a later one")
+    and trains as `jax.jit` trains it."""
+    model, tx = AuxDecoder("z"), optax.adamw(1e-2, eps=EPS)
+    params = model.init(jax.random.key(0), _batch(0))
+    step = _aux_step(model, tx)
+    par, ref = _parallel(step), jax.jit(step)
+    a = b = (params, tx.init(params))
+    for i in range(2):
+        *a, loss_a = ref(*a, _batch(i))
+        *b, loss_b = par(*b, _batch(i))
+        assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+    assert_trees_close(b, a, what="params and optimizer state after 2 steps")
+    plan = par.plan(params, tx.init(params), _batch(0))
+    rolled = plan.pipeline["rolled"]
+    assert rolled["layers"] == LAYERS and rolled["stages"] == 2, rolled
+
+
+def test_a_balancing_loss_over_the_batch_in_every_layer_is_refused_by_name():
+    """The Switch loss multiplies two means over the batch inside each layer: run micro-
+    batch by micro-batch it would be another loss. The refusal names that reduction,
+    not the stack's rolling."""
+    model, tx = AuxDecoder("switch"), optax.adamw(1e-2, eps=EPS)
+    params = model.init(jax.random.key(0), _batch(0))
+    par = _parallel(_aux_step(model, tx))
+    with pytest.raises(autopar.PipelineError, match="mixes the batch's examples") as err:
+        par.plan(params, tx.init(params), _batch(0))
+    assert "outside the layers" not in str(err.value)

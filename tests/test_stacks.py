@@ -574,6 +574,96 @@ def test_a_load_balancing_loss_summed_over_the_layers_stays_in_each_layer():
         assert live <= set(blk.nodes), sorted(live - set(blk.nodes))[:5]
 
 
+class AuxMoEBlock(nn.Module):
+    """`MoE`'s routing and Switch loss, the loss returned with the block's output and
+    the experts' outputs weighted after they are computed (as Mixtral-style code
+    writes it)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        probs = jax.nn.softmax(nn.Dense(4, use_bias=False, name="router")(h), -1)
+        gate, idx = jax.lax.top_k(probs, 2)
+        dispatch = jax.nn.one_hot(idx, 4)
+        combine = jnp.einsum("bsk,bske->bse", gate, dispatch)
+        aux = 4 * jnp.sum(dispatch.mean((0, 1, 2)) * probs.mean((0, 1)))
+        w = self.param("experts", nn.initializers.lecun_normal(), (4, x.shape[-1], x.shape[-1]))
+        y = jnp.einsum("bsd,edf->bsef", h, w)
+        return x + jnp.einsum("bsef,bse->bsf", y, combine), aux
+
+
+@pytest.mark.parametrize("summed", ["in the loop", "after it"])
+def test_an_aux_loss_each_layer_returns_and_the_loop_sums_stays_in_each_layer(summed):
+    """`aux_total = aux_total + aux` in the layer loop (or `sum(auxes)` after it): the
+    running sum is in no layer, though its first term (`0.0 + aux_0`) reads one layer
+    alone; the routing the loss reads is the layer's own (not its core: no weight is
+    read after it); and backward, where the loss's gradient runs after the residual's,
+    (the router on the block's input), the layer's end is cut after its last core op.
+    Each of these left a layer out (3 of 4), and a pipeline then blamed "an op outside
+    the layers"."""
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x, total, auxes = nn.Embed(64, 32)(ids), 0.0, []
+            for i in range(4):
+                x, aux = AuxMoEBlock(name=f"block_{i}")(x)
+                total, auxes = total + aux, [*auxes, aux]
+            return nn.Dense(64)(x), total if summed == "in the loop" else sum(auxes)
+
+    model, tx, ids = Model(), optax.adamw(1e-3), jnp.zeros((2, 8), jnp.int32)
+    params = model.init(jax.random.key(0), ids)["params"]
+
+    def train_step(params, opt_state, ids):
+        def loss_fn(p):
+            logits, aux = model.apply({"params": p}, ids)
+            return logits.mean() + 0.01 * aux
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    graph = capture(train_step, (params, tx.init(params), ids))
+    (stack,) = find_stacks(graph)
+    check_stack(graph, stack, 4, "params/block_<i>", backward=True)
+    assert not stack.left_out and "left out" not in stack.describe()
+
+
+def test_a_layers_end_is_cut_after_its_last_core_op():
+    """Plain JAX: each layer's router statistic (its loss, summed in the loop) reads the
+    layer's input and nothing but the loss reads it. Backward, that loss's gradient runs
+    after the residual's, where the residual's cotangent is the one live value: cut
+    there, the last backward layer lost its router's input-gradient sum to the next
+    (layer 3 was left out as "its backward ops differ")."""
+    n, d, e = 4, 32, 4
+    keys = jax.random.split(jax.random.key(0), 2 * n + 1)
+    params = {
+        "layers": [
+            {
+                "gate": jax.random.normal(keys[2 * i], (d, e)),
+                "w": jax.random.normal(keys[2 * i + 1], (d, d)),
+            }
+            for i in range(n)
+        ],
+        "head": jax.random.normal(keys[-1], (d, 8)),
+    }
+
+    def loss(params, x, y):
+        total = 0.0
+        for p in params["layers"]:
+            total = total + e * jnp.sum(jax.nn.softmax(x @ p["gate"], -1).mean(0) ** 2)
+            x = x + jnp.tanh(x @ p["w"])
+        return jnp.mean((x @ params["head"] - y) ** 2) + 0.01 * total
+
+    def step(params, x, y):
+        return jax.tree.map(lambda a, g: a - 0.1 * g, params, jax.grad(loss)(params, x, y))
+
+    graph = capture(step, (params, jnp.ones((16, d)), jnp.ones((16, 8))))
+    (stack,) = find_stacks(graph)  # layer 0, on the step's argument, padded into it
+    assert [b.index for b in stack.backward] == [3, 2, 1, 0], stack.describe()
+    assert not stack.left_out and stack.pads, stack.describe()
+
+
 class Probed(nn.Module):
     """A residual MLP block that sows a per-example statistic of its input or output."""
 

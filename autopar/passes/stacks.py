@@ -312,7 +312,9 @@ class _Stack:
             return {lab[c] for c in cons.get(v, ()) if c in lab} == {first}
 
         live = {x for x in self.g.inputs if x in last and entering(x)}
-        cut: dict[int, int] = {}
+        done = {lab[i]: i for i in sorted(core)}  # per layer, its last core op
+        cut: dict[int, int] = {}  # after `done`: a core op later than a single live value
+        # (the aux loss's backward after the residual's) still reads the layer's values
         for nd in order:
             for x in nd.inputs:
                 if last.get(x) == nd.id:
@@ -322,7 +324,8 @@ class _Stack:
             outs = [] if nd.id in side or nd.id in across else outs
             live.update(outs if b is not None else filter(entering, outs))
             single = len(live) == len(outs) == 1
-            if b is not None and nd.id not in core and (late or b not in cut) and single:
+            late_ok = late or b not in cut
+            if b is not None and nd.id > done.get(b, -1) and late_ok and single:
                 cut[b] = nd.id
         cores, heads, tails = ([set() for _ in range(self.n)] for _ in range(3))
         after: dict[int, set[int]] = {}  # layer -> values downstream of its cut
@@ -367,6 +370,7 @@ class _Stack:
         first_core: dict[int, int] = {}
         for i in sorted(core, reverse=True):
             first_core[lab[i]] = i
+        done = {lab[i]: i for i in sorted(core)}  # per layer, its last core op
         side: set[int] = set()
         across: set[int] = set()
         for nd in order:
@@ -377,12 +381,23 @@ class _Stack:
             # what the layer's own module makes for the step's results only (a statistic
             # of its output it sows; by data alone, the next layer's head) may read it all
             sown = nd.id in returned and self._scoped(nd.id, b)
+            # what the layer computes before its last core op is its own (MoE routing)
+            end = float("inf") if sown else done.get(b, -1)
             if not made or not all(
-                i in core or i in side or i in across or (sown and lab.get(i) == b) for i in made
+                i in core or i in side or i in across or (lab.get(i) == b and i < end) for i in made
             ):
                 continue
             own = all(lab.get(i) == b and i not in across for i in made)
             (side if own and (nxt is None or nd.id < nxt) else across).add(nd.id)
+        for i in sorted(side):  # a sum's first term, `0.0 + aux` (`sum(auxes)`): across too
+            nd = self.g.nodes[i]
+            if any(x in self.g.consts for x in nd.inputs) and any(
+                c in across and self.sig(c) == self.sig(i)
+                for y in nd.outputs
+                for c in self.cons.get(y, ())
+            ):
+                side.discard(i)
+                across.add(i)
         return side, across
 
     def _ends(self, order, lab, core, step: int, pairs=()) -> list[set[int]]:
