@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from dataclasses import replace
 
 import flax.linen as nn
 import jax
@@ -523,3 +524,19 @@ def test_the_note_counts_what_dots_keeps_for_its_recomputation():
     kept = {p: sum(r.recomputed_bytes for r in ls) for p, ls in layers.items()}
     assert kept["dots"] < kept["selective"] < kept["full"], kept
     assert layers["dots"][0].stored > layers["selective"][0].stored > layers["full"][0].stored == 0
+
+
+def test_a_remat_note_on_a_stack_of_units_counts_units():
+    """A stack whose layers are units of 2 (dense and MoE alternating) is described by
+    its units: "4 units of 2 layers", "a unit", not "4 layers" of a model of 8."""
+    from autopar.passes.remat_report import RematReport
+    from autopar.passes.remat_unrolled import LayerRemat
+
+    layers = tuple(LayerRemat(i, 6, 2, 1 << 20, 1e6) for i in range(4))
+    both = RematReport("full", (), "4 units of 2 layers x params/layers_<i>", layers, 4, period=2)
+    (note,) = both.notes()
+    assert "the backward pass of 4 units of 2 layers recomputes 6 residuals a unit" in note, note
+    first = replace(both, layers=layers[:2])
+    assert "of units 0-1 of 4 (2 layers each) recomputes" in first.notes()[0]
+    plain = replace(both, period=1, stack="4 x params/h_<i>")
+    assert "of 4 layers recomputes 6 residuals a layer" in plain.notes()[0]

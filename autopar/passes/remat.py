@@ -469,9 +469,12 @@ def rematerialize(
             wait_for_gradients=wait_for_gradients,
         )
         if first:  # recorded though nothing changed (the user's jax.checkpoint)
-            report = replace(report, stack=stack.describe(), layers=changed, stack_layers=n)
+            report = replace(
+                report, stack=stack.describe(), layers=changed, stack_layers=n, period=stack.period
+            )
         elif changed:
-            report = replace(report, others=(*report.others, (stack.describe(), changed)))
+            other = (stack.describe(), changed, stack.period)
+            report = replace(report, others=(*report.others, other))
         if changed and len(done) < len(stacks):  # node ids moved: the others found again
             stacks = find_stacks(out)
     return out, report

@@ -43,8 +43,10 @@ class RematReport:
     stack: str = ""
     layers: tuple[LayerRemat, ...] = ()
     stack_layers: int = 0  # the stack's depth (`layers` may cover fewer of them)
-    # the step's other stacks (an encoder-decoder's decoder), each all of its layers
-    others: tuple[tuple[str, tuple[LayerRemat, ...]], ...] = ()
+    period: int = 1  # the stack's layers are units of `period` of the model's layers
+    # the step's other stacks (an encoder-decoder's decoder), each all of its layers,
+    # and their periods
+    others: tuple[tuple[str, tuple[LayerRemat, ...], int], ...] = ()
     skipped: tuple[str, ...] = ()  # other stacks left alone (`layers` counts the first's)
     near: str = ""  # where no stack was found, layers alike but for their backward ops
 
@@ -52,12 +54,13 @@ class RematReport:
     def applied(self) -> bool:
         """Whether the pass changed anything: some residual is recomputed."""
         return any(p.residuals_after < p.residuals_before for p in self.pairs) or any(
-            r.recomputed for _, layers, _ in self._stacks() for r in layers
+            r.recomputed for _, layers, _, _ in self._stacks() for r in layers
         )
 
-    def _stacks(self) -> list[tuple[str, tuple[LayerRemat, ...], int]]:
-        first = [(self.stack, self.layers, self.stack_layers)] if self.layers else []
-        return first + [(d, layers, len(layers)) for d, layers in self.others]
+    def _stacks(self) -> list[tuple[str, tuple[LayerRemat, ...], int, int]]:
+        """(stack, its layers' changes, its depth, its period) per stack changed."""
+        first = [(self.stack, self.layers, self.stack_layers, self.period)] if self.layers else []
+        return first + [(d, layers, len(layers), k) for d, layers, k in self.others]
 
     @property
     def bytes_before(self) -> int:
@@ -94,8 +97,8 @@ class RematReport:
             return (f"remat ({self.policy}): nothing to rematerialize: {self.why_nothing()}",)
         unrolled = tuple(
             f"remat ({self.policy}): layer stack {stack}: the backward pass of "
-            f"{_which(layers, depth)} recomputes {layers[-1].recomputed} residuals a "
-            f"layer (keeps {layers[-1].stored}), "
+            f"{_which(layers, depth, period)} recomputes {layers[-1].recomputed} residuals "
+            f"a {'unit' if period > 1 else 'layer'} (keeps {layers[-1].stored}), "
             f"{format_bytes(sum(r.recomputed_bytes for r in layers))} less kept between the "
             f"passes (whole tensors, before sharding; the peak is per device) for "
             f"{sum(r.recompute_flops for r in layers):.3g} more FLOPs a call"
@@ -106,7 +109,7 @@ class RematReport:
                 if any(r.waits for r in layers)
                 else ""
             )
-            for stack, layers, depth in self._stacks()
+            for stack, layers, depth, period in self._stacks()
         ) + tuple(
             f"remat ({self.policy}): layer stack {stack} is not rematerialized (remat on the "
             "first layers only covers the first stack)"
@@ -128,7 +131,11 @@ class RematReport:
         return "\n".join(self.notes())
 
 
-def _which(layers: tuple[LayerRemat, ...], of: int) -> str:
+def _which(layers: tuple[LayerRemat, ...], of: int, period: int = 1) -> str:
+    """`8 layers`, `layers 0-3 of 8`; of a stack of units of `period` layers, `4 units
+    of 2 layers`, `units 0-1 of 4 (2 layers each)`."""
     if len(layers) >= of:
-        return f"{len(layers)} layers"
-    return f"layers {layers[0].index}-{layers[-1].index} of {of}"
+        n = len(layers)
+        return f"{n} units of {period} layers" if period > 1 else f"{n} layers"
+    unit, each = ("units", f" ({period} layers each)") if period > 1 else ("layers", "")
+    return f"{unit} {layers[0].index}-{layers[-1].index} of {of}{each}"
