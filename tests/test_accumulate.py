@@ -145,18 +145,29 @@ def test_accumulated_ops_keep_the_users_lines():
     assert here in inter and " at eval.py" not in inter and " at accumulate.py" not in inter, inter
 
 
-def test_a_batch_in_several_arguments_gets_a_hint():
-    """Accumulation cuts the last positional argument: with `x` and `y` passed apart,
-    `x` stays whole and the micro-batch trace fails. The error names `x` and says to
-    pass the batch as one argument."""
+def test_a_batch_in_several_arguments_is_cut_together():
+    """`step(params, opt, x, y)`, the README's NNX signature: the arguments right before
+    the last that are as long along their leading dim are the batch too (only `y` was
+    cut, and the micro-batch trace failed on `x`); trained as `jax.jit` trains it. An
+    array of the batch's length apart from it is named, with how to pass it."""
     step, params, opt, (x, y) = _mlp_step()
 
     def apart(params, opt, x, y):
         return step(params, opt, (x, y))
 
     par = autopar.parallelize(apart, mesh=MESH, cluster=CLUSTER, grad_accumulation=4)
+    ref, a, b = jax.jit(apart), (params, opt), (params, opt)
+    for i in range(2):
+        a = ref(*a, x + i, (y + i) % 8)
+        b = par(*b, x + i, (y + i) % 8)
+    assert_trees_close(b, a, what="params and optimizer state after 2 steps")
+
+    def first(x, params, opt, y):
+        return step(params, opt, (x, y))
+
+    par = autopar.parallelize(first, mesh=MESH, cluster=CLUSTER, grad_accumulation=4)
     with pytest.raises(MicrobatchError, match=r"x \[64, 128\] before it .* \(x, y\)"):
-        par.plan(params, opt, x, y)
+        par.plan(x, params, opt, y)
 
 
 @pytest.mark.parametrize("key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
@@ -254,7 +265,8 @@ def test_each_micro_batch_draws_its_own_dropout_mask():
     x = jnp.ones((b, n)) + 0 * jnp.arange(b * n, dtype=jnp.float32).reshape(b, n)
     params = model.init(jax.random.key(0), x)
     step = autopar.parallelize(grads, mesh={"data": 4}, cluster=CLUSTER, grad_accumulation=m)
-    with pytest.warns(UserWarning, match="drawn per micro-batch"):
+    # named by where they are drawn (a diffusion step's noise is no dropout mask)
+    with pytest.warns(UserWarning, match=r"random numbers \(test_accumulate.py:\d+ .*drawn per"):
         g = step(params, jax.random.key(1), x)
     kept = np.round(np.asarray(g["params"]["w"]) * b * 0.5).astype(int)
     assert np.any(kept % m), kept  # not the same mask in every micro-batch
@@ -406,3 +418,118 @@ def test_micro_batches_too_small_to_split_say_so():
     ):
         plan = step.plan(*case.args(False))
     assert plan.replicated_share() > 0.5
+
+
+def _picking_step(loss_of):
+    """An MLP's SGD step whose loss is `loss_of(logits, labels)`."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
+
+    model, tx = MLP(), optax.sgd(0.1)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, g = jax.value_and_grad(lambda p: loss_of(model.apply(p, x), y))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    x = jnp.sin(jnp.arange(16 * 32, dtype=jnp.float32).reshape(16, 32) * 0.37)
+    y = (jnp.arange(16) * 7) % 10
+    params = model.init(jax.random.key(0), x)
+    return step, (params, tx.init(params)), (x, y)
+
+
+def _equal_to_jit(step, state, batch):
+    par = autopar.parallelize(step, mesh={"data": 2, "model": 4}, grad_accumulation=2)
+    ref, a, b = jax.jit(step), state, state
+    for i in range(2):
+        shifted = (batch[0] + i, batch[1])
+        *a, loss_a = ref(*a, shifted)
+        *b, loss_b = par(*b, shifted)
+        assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+    assert_trees_close(b, a, what="params and optimizer state after 2 steps")
+    return par.plan(*state, batch)
+
+
+def test_a_pick_by_jnp_arange_over_the_batch_runs_per_micro_batch():
+    """`logp[jnp.arange(B), labels]`: traced at the micro-batch size, `arange` holds the
+    micro-batch's own positions, which pick its own rows. Taken for rows of the whole
+    batch's positions, the positions left the loop uncut out of order and the loss was
+    another (2.380 against 2.343); now the whole step runs per micro-batch, as with
+    `jnp.take_along_axis`, and trains as `jax.jit` does."""
+    import jax.numpy as jnp
+
+    def loss_of(logits, y):
+        return -jax.nn.log_softmax(logits)[jnp.arange(logits.shape[0]), y].mean()
+
+    step, state, batch = _picking_step(loss_of)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "only N% ... per micro-batch" warning
+        plan = _equal_to_jit(step, state, batch)
+    assert not any("needs the whole batch" in w for w in plan.warnings), plan.warnings
+
+
+def test_positions_that_cannot_run_per_micro_batch_stay_with_the_whole_batch():
+    """`jnp.arange(B) < 12` weights the first 12 examples: per micro-batch its positions
+    would be the micro-batch's own, another mask. It runs on the whole batch, as
+    `jax.jit` runs it, and the warning names the positions and a way around them."""
+    import jax.numpy as jnp
+
+    def loss_of(logits, y):
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)[:, 0]
+        return jnp.sum(ce * (jnp.arange(logits.shape[0]) < 12)) / 12
+
+    step, state, batch = _picking_step(loss_of)
+    with pytest.warns(UserWarning, match=r"from iota at .*positions along the batch"):
+        _equal_to_jit(step, state, batch)
+
+
+def test_a_contrastive_loss_over_the_batch_accumulates_like_jax_jit():
+    """CLIP's loss: a batch x batch logits matrix, labels `jnp.arange(B)`. It needs the
+    whole batch (the warning names the matrix's dot) and equals `jax.jit`'s: the
+    positions were cut as rows of the whole batch's and it was neither that loss nor
+    the micro-batches' mean."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss_of(emb, y):
+        img, txt = (
+            e / jnp.linalg.norm(e, axis=-1, keepdims=True) for e in (emb[:, :5], emb[:, 5:])
+        )
+        logits = img @ txt.T * 10.0  # two towers' embeddings: halves of the logits
+        labels = jnp.arange(logits.shape[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    step, state, batch = _picking_step(loss_of)
+    with pytest.warns(UserWarning, match=r"needs the whole batch from dot_general"):
+        _equal_to_jit(step, state, batch)
+
+
+def test_a_token_weighted_loss_counts_its_tokens_on_the_whole_batch():
+    """`(loss * mask).sum() / mask.sum()`, as seq2seq and `transformers` code weights
+    tokens: the count reads the labels alone, so it is computed on the whole batch
+    before the loop and the rest accumulates (the division stopped the loop: two
+    thirds of the step ran on the whole batch, its memory above no accumulation's);
+    trains as `jax.jit` does."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss_of(logits, y):
+        labels = jnp.where(jnp.arange(10)[None, :] < y[:, None], 0, 10)[:, :4]  # pads: 10
+        mask = (labels != 10).astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(
+            jnp.repeat(logits[:, None], 4, 1), jnp.minimum(labels, 9)
+        )
+        return (ce * mask).sum() / mask.sum()
+
+    step, state, batch = _picking_step(loss_of)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "only N% ... per micro-batch" warning
+        plan = _equal_to_jit(step, state, batch)
+    assert any("1 statistic of the batch alone" in w for w in plan.warnings), plan.warnings

@@ -375,3 +375,20 @@ def test_parallelize_trains_in_low_precision_and_records_it(tmp_path, precision,
 
 def _mlir(dtype) -> str:
     return {BF16: "bf16", F16: "f16"}[np.dtype(dtype)]
+
+
+def test_a_plan_on_cpu_devices_says_its_bf16_dots_run_in_float32():
+    """On CPU devices the lowered program rounds the operands to bfloat16 and runs the
+    dots in float32 (no bf16 kernel accumulating in float32 there): the plan said only
+    that they "compute in bfloat16", priced at the GPU's rate; it says both now."""
+    import autopar
+
+    def f(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    args = (jnp.ones((64, 64)), jnp.ones((32, 64)))
+    plan = autopar.parallelize(f, mesh={"data": 8}, precision="bf16").plan(*args)
+    assert any("on CPU devices the bfloat16 operands are rounded" in w for w in plan.warnings)
+    # planned offline (more devices than here: an abstract mesh, lowered for GPUs)
+    offline = autopar.parallelize(f, mesh={"data": 16}, precision="bf16").plan(*args)
+    assert not any("on CPU devices" in w for w in offline.warnings)

@@ -71,14 +71,13 @@ from autopar.ir.capture import capture, fn_name
 from autopar.ir.graph import Graph
 from autopar.lower.jit import jit_from_plan
 from autopar.lower.rolled import abstract_inputs
+from autopar.meshes import drops_barriers
 from autopar.passes.accumulate import accumulate, batch_hint, micro_batch_args
-from autopar.passes.pipeline import (
-    Pipeline,
-)
+from autopar.passes.pipeline import Pipeline
 from autopar.passes.precision import describe as describe_precision
 from autopar.passes.precision import mixed_precision
 from autopar.passes.roll import Roll
-from autopar.plan.plan import Plan
+from autopar.plan.plan import Plan, is_note
 from autopar.search import first_tasks, search
 from autopar.search.evaluate import memory_floor
 from autopar.search.problem import Problem, build_problem, residency, step_floor
@@ -185,7 +184,8 @@ class _Driver(Realizing, PipelineTries):
             f"layer stack: {s.describe()} (unrolled in Python)" for s in self._stacks(graph)
         )
         if self.o.precision is not None:
-            notes += describe_precision(graph, self.o.precision).notes()
+            on_cpu = drops_barriers(self.o.meshes[0])  # (a CPU mesh)
+            notes += describe_precision(graph, self.o.precision).notes(on_cpu)
             graph = mixed_precision(graph, self.o.precision)
         return graph, notes
 
@@ -222,7 +222,7 @@ class _Driver(Realizing, PipelineTries):
             notes += more
             if o.grad_accumulation and o.grad_accumulation > 1:
                 graph, said = self._accumulated(graph)
-                for why in said:
+                for why in (w for w in said if not is_note(w)):
                     warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                 notes += said
         reused: dict[int, Spec] = {}

@@ -115,27 +115,53 @@ def batch_argument(args: Sequence[Any], static: Collection[int], n_keywords: int
     return dyn[-1] if dyn else None
 
 
+def batch_arguments(args: Sequence[Any], static: Collection[int], n_keywords: int) -> list[int]:
+    """The positions of the batch: `batch_argument`, and the arguments right before it
+    whose every leaf is an array as long as its leaves along the leading dim
+    (`step(model, optimizer, x, y)`); empty where there is no batch argument."""
+    at = batch_argument(args, static, n_keywords)
+    if at is None:
+        return []
+    lead = {getattr(x, "shape", ())[:1] for x in jax.tree_util.tree_leaves(args[at])}
+    out = [at]
+    if len(lead) != 1 or () in lead:
+        return out
+    for i in reversed([i for i in range(at) if i not in static]):
+        leaves = jax.tree_util.tree_leaves(args[i])
+        if not leaves or not all(getattr(x, "shape", ())[:1] in lead for x in leaves):
+            break
+        out.insert(0, i)
+    return out
+
+
 def micro_batch_args(
     fn: Callable, args: Sequence[Any], static: Collection[int], n_keywords: int, M: int, name: str
 ) -> tuple[list, range]:
-    """The call's arguments with its batch (`batch_argument`) as one micro-batch's
-    abstract arrays, its leaves cut to `1/M` along their leading dim, and the positions
-    of the batch's leaves among the flat inputs. Raises MicrobatchError, naming the
-    leaves at fault, where the batch does not cut so."""
-    at = batch_argument(args, static, n_keywords)
-    if at is None:
+    """The call's arguments with its batch (`batch_arguments`) as one micro-batch's
+    abstract arrays, their leaves cut to `1/M` along their leading dim, and the
+    positions of the batch's leaves among the flat inputs. Raises MicrobatchError,
+    naming the leaves at fault, where the batch does not cut so."""
+    ats = batch_arguments(args, static, n_keywords)
+    if not ats:
         raise MicrobatchError(f"{name}: grad_accumulation needs a batch argument")
     dyn = [i for i in range(len(args) - n_keywords) if i not in static]
-    first = sum(len(jax.tree_util.tree_leaves(args[i])) for i in dyn if i < at)
-    batch = jax.tree_util.tree_leaves(args[at])
-    why = batch_problem(args[at], M, arg_names(fn, at + 1)[at])
-    if why:
-        raise MicrobatchError(f"{name}: {why}")
-    b = batch[0].shape[0]
-    margs = list(args)
-    cut_one = lambda x: jax.ShapeDtypeStruct((b // M, *x.shape[1:]), x.dtype, weak_type=x.weak_type)  # noqa: E731
-    margs[at] = jax.tree_util.tree_map(cut_one, abstractify_tree(args[at]))
-    return margs, range(first, first + len(batch))
+    first = sum(len(jax.tree_util.tree_leaves(args[i])) for i in dyn if i < ats[0])
+    names = arg_names(fn, ats[-1] + 1)
+    for at in ats:
+        why = batch_problem(args[at], M, names[at])
+        if why:
+            raise MicrobatchError(f"{name}: {why}")
+    margs, count = list(args), 0
+    for at in ats:
+        b = jax.tree_util.tree_leaves(args[at])[0].shape[0]
+        cut_one = (
+            lambda x, b=b: jax.ShapeDtypeStruct(  # noqa: E731
+                (b // M, *x.shape[1:]), x.dtype, weak_type=x.weak_type
+            )
+        )
+        margs[at] = jax.tree_util.tree_map(cut_one, abstractify_tree(args[at]))
+        count += len(jax.tree_util.tree_leaves(args[at]))
+    return margs, range(first, first + count)
 
 
 def batch_hint(
@@ -145,19 +171,22 @@ def batch_hint(
     argument is the batch, so the arguments before it that look like part of the batch
     (arrays whose leading dim is the batch's) are named, with how to pass them."""
     dyn = [i for i in range(len(args) - n_keywords) if i not in static]
-    at = batch_argument(args, static, n_keywords)
+    ats = batch_arguments(args, static, n_keywords)
+    at = ats[-1]
     names = arg_names(fn, dyn[-1] + 1)
     b = jax.tree_util.tree_leaves(args[at])[0].shape[0]
     shapes = {
         names[i]: leaves[0].shape
         for i in dyn
-        if i != at
+        if i not in ats
         for leaves in [jax.tree_util.tree_leaves(args[i])]
         if len(leaves) == 1 and getattr(leaves[0], "ndim", 0) >= 1 and leaves[0].shape[0] == b
     }
     which = "the last positional argument" if at == dyn[-1] else "the last but PRNG keys"
+    cut = ", ".join(names[i] for i in ats)
     head = (
-        f"grad_accumulation={M} cuts the batch, {which} ({names[at]}), into {M} "
+        f"grad_accumulation={M} cuts the batch, {which} ({cut}"
+        f"{', and the arrays right before it as long' if len(ats) > 1 else ''}), into {M} "
         f"micro-batches of {b // M}"
     )
     if not shapes:
@@ -166,7 +195,7 @@ def batch_hint(
     return (
         f"{head}, but {listed} before it also has the batch's leading dim {b} and was not "
         f"cut: pass the whole batch as the last argument, e.g. f(..., ({', '.join(shapes)}, "
-        f"{names[at]}))"
+        f"{cut}))"
     )
 
 
@@ -200,14 +229,25 @@ def accumulate(
             in_specs.append(split_spec(t.rank, 0))
         else:
             in_specs.append(Spec.replicated(t.rank))
-    have, first_bad = separate(graph, in_specs, M, micro)
+    # statistics of the batch alone (a label count, `mask.sum()`) that stop the loop: on
+    # the whole batch before it, as `jax.jit` computes them
+    early: dict[int, Spec] = {}
+    batch_only = _batch_only(graph, batch_inputs)
+    while True:
+        have, first_bad = separate(graph, in_specs, M, micro, fixed=early)
+        new = _statistics(graph, micro, first_bad, have, batch_only) - early.keys()
+        if not new:
+            break
+        early.update((v, Spec.replicated(graph.values[v].rank)) for v in new)
 
     # where every value is computed: before the loop, in it, or after it
     where = {v: ("loop" if i in batch_inputs else "pre") for i, v in enumerate(graph.inputs)}
     where.update({v: "pre" for v in graph.consts})
     for node in graph.nodes:
         ins = {where[v] for v in node.inputs}
-        if "post" in ins:
+        if node.outputs and all(v in early for v in node.outputs):
+            place = "pre"
+        elif "post" in ins:
             place = "post"
         elif "loop" in ins or any(graph.values[v] != micro.values[v] for v in node.outputs):
             # (a batch-shaped value made from nothing, e.g. zeros, is made per micro-batch)
@@ -237,7 +277,9 @@ def accumulate(
     if not any(where[n.outputs[0]] == "loop" for n in graph.nodes if n.outputs):
         raise MicrobatchError(f"{graph.name}: nothing in the step depends on the batch arguments")
 
-    fn = _rewritten(graph, micro, batch_inputs, M, where, (sums, pieces, sames), have)
+    cone = _upstream(graph, early)  # what the statistics are made of: also before the loop
+    handed = (sums, pieces, sames)
+    fn = _rewritten(graph, micro, batch_inputs, M, where, handed, have, cone)
     args = [abstract_value(graph.values[v]) for v in graph.inputs]
     new = relined(capture(fn, args, (), mesh), graph)
     new = replace(
@@ -249,7 +291,55 @@ def accumulate(
         name=graph.name,
     )
     why = f" ({mixing(graph, have, first_bad)})" if first_bad is not None else ""
-    return new, _notes(graph, new, first_bad, M, why)
+    notes = _notes(graph, new, first_bad, M, why)
+    if early:
+        made = sorted({graph.producer[v] for v in early})
+        what = ", ".join(f"{graph.nodes[i].op} at {graph.nodes[i].key}" for i in made[:3])
+        notes = (
+            f"gradient accumulation: {len(made)} statistic{'s' if len(made) > 1 else ''} "
+            f"of the batch alone ({what}{', ...' if len(made) > 3 else ''}: a label or token "
+            "count) computed on the whole batch before the micro-batch loop, as jax.jit "
+            "computes them",
+            *notes,
+        )
+    return new, notes
+
+
+def _batch_only(graph: Graph, batch_inputs: Sequence[int]) -> set[int]:
+    """The values made from the batch's inputs and constants alone (labels, masks and
+    what is counted of them), no parameter or state."""
+    out = {graph.inputs[i] for i in batch_inputs}
+    for node in graph.nodes:
+        if all(x in out or x in graph.consts for x in node.inputs):  # (an iota: nothing)
+            out.update(node.outputs)
+    return out
+
+
+def _statistics(
+    graph: Graph, micro: Graph, bad: Node | None, have: dict, batch_only: set[int]
+) -> set[int]:
+    """What to compute on the whole batch before the loop so that `bad` (the first op
+    that cannot run per micro-batch) can: its batch-only operands that are sums over
+    the batch (`mask.sum()` dividing a sum of losses), or, where it reads the batch
+    alone, its results; values without the batch dim only (the same in both traces)."""
+    if bad is None:
+        return set()
+    if all(x in batch_only or x in graph.consts for x in bad.inputs):
+        cands = set(bad.outputs)
+    else:
+        cands = {x for x in bad.inputs if x in batch_only and x in have and have[x].partial}
+    return {v for v in cands if graph.values[v] == micro.values[v]}
+
+
+def _upstream(graph: Graph, values: Collection[int]) -> set[int]:
+    """The ids of the nodes `values` are computed from."""
+    todo, seen = [graph.producer[v] for v in values if v in graph.producer], set()
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo += [graph.producer[x] for x in graph.nodes[i].inputs if x in graph.producer]
+    return seen
 
 
 def _notes(
@@ -264,29 +354,40 @@ def _notes(
     notes = []
     if total and inside < 0.5 * total:
         cause = f" from {first_bad.op} at {first_bad.key}{why}" if first_bad is not None else ""
+        kind = (
+            ""
+            if first_bad is not None and first_bad.op == "iota"
+            else " (batch statistics such as BatchNorm's, or a loss over the whole batch)"
+        )
         notes.append(
             f"gradient accumulation: only {inside / total:.0%} of the step's FLOPs run "
-            f"micro-batch by micro-batch; the rest needs the whole batch{cause} (batch "
-            "statistics such as BatchNorm's, or a loss over the whole batch), so the "
-            "micro-batches save little memory"
+            f"micro-batch by micro-batch; the rest needs the whole batch{cause}{kind}, so "
+            "the micro-batches save little memory"
         )
-    if any(n.op == "random_bits" for n in loop.body.nodes):
+    draws = list(dict.fromkeys(n.key for n in loop.body.nodes if n.op == "random_bits"))
+    if draws:
+        at = ", ".join(draws[:3]) + (f" and {len(draws) - 3} more" if len(draws) > 3 else "")
         notes.append(
-            "gradient accumulation: random numbers (dropout masks) are drawn per "
-            "micro-batch, its index folded into the key: a different, equally random "
-            "draw than jax.jit's on the whole batch; set the dropout rate to 0 to compare "
-            "numbers"
+            f"gradient accumulation: random numbers ({at}: dropout masks, a diffusion "
+            "step's noise) are drawn per micro-batch, its index folded into the key: a "
+            "different, equally random draw than jax.jit's on the whole batch; to compare "
+            "numbers, set dropout rates to 0 and pass other draws in with the batch"
         )
     return tuple(notes)
 
 
-def _rewritten(graph, micro, batch_inputs, M, where, handed, have) -> Callable:
+def _rewritten(graph, micro, batch_inputs, M, where, handed, have, early) -> Callable:
     """The step with its `where == "loop"` ops in a scan over micro-batches; `handed`:
     what the loop hands on (sums accumulated in its carry, pieces of batched values as
-    its `ys`, values the same in every micro-batch carried out from the last)."""
+    its `ys`, values the same in every micro-batch carried out from the last); `early`:
+    ids of nodes also run before the loop, on the whole batch."""
     sums, pieces, sames = handed
     pre, loop_nodes, post = (
-        [n for n in graph.nodes if n.outputs and where[n.outputs[0]] == place]
+        [
+            n
+            for n in graph.nodes
+            if n.outputs and (where[n.outputs[0]] == place or (place == "pre" and n.id in early))
+        ]
         for place in ("pre", "loop", "post")
     )
     # in the loop, the micro-batch trace's ops (its shape params) make the full trace's values

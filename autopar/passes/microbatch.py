@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from autopar.ir.graph import Graph, Node
 from autopar.ir.ops import CONTRACTIONS
+from autopar.passes.positions import Positions
 from autopar.passes.precision import is_range_scale
 from autopar.sharding import MeshInfo, Spec
 
@@ -57,12 +58,21 @@ def matches_trace(spec: Spec, full: tuple[int, ...], micro: tuple[int, ...], m: 
 
 
 def separate(
-    graph: Graph, in_specs: Sequence[Spec], microbatches: int, micro: Graph | None = None
+    graph: Graph,
+    in_specs: Sequence[Spec],
+    microbatches: int,
+    micro: Graph | None = None,
+    positions: bool = True,
+    fixed: dict[int, Spec] | None = None,
 ) -> tuple[dict[int, Spec], Node | None]:
     """Per value that can be computed per micro-batch, its spec over "mb", given the
     inputs' specs; and the first node that cannot (None when every node can). Values
     downstream of such a node are left out. With `micro` (the same graph traced at the
-    micro-batch size), a strategy must also lay its outputs out as that trace cut them."""
+    micro-batch size), a strategy must also lay its outputs out as that trace cut them.
+    `positions`: `jnp.arange` over the batch may index the batch per micro-batch
+    (`autopar.passes.positions`); where a position would leave the micro-batch program,
+    the graph is separated again without. `fixed`: values given their spec (computed
+    elsewhere: `accumulate`'s statistics of the batch alone, on the whole batch)."""
     from autopar.strategies import enumerate_factor_rule, strategies_for
     from autopar.strategies.elementwise import ELEMENTWISE, elementwise_rule
     from autopar.strategies.linear import PARTIAL, partial_variants
@@ -70,10 +80,25 @@ def separate(
     mesh = virtual_mesh(microbatches)
     have = dict(zip(graph.inputs, in_specs))
     first_bad = None
+    pos = Positions(graph, AXIS) if positions else None
     for node in graph.nodes:
+        if fixed and node.outputs and all(v in fixed for v in node.outputs):
+            have.update((v, fixed[v]) for v in node.outputs)
+            continue
         if any(v not in have and v not in graph.consts for v in node.inputs):
             continue
         got = [have.get(v, Spec.replicated(graph.values[v].rank)) for v in node.inputs]
+        if pos is not None and ((start := pos.iota(node, micro)) or pos.reads(node)):
+            outs = [start] if start else pos.step(node, got)
+            if outs is None or not all(
+                micro is None
+                or matches_trace(o, graph.values[v].shape, micro.values[v].shape, microbatches)
+                for o, v in zip(outs, node.outputs)
+            ):
+                first_bad = first_bad or node
+            else:
+                have.update(zip(node.outputs, outs))
+            continue
         if is_range_scale(node) and node.op == "reduce_max":
             # a float16 operand's max|x|: per micro-batch it only picks the scale
             have.update((v, Spec.replicated(graph.values[v].rank)) for v in node.outputs)
@@ -99,6 +124,9 @@ def separate(
             s
             for s in candidates
             if all(fits(w, g) for w, g in zip(s.in_specs, got))
+            # positions (`jnp.arange` along the batch): a micro-batch's own are no rows
+            # of the whole batch's, so they cannot stand for them outside the loop
+            and not (node.op == "iota" and any(o.used_axes for o in s.out_specs))
             and (
                 not any(o.partial for o in s.out_specs)
                 or node.op in _SUMS
@@ -120,6 +148,8 @@ def separate(
             options, key=lambda s: (sum(w != g for w, g in zip(s.in_specs, got)), -s.parallel)
         )
         have.update(zip(node.outputs, best.out_specs))
+    if pos is not None and pos.escapes(have):
+        return separate(graph, in_specs, microbatches, micro, positions=False, fixed=fixed)
     return have, first_bad
 
 
@@ -129,6 +159,12 @@ def mixing(graph: Graph, have: dict[int, Spec], node: Node) -> str:
     by the reduction that made it (following the ops that carry the pending sum back
     to the one that started it: `mask.sum()`, a mean over tokens), the others by how
     they stand."""
+    if node.op == "iota":
+        return (
+            f"{graph.values[node.outputs[0]]}, positions along the batch (`jnp.arange` over "
+            "it, as in `logp[jnp.arange(B), labels]`): a micro-batch's are not the whole "
+            "batch's; `jnp.take_along_axis(logp, labels[:, None], 1)` needs none"
+        )
     parts = []
     for v in node.inputs:
         spec, t = have.get(v), graph.values[v]

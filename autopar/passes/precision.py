@@ -302,8 +302,8 @@ class PrecisionReport:
         """Contraction operand bytes per call no longer read (half of `operand_bytes`)."""
         return sum(c.saved_bytes * c.executions for c in self.conversions)
 
-    def notes(self) -> tuple[str, ...]:
-        """Lines for a plan's warnings/notes."""
+    def notes(self, on_cpu: bool = False) -> tuple[str, ...]:
+        """Lines for a plan's warnings/notes (`on_cpu`: the program runs on CPU devices)."""
         if not self.conversions:
             lines = [f"mixed precision ({self.compute_dtype}): no float32 contraction to convert"]
         else:
@@ -322,6 +322,13 @@ class PrecisionReport:
                     "of two from its own max|x| (in place of loss scaling), and the results "
                     "scaled back"
                 )
+        if self.conversions and on_cpu:
+            lines.append(
+                f"mixed precision: on CPU devices the {self.compute_dtype} operands are "
+                "rounded and the contractions run in float32 (XLA:CPU has no "
+                f"{self.compute_dtype} kernel that accumulates in float32): the numbers are "
+                "a GPU's, the speed is not; the plan is priced at the cluster profile's rate"
+            )
         if self.skipped:
             shown = "; ".join(self.skipped[:3]) + (" ..." if len(self.skipped) > 3 else "")
             lines.append(

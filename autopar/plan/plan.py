@@ -32,7 +32,8 @@ _NOTE_RE = re.compile(
     r"layer stack: |mesh-shape search over |"
     r"\{[^}]*\}[^:]*: \S+ ms as priced with its layers in one loop|"
     r"pipeline_stages='auto' tried|partial reuse of a plan|interleaved 1F1B, \d+ virtual stages|"
-    r"\d+ of \d+ \(mesh, micro-batch count\) tries not searched)"
+    r"\d+ of \d+ \(mesh, micro-batch count\) tries not searched|"
+    r"gradient accumulation: \d+ statistics? of the batch alone)"
 )
 
 
