@@ -172,9 +172,10 @@ class NNXBlock(nnx.Module):
 
 
 class NNXModel(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, rate: float = 0.0):
+    def __init__(self, rngs: nnx.Rngs, rate: float = 0.0, block=None):
+        make = block or (lambda rngs: NNXBlock(rngs, rate))
         self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-        self.blocks = nnx.List([NNXBlock(rngs, rate) for _ in range(LAYERS)])
+        self.blocks = nnx.List([make(rngs) for _ in range(LAYERS)])
         self.head = nnx.Linear(D, VOCAB, rngs=rngs)
 
     def __call__(self, ids):
@@ -696,25 +697,33 @@ def test_gathers_and_scatters_with_batching_dims_bind_equal_without_them():
     assert rewritten == 4  # a gather and a scatter-add per case
 
 
-def test_nnx_list_of_blocks_pipelines_like_nnx_jit():
+def _nnx_trains_like_nnx_jit(make, wrt=nnx.Param, steps: int = 3):
+    """`steps` AdamW steps of `make()`'s model (the gradient taken for `wrt`) pipelined,
+    checked against `nnx.jit`'s: the trained model, its optimizer and the step."""
+
     def run(wrap):
-        model = NNXModel(nnx.Rngs(0))
-        opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=EPS), wrt=nnx.Param)
+        model = make()
+        opt = nnx.Optimizer(model, optax.adamw(1e-2, eps=EPS), wrt=wrt)
 
         def step(model, opt, ids):
-            loss, grads = nnx.value_and_grad(lambda m: _loss(m(ids), ids))(model)
+            lossf = lambda m: _loss(m(ids), ids)  # noqa: E731
+            loss, grads = nnx.value_and_grad(lossf, argnums=nnx.DiffState(0, wrt))(model)
             opt.update(model, grads)
             return loss
 
         f = wrap(step)
-        losses = [f(model, opt, _batch(i)) for i in range(3)]
-        return losses, model, opt, f
+        return [f(model, opt, _batch(i)) for i in range(steps)], model, opt, f
 
     ref_losses, ref_model, ref_opt, _ = run(nnx.jit)
     losses, model, opt, f = run(_parallel)
     assert_trees_close(losses, ref_losses, what="losses")
     assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
     assert_trees_close(nnx.state(opt), nnx.state(ref_opt), what="optimizer state")
+    return model, opt, f, ref_model
+
+
+def test_nnx_list_of_blocks_pipelines_like_nnx_jit():
+    model, opt, f, ref_model = _nnx_trains_like_nnx_jit(lambda: NNXModel(nnx.Rngs(0)))
     plan = f.plan(model, opt, _batch(0))
     assert plan.pipeline["rolled"]["layers"] == LAYERS
     mu = opt.opt_state[0].mu["blocks"]
@@ -1475,3 +1484,86 @@ def test_a_balancing_loss_over_the_batch_in_every_layer_is_refused_by_name():
     with pytest.raises(autopar.PipelineError, match="mixes the batch's examples") as err:
         par.plan(params, tx.init(params), _batch(0))
     assert "outside the layers" not in str(err.value)
+
+
+class CausalConvBlock(nn.Module):
+    """Mamba's depthwise causal conv written with shifts: `sum_k shift(x, k) * w[k]`."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("conv", nn.initializers.normal(0.3), (3, x.shape[-1]))
+        h = RMSNorm(name="norm")(x)
+        shifted = [jnp.pad(h, ((0, 0), (k, 0), (0, 0)))[:, : h.shape[1]] for k in range(3)]
+        conv = sum(s * w[k] for k, s in enumerate(shifted))
+        return x + nn.Dense(x.shape[-1], name="out")(jax.nn.silu(conv))
+
+
+class BlockStack(nn.Module):
+    """`layers_<i>` blocks of one kind between an embedding and a head."""
+
+    block: type
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(VOCAB, D, name="embed")(ids)
+        for i in range(LAYERS):
+            x = self.block(name=f"layers_{i}")(x)
+        return nn.Dense(VOCAB, name="lm_head")(x)
+
+
+def test_layers_that_index_their_weights_pipeline_like_jax_jit():
+    """`w[k]`'s gradient is a sum over the examples padded into `w`'s shape (the
+    transpose of the slice): a pad with zeros passes the sum through, so each
+    micro-batch adds its share (the pipeline was refused: the pad "mixes the batch's
+    examples")."""
+    _check_linen(BlockStack(CausalConvBlock), lambda p, i: p["params"][f"layers_{i}"])
+
+
+class RecurrentBlock(nn.Module):
+    """A gated linear recurrence over time (`lax.scan`), as RNN and SSM blocks write it."""
+
+    @nn.compact
+    def __call__(self, x):
+        a = jax.nn.sigmoid(nn.Dense(D, name="gate")(x))
+        b = nn.Dense(D, name="inp")(x)
+
+        def f(h, ab):
+            h = ab[0] * h + ab[1]
+            return h, h
+
+        _, hs = jax.lax.scan(f, jnp.zeros_like(x[:, 0]), (a.swapaxes(0, 1), b.swapaxes(0, 1)))
+        return x + nn.Dense(D, name="out")(hs.swapaxes(0, 1))
+
+
+def test_layers_with_a_loop_over_time_pipeline_the_layers():
+    """Each layer scans over time: those scans split into the stages too (16 steps), but
+    the loop over layers is the stack unrolled in Python, which is pipelined (the time
+    steps of every layer were cut into stages, under GPipe); trains as `jax.jit`."""
+    _check_linen(BlockStack(RecurrentBlock), lambda p, i: p["params"][f"layers_{i}"])
+
+
+class LoRAParam(nnx.Param):
+    pass
+
+
+class LoRABlock(nnx.Module):
+    """A frozen Linear with a trainable low-rank update (LoRA)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Linear(D, D, use_bias=False, rngs=rngs)
+        self.a = LoRAParam(jax.random.normal(rngs.params(), (D, 4)) * 0.1)
+        self.b = LoRAParam(jax.random.normal(rngs.params(), (4, D)) * 0.1)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.w(x) + x @ self.a[...] @ self.b[...])
+
+
+def test_a_lora_stack_over_a_frozen_embedding_pipelines_like_nnx_jit():
+    """Only the LoRA factors train (`nnx.DiffState(0, LoRAParam)`): no gradient reaches
+    the frozen embedding, so the first layer's backward lacks its input gradient, as
+    for a first layer on an argument of the step. It is padded into the stack (it was
+    left out, and 2 of 4 layers were pipelined); trains as `nnx.jit` trains it."""
+    make = lambda: NNXModel(nnx.Rngs(0), block=LoRABlock)  # noqa: E731
+    model, opt, f, _ = _nnx_trains_like_nnx_jit(make, wrt=LoRAParam, steps=2)
+    plan = f.plan(model, opt, _batch(0))
+    assert plan.pipeline["rolled"]["layers"] == LAYERS, plan.pipeline

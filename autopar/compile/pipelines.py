@@ -266,6 +266,15 @@ class PipelineTries:
             o.pipeline_stages == "auto" or o.microbatches is None or o.remat == "auto"
         )
 
+    def _scans_in_layers(self, S: int) -> bool:
+        """Whether every scan `S` stages would pipeline runs inside a layer of a stack
+        unrolled in Python (a recurrence over time in each layer, `lax.scan` in an RNN
+        or SSM block): the stack is the loop over layers, not those scans."""
+        scans = pipelined_scans(self.base, Pipeline(S, 1))
+        stacks = self._stacks(self.base)
+        inside = {i for s in stacks for b in (*s.forward, *s.backward) for i in b.nodes}
+        return bool(scans) and all(i in inside for i in scans)
+
     def _looped(
         self, graph: Graph, S: int, mesh, proxy: bool | None = None, virtual: int = 1
     ) -> tuple[Graph, Roll | None] | Infeasible:
@@ -276,7 +285,7 @@ class PipelineTries:
         whose one-layer bodies (a scanned model's) the try is priced on, instead of one
         loop step per stage (what runs). `virtual` > 1 (the interleaved schedule): one
         step per chunk of a stage, the groups stored in chunk order."""
-        if pipelined_scans(graph, Pipeline(S, 1)):
+        if pipelined_scans(graph, Pipeline(S, 1)) and not self._scans_in_layers(S):
             return graph, None
         proxy = self._one_loop() if proxy is None else proxy
         key = (S, proxy, virtual)  # the rolled ops do not depend on the mesh's shape

@@ -58,13 +58,17 @@ def first_layer_pads(st: Any, k: int, ref: int, fblocks, bblocks) -> tuple[Pad, 
     blocks in `fblocks`/`bblocks` are set to all of its own. `st`: the analysis of
     `autopar.passes.stacks._Stack` (not imported: that module imports this one)."""
     g = st.g
-    fwd = fblocks[k] | _lead_in(st, fblocks[k])
-    if not fblocks[k] or not reads_argument(g, st.param, fwd):
+    lead = _lead_in(st, fblocks[k])
+    if not fblocks[k] or not reads_argument(g, st.param, fblocks[k] | lead):
         return None
     vm = st._value_map(ref, k, [])  # parameters by path
-    pads: list[Pad] = []
-    made: dict[int, tuple[int, int]] = {}  # a `ref` value a pad makes -> its operand
-    ok = align(g, fblocks[ref], fwd, vm, st.sig, 0, pads, made)
+    # the ops before it on arguments alone: its own (a norm's statistics), or no layer's
+    # (a frozen embedding below a LoRA stack, whose input gradient JAX does not compute)
+    for fwd in (fblocks[k] | lead, fblocks[k]):
+        pads: list[Pad] = []
+        made: dict[int, tuple[int, int]] = {}  # a `ref` value a pad makes -> its operand
+        if ok := align(g, fblocks[ref], fwd, vm, st.sig, 0, pads, made):
+            break
     # backward, its tail was matched from its neighbour's, which has the ops it lacks:
     # what the labels give it and no block took is its own
     bwd = bblocks[k] | {i for i, b in st.bl.items() if b == k and i not in st.owner}

@@ -111,7 +111,8 @@ class LayerStack:
         )
         if self.pads:
             text += (
-                f" (layer {self.forward[0].index} reads an argument of the step, whose "
+                f" (layer {self.forward[0].index} reads an argument of the step, or what "
+                "ops of no layer make of arguments alone (a frozen embedding), whose "
                 f"gradient JAX does not compute: it lacks {len(self.pads)} ops of the "
                 "others', which a pipeline computes and drops)"
             )

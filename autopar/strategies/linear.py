@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 
 import jax.numpy as jnp
+import numpy as np
 
 from autopar.ir.graph import Graph, Node
 from autopar.ir.ops import CONTRACTIONS
@@ -51,10 +52,13 @@ LINEAR: dict[str, tuple[tuple[int, ...], ...]] = {
     "mul": ((0,), (1,)),
     "div": ((0,),),
 }
-LOCAL_OPS = frozenset(LINEAR) | CONTRACTIONS
+LOCAL_OPS = frozenset(LINEAR) | CONTRACTIONS | {"pad"}
 
 
 def _linear_groups(node: Node, graph: Graph) -> tuple[tuple[int, ...], ...]:
+    if node.op == "pad":  # with zeros: the transpose of a slice (`w[k]`'s gradient)
+        fill = graph.consts.get(node.inputs[1])
+        return ((0,),) if fill is not None and not np.any(np.asarray(fill)) else ()
     groups = LINEAR.get(node.op, ())
     out = graph.values[node.outputs[0]]
     if node.op == "convert_element_type":
