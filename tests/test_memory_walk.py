@@ -196,3 +196,31 @@ def test_the_outputs_returned_in_another_layout_than_made_are_counted():
         step, mesh={"data": 8}, cluster="a100-80g", remat="full", donate_argnums=(0, 1)
     ).plan(*args)
     assert donated.cost.peak_memory_bytes < returned <= plan.cost.peak_memory_bytes
+
+
+def test_arguments_returned_as_they_came_are_copied_unless_donated():
+    """A LoRA step returns its frozen weights unchanged (NNX writes every leaf back):
+    XLA copies each into an output buffer of its own unless it is donated. The copies
+    were left out, and the peak predicted 1.7x below XLA's on a new user's NNX LoRA
+    step; now the prediction holds them, and donated they go away."""
+    import jax.numpy as jnp
+
+    from autopar.compile.lowering import compiled_memory
+
+    def step(frozen, lora, x):
+        loss = lambda a: jnp.sum(jnp.tanh(x @ frozen + x @ a[0] @ a[1]))  # noqa: E731
+        g = jax.grad(loss)(lora)
+        return frozen, jax.tree.map(lambda p, d: p - 0.1 * d, lora, g)
+
+    frozen = jnp.ones((512, 512)) * 0.01
+    lora = (jnp.full((512, 4), 0.01), jnp.full((4, 512), 0.01))
+    x = jnp.ones((64, 512))
+    par = autopar.parallelize(step, mesh={"data": 8})
+    plan = par.plan(frozen, lora, x)
+    compiled = compiled_memory(par.lower(frozen, lora, x).compile())
+    assert plan.cost.peak_memory_bytes >= 0.8 * compiled, (plan.cost.peak_memory_bytes, compiled)
+    donated = autopar.parallelize(step, mesh={"data": 8}, donate_argnums=(0, 1)).plan(
+        frozen, lora, x
+    )
+    frozen_bytes = 512 * 512 * 4
+    assert donated.cost.peak_memory_bytes <= plan.cost.peak_memory_bytes - frozen_bytes // 2

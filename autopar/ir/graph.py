@@ -250,12 +250,11 @@ def find_aliases(graph: Graph) -> dict[int, int]:
         # longest tail first; the empty one (a bare array argument) only for `out`, `out/0`
         tails = ["/".join(comps[k:]) for k in range(len(comps))] + [""] * (len(comps) <= 1)
         cands: list[int] = []
-        for tail in tails:
-            cands = by_rest.get(tail, [])
+        t = graph.values[graph.outputs[o]]
+        for tail in tails:  # (`out/0` of `(frozen, lora)`: not `lora/0`, of another type)
+            cands = [i for i in by_rest.get(tail, []) if graph.values[graph.inputs[i]] == t]
             if cands:
                 break
-        t = graph.values[graph.outputs[o]]
-        cands = [i for i in cands if graph.values[graph.inputs[i]] == t]
         if len(cands) == 1 and cands[0] not in aliases.values():
             aliases[o] = cands[0]
     return aliases

@@ -266,11 +266,17 @@ def peak_memory(
         size = float(buffer[choice[n_in + i]])
         made_at[w.lo[i]] += size
         free_at[w.hi[i]] += size
-    if targets is not None and n_ops:  # the returned copies, made at the end (an
-        # updated argument that is donated is written into its buffer instead)
-        outs, tid = gw.outputs, np.array([w.id(t) for t in targets], np.int64)
-        again = (held[outs] >= 0) & (held[outs] != tid) & ~gw.scalar[outs] & ~w.donated_out
-        size = gw.nbytes[outs] // np.array(w.shards, np.int64)[tid]
+    if n_ops:  # the returned copies, made at the end (an updated argument that is
+        # donated is written into its buffer instead): of an output in another layout
+        # than it is made in, and of an argument returned as it came (XLA copies it into
+        # an output buffer of its own: a LoRA step's frozen weights, NNX writing back
+        # every leaf)
+        outs = gw.outputs
+        tid = held[outs] if targets is None else np.array([w.id(t) for t in targets], np.int64)
+        passed = np.isin(outs, gw.inputs)
+        again = (held[outs] >= 0) & ((held[outs] != tid) | passed)
+        again &= ~gw.scalar[outs] & ~w.donated_out
+        size = gw.nbytes[outs] // np.array(w.shards, np.int64)[np.maximum(tid, 0)]
         made_at[n_ops - 1] += float(size[again].sum())
     live = np.cumsum(made_at) - np.concatenate(([0.0], np.cumsum(free_at)[:-1]))
     return int(args + max(0.0, float(live[:n_ops].max(initial=0.0)))), args
