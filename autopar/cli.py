@@ -32,6 +32,7 @@ AUTOPAR_DEBUG=1 (or pass --debug) for the traceback instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -411,11 +412,12 @@ def cmd_search(args) -> int:
         remat=args.remat,
         precision=args.precision,
     )
-    from autopar.compile.progress import Progress
+    from autopar.compile.progress import Progress, enabled
 
-    # shown once a search has run 1 s (AUTOPAR_PROGRESS_AFTER=seconds sets it)
+    # shown once a search has run 1 s (AUTOPAR_PROGRESS_AFTER=seconds sets it), unless
+    # AUTOPAR_PROGRESS=0
     after = float(os.environ.get("AUTOPAR_PROGRESS_AFTER", "1.0"))
-    with Progress(show_after=after, prefix=""):
+    with Progress(show_after=after, prefix="") if enabled(None) else contextlib.nullcontext():
         plan = step.plan(*wl.args)
     seconds = time.perf_counter() - t0
     plan.save(args.out)

@@ -724,6 +724,10 @@ def test_search_reports_progress_on_stderr(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
     assert lines and any("searching with" in ln for ln in lines), r.stderr
     assert "Traceback" not in r.stderr
+    # AUTOPAR_PROGRESS=0 silences it, as it does the Python API's
+    env = {"AUTOPAR_PROGRESS_AFTER": "0", "AUTOPAR_PROGRESS": "0"}
+    r = run("search", *r.args[r.args.index("search") + 1 :], env_extra=env)
+    assert r.returncode == 0 and not [ln for ln in r.stderr.splitlines() if ln.startswith("[")]
 
 
 def test_search_with_pipeline_remat_and_precision(tmp_path):

@@ -575,3 +575,20 @@ def test_a_chosen_plan_priced_again_says_its_own_price():
     again = dataclasses.replace(plan, cost=cheaper)
     assert f"dp's plan as it runs: {cheaper.step_s * 1e3:.3f} ms" in again.summary()
     assert "<- chosen (" in render_inspect(again) and "as it runs)" in render_inspect(again)
+
+
+def test_an_ilp_stopped_at_its_time_limit_warns(monkeypatch):
+    """engine='ilp' that runs out of time returns HiGHS's best so far, which may be far
+    from the best plan (3.9x `auto`'s on a new user's Whisper-style step): it warns,
+    where only the summary's search line said "not proven optimal"."""
+    import autopar.search as search
+
+    monkeypatch.setattr(search, "ILP_TIME_LIMIT_S", 1e-4)
+
+    def f(w1, w2, x):
+        return jnp.tanh(jnp.tanh(x @ w1) @ w2).sum()
+
+    args = (jnp.ones((64, 128)), jnp.ones((128, 64)), jnp.ones((32, 64)))
+    with pytest.warns(UserWarning, match="engine='ilp' stopped at its time limit"):
+        plan = autopar.parallelize(f, mesh=MESH, engine="ilp").plan(*args)
+    assert plan.search_info["ilp"]["optimal"] is False

@@ -53,6 +53,7 @@ def plan_warnings(graph, plan, options, pipelined, mesh, stacks) -> list[str]:
     whys = [
         replicated_microbatches(graph, plan, options.grad_accumulation),
         replicated_data(plan, options.engine),
+        ilp_unproven(plan, options.engine),
     ]
     if pipelined is not None:
         rolled = pipelined.roll
@@ -81,6 +82,22 @@ def replicated_data(plan, engine: str) -> str | None:
         f"{100 * share:.0f}% of the step's compute runs replicated (whole on every "
         "device); a batch the data axes divide, or engine='auto' (which may split the "
         "weights instead), shards it"
+    )
+
+
+def ilp_unproven(plan, engine: str) -> str | None:
+    """engine="ilp" asked for, stopped at its time limit without proving its plan
+    optimal: the yardstick's plan is then only as good as HiGHS got (a Whisper-style
+    step's was 3.9x `auto`'s), which only the summary's search line said."""
+    info = plan.search_info.get("ilp", {})
+    if engine != "ilp" or info.get("optimal", True):
+        return None
+    gap = info.get("gap")
+    return (
+        "engine='ilp' stopped at its time limit without proving its plan optimal"
+        + (f" (gap {gap:.1%} under the cost model)" if isinstance(gap, float) else "")
+        + ": the plan may be far from the best one; engine='auto' (the default) searches "
+        "this step faster"
     )
 
 
