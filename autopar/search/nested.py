@@ -97,10 +97,10 @@ def _scan_strategy(
         if is_accumulation(node)
         else batch_like_body_inputs(node)
     )
+    jobs: list[tuple[str, dict[int, int]]] = []  # (name, pins) of the searches below
     if batched:
         pins = {i: _batch_first(body, i) for i in batched}
-        with contextlib.suppress(MemoryBudgetError):
-            candidates.append(replace(search(body, "dp", budget, pins), engine="dp+batch"))
+        jobs.append(("dp+batch", pins))
         # Data parallelism: the other inputs (the layer's weights) and the per-step
         # results without the batch dim (their gradients) whole: each step sums its
         # weight gradients, where a body searched alone leaves them split for free
@@ -109,13 +109,12 @@ def _scan_strategy(
             None if k < n_carry or t.shape[:1] == batch else Spec.replicated(t.rank)
             for k, t in enumerate(body.graph.values[v] for v in body.graph.outputs)
         )
-        with contextlib.suppress(MemoryBudgetError, StopIteration):
+        with contextlib.suppress(StopIteration):
             whole = {i: _whole(body, i) for i in range(n_fixed, body.num_inputs) if i not in pins}
-            r = search(body, "dp", budget, {**_making(body, summed), **pins, **whole})
-            candidates.append(replace(r, engine="dp+data-parallel"))
+            jobs.append(("dp+data-parallel", {**_making(body, summed), **pins, **whole}))
             if is_accumulation(node):
-                candidates += _zero_bodies(body, node, {**_making(body, summed), **pins}, budget)
-                candidates += _reduced_each_step(body, node, pins, budget)
+                jobs += _zero_bodies(body, node, {**_making(body, summed), **pins})
+                jobs += _reduced_each_step(body, node, pins)
         # Per-layer weights split over one axis (Megatron-style when it is the tensor
         # axis): a loop stores its stacked weights in the layout its body reads them,
         # so a body that keeps them whole needs the whole stack on every device.
@@ -128,17 +127,15 @@ def _scan_strategy(
                 if k is not None
             }
             if size > 1 and split:
-                with contextlib.suppress(MemoryBudgetError):
-                    r = search(body, "dp", budget, {**pins, **split})
-                    candidates.append(replace(r, engine=f"dp+weights/{axis}"))
+                jobs.append((f"dp+weights/{axis}", {**pins, **split}))
     # And the loop run whole on every device, its results whole too: a body searched
     # alone leaves its per-step results split (free in the body), which its readers
     # after the loop then gather; on a small loop, no collective at all is cheapest.
     outs = tuple(Spec.replicated(body.graph.values[v].rank) for v in body.graph.outputs)
-    with contextlib.suppress(MemoryBudgetError, StopIteration):  # (an input never whole)
+    with contextlib.suppress(StopIteration):  # (an input never whole)
         whole = {i: _whole(body, i) for i in range(body.num_inputs)}
-        r = search(body, "dp", budget, {**_making(body, outs), **whole})
-        candidates.append(replace(r, engine="dp+whole"))
+        jobs.append(("dp+whole", {**_making(body, outs), **whole}))
+    candidates += _searched(body, budget, jobs)
     lead = (stage_axis,) if stage_axis else ()
     lift = lambda sp: Spec((lead, *sp.dims), sp.partial)
     # one strategy per layout; a layout several candidates found is named by each
@@ -161,9 +158,7 @@ def _scan_strategy(
     return NodeStrategies(tuple(strategies), "; ".join(warnings) or None), (body, results)
 
 
-def _zero_bodies(
-    body: Problem, node: Node, pins: dict[int, int], budget: float
-) -> list[SearchResult]:
+def _zero_bodies(body: Problem, node: Node, pins: dict[int, int]) -> list[tuple[str, dict]]:
     """A gradient accumulation loop's ZeRO layouts, the micro-batches split as `pins`
     has them: ZeRO-2 (the weights whole, each accumulated gradient sharded over every
     device, so every micro-batch's sum is reduce-scattered into it: the accumulators
@@ -177,20 +172,15 @@ def _zero_bodies(
     )
     sharded = {i: max_sharded(body, i) for i in range(n_consts, n_fixed)}
     out = []
-    with contextlib.suppress(MemoryBudgetError, StopIteration):
+    with contextlib.suppress(StopIteration):
         whole = {i: _whole(body, i) for i in range(n_consts) if i not in pins}
-        r = search(body, "dp", budget, {**pins, **whole, **sharded})
-        out.append(replace(r, engine="dp+zero2"))
-    with contextlib.suppress(MemoryBudgetError):
-        weights = {i: max_sharded(body, i) for i in range(n_consts) if i not in pins}
-        r = search(body, "dp", budget, {**pins, **weights, **sharded})
-        out.append(replace(r, engine="dp+zero3"))
+        out.append(("dp+zero2", {**pins, **whole, **sharded}))
+    weights = {i: max_sharded(body, i) for i in range(n_consts) if i not in pins}
+    out.append(("dp+zero3", {**pins, **weights, **sharded}))
     return out
 
 
-def _reduced_each_step(
-    body: Problem, node: Node, pins: dict[int, int], budget: float
-) -> list[SearchResult]:
+def _reduced_each_step(body: Problem, node: Node, pins: dict[int, int]) -> list[tuple[str, dict]]:
     """A gradient accumulation loop's data parallelism (the micro-batches split as `pins`
     has them, the weights whole) with each micro-batch's gradients summed over the
     devices in the loop (the accumulators whole, not Partial): all-reduces every
@@ -204,11 +194,30 @@ def _reduced_each_step(
         Spec.replicated(body.graph.values[v].rank) if k < n_carry else None
         for k, v in enumerate(body.graph.outputs)
     )
-    with contextlib.suppress(MemoryBudgetError, StopIteration):
+    with contextlib.suppress(StopIteration):
         whole = {i: _whole(body, i) for i in carries}
-        r = search(body, "dp", budget, {**_making(body, outs), **pins, **whole})
-        return [replace(r, engine="dp+reduced")]
+        return [("dp+reduced", {**_making(body, outs), **pins, **whole})]
     return []
+
+
+def _searched(body: Problem, budget: float, jobs: list[tuple[str, dict]]) -> list[SearchResult]:
+    """`dp`'s plan of `body` under each job's pins (named by the job), those that fit
+    `budget`, in the jobs' order; side by side in forked workers where there are
+    several cores (`search.workers`: each search reads only the built body)."""
+    from autopar.search import _NoClock
+    from autopar.search.workers import run_all, usable
+
+    tasks = {k: functools.partial(_pinned, body, budget, pins) for k, (_, pins) in enumerate(jobs)}
+    n = usable(len(body.strategies), len(tasks))
+    found = run_all(tasks, n, _NoClock()) if n > 1 else {k: t() for k, t in tasks.items()}
+    return [replace(found[k], engine=name) for k, (name, _) in enumerate(jobs) if found[k]]
+
+
+def _pinned(body: Problem, budget: float, pins: dict[int, int]) -> SearchResult | None:
+    try:
+        return search(body, "dp", budget, pins)
+    except MemoryBudgetError:
+        return None
 
 
 def _search_fitting(problem: Problem, engine: str, budget: float, pins=None) -> SearchResult:
