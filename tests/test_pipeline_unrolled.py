@@ -1567,3 +1567,70 @@ def test_a_lora_stack_over_a_frozen_embedding_pipelines_like_nnx_jit():
     model, opt, f, _ = _nnx_trains_like_nnx_jit(make, wrt=LoRAParam, steps=2)
     plan = f.plan(model, opt, _batch(0))
     assert plan.pipeline["rolled"]["layers"] == LAYERS, plan.pipeline
+
+
+def test_a_second_stack_between_the_loops_runs_like_equinox():
+    """Equinox, two stacks (three blocks of width 64, a projection, three of width 128):
+    the first is pipelined and the second runs between the loops, on the last stage.
+    A value it hands to the loss after the pipeline, which splits it over the stage axis
+    too, was laid out so inside the stage's program, where that axis is manual (JAX
+    refused the first call, after the plan was made)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Block(eqx.Module):
+        l1: eqx.nn.Linear
+        l2: eqx.nn.Linear
+
+        def __init__(self, d, key):
+            k1, k2 = jax.random.split(key)
+            self.l1, self.l2 = eqx.nn.Linear(d, 2 * d, key=k1), eqx.nn.Linear(2 * d, d, key=k2)
+
+        def __call__(self, x):
+            return x + self.l2(jax.nn.gelu(self.l1(x)))
+
+    class Net(eqx.Module):
+        inp: eqx.nn.Linear
+        blocks: list
+        down: eqx.nn.Linear
+        wide: list
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            ks = jax.random.split(key, 9)
+            self.inp, self.down = (
+                eqx.nn.Linear(32, 64, key=ks[0]),
+                eqx.nn.Linear(64, 128, key=ks[4]),
+            )
+            self.blocks = [Block(64, k) for k in ks[1:4]]
+            self.wide = [Block(128, k) for k in ks[5:8]]
+            self.head = eqx.nn.Linear(128, 1, key=ks[8])
+
+        def __call__(self, x):
+            x = self.inp(x)
+            for b in self.blocks:
+                x = b(x)
+            x = self.down(x)
+            for b in self.wide:
+                x = b(x)
+            return self.head(x)
+
+    tx = optax.adam(1e-3)
+
+    def step(model, opt_state, x, y):
+        loss, g = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(model)
+        u, opt_state = tx.update(g, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, u), opt_state, loss
+
+    model = Net(jax.random.PRNGKey(0))
+    x = jnp.sin(jnp.arange(32 * 32, dtype=jnp.float32)).reshape(32, 32)
+    par = autopar.parallelize(
+        step, mesh=MESH, cluster="cpu", pipeline_stages=2, microbatches=4, progress=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the second stack and layer 0 outside: said
+        a = b = (model, tx.init(eqx.filter(model, eqx.is_array)))
+        for i in range(2):
+            *a, loss_a = eqx.filter_jit(step)(*a, x + i, jnp.ones((32, 1)))
+            *b, loss_b = par(*b, x + i, jnp.ones((32, 1)))
+            assert_trees_close(loss_b, loss_a, what=f"loss, step {i}")
+    assert_trees_close(eqx.filter(b, eqx.is_array), eqx.filter(a, eqx.is_array), what="state")

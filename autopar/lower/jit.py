@@ -399,11 +399,15 @@ def _run_head(fz: Fused, env: dict, specs: dict[int, Spec], index) -> dict:
     stage axis) where its dims divide."""
     mesh = jax.sharding.get_abstract_mesh()
     env = dict(env)
+    manual = set(getattr(mesh, "manual_axes", ()))
 
     def laid_out(n: Node, ins: list) -> list:
         outs = bind(n, drawn_per_microbatch(n, ins, index), manual=True)
         for i, (v, x) in enumerate(zip(n.outputs, outs)):
             sp = specs.get(v)
+            if sp is not None and manual & set(sp.used_axes):  # a value the step's ops
+                # after the pipeline read split over the stage axis too: not in here
+                sp = Spec(tuple(tuple(a for a in d if a not in manual) for d in sp.dims))
             if sp is not None and sp.dims and _divides(x.shape, sp, mesh):
                 outs[i] = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, sp.to_pspec()))
         return outs

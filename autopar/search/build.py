@@ -308,7 +308,10 @@ def build_problem(
             off_stage = tuple(
                 s
                 for s in ns.strategies
-                if not any(axis in sp.used_axes for sp in (*s.in_specs, *s.out_specs))
+                # (nor a sum over it pending: summed, it would be split over the axis)
+                if not any(
+                    axis in sp.used_axes or axis in sp.partial for sp in (*s.in_specs, *s.out_specs)
+                )
             )
             ns = replace(ns, strategies=off_stage or ns.strategies)
         if ns.warning:
