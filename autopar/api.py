@@ -4,6 +4,7 @@ binds each call's arguments, and keeps one compiled program per argument signatu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -30,6 +31,7 @@ from autopar.compile import (
 )
 from autopar.compile.cache import cache_dir as _cache_dir
 from autopar.compile.cache import source_key
+from autopar.compile.notes import weak_types_changed
 from autopar.compile.progress import Progress
 from autopar.compile.progress import enabled as _progress_enabled
 from autopar.compile.step import plan_by_source
@@ -233,14 +235,15 @@ class Parallelized:
         the caller already has it (`plan`)."""
         key = (bound.key, *self._key(call))
         if key not in self._cache:
+            if why := weak_types_changed(self._cache, key, call.dyn):
+                warnings.warn(
+                    f"autopar: {fn_name(self.options.fn)}: {why}", stacklevel=user_level()
+                )
             self._programs[key] = bound.program
             options = self._traced_options(bound)
             if source is _UNSET:
                 source = self._source_key(options, call, bound)
-            if self.options.progress:
-                with Progress():
-                    self._cache[key] = compile_step(options, call, source)
-            else:
+            with Progress() if self.options.progress else contextlib.nullcontext():
                 self._cache[key] = compile_step(options, call, source)
         return self._cache[key]
 

@@ -592,3 +592,23 @@ def test_an_ilp_stopped_at_its_time_limit_warns(monkeypatch):
     with pytest.warns(UserWarning, match="engine='ilp' stopped at its time limit"):
         plan = autopar.parallelize(f, mesh=MESH, engine="ilp").plan(*args)
     assert plan.search_info["ilp"]["optimal"] is False
+
+
+def test_a_weakly_typed_argument_that_turns_strong_says_why_it_plans_again():
+    """A parameter made without a dtype (`jnp.full(shape, 0.1)`) is weakly typed; the
+    optimizer's update returns it strong, so the next call plans and compiles again
+    (jax.jit traces it apart too), which took a trial 13-16 s a step, silently: it
+    says so now, naming the leaf and the fix."""
+
+    def step(params, x):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"]) * p["scale"]))(params)
+        return jax.tree.map(lambda p, d: (p - 0.1 * d).astype(jnp.float32), params, g)
+
+    par = autopar.parallelize(step, mesh=MESH, progress=False)
+    params = {"w": jnp.ones((16, 16), jnp.float32), "scale": jnp.full((16,), 0.1)}
+    x = jnp.ones((8, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params = par(params, x)  # the first plan: nothing to say
+    with pytest.warns(UserWarning, match=r"planning and compiling again: .*\['scale'\].*dtype"):
+        par(params, x)

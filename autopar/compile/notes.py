@@ -323,3 +323,30 @@ def random_per_microbatch(pipelined: PipelinedScans) -> str | None:
         "(equally random) draw than jax.jit's, so steps match jax.jit only in "
         "distribution; set the dropout rate to 0 to compare numbers"
     )
+
+
+def weak_types_changed(keys, key, dyn) -> str | None:
+    """Why a call plans again where an earlier call's arguments differ from this one's
+    only in which leaves are weakly typed (`jnp.full(shape, 0.1)` without a dtype is;
+    the optimizer's update returns it strong): its leaves, named; None otherwise.
+    `keys`: the cached calls' keys, each (program, treedef, leaf signatures, statics)
+    as `key` is; `dyn`: this call's dynamic arguments."""
+    import jax
+
+    strip = lambda sig: tuple(s[:2] if len(s) == 3 else s for s in sig)  # noqa: E731
+    prog, tree, sig, statics = key
+    for k in keys:
+        if k[0] == prog and k[1] == tree and k[3] == statics and strip(k[2]) == strip(sig):
+            paths = [
+                jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]
+            ]
+            moved = [p for p, a, b in zip(paths, k[2], sig) if a != b]
+            shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+            return (
+                f"planning and compiling again: argument leaves {shown} changed between weakly "
+                "and strongly typed since an earlier call (an array made without a dtype, "
+                "`jnp.full(shape, 0.1)`, is weakly typed; the optimizer's update returns it "
+                "strong), which jax.jit also traces apart; give them a dtype "
+                "(`jnp.full(shape, 0.1, jnp.float32)`) to plan once"
+            )
+    return None
