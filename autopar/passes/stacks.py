@@ -314,8 +314,7 @@ class _Stack:
 
         live = {x for x in self.g.inputs if x in last and entering(x)}
         done = {lab[i]: i for i in sorted(core)}  # per layer, its last core op
-        cut: dict[int, int] = {}  # after `done`: a core op later than a single live value
-        # (the aux loss's backward after the residual's) still reads the layer's values
+        cut: dict[int, int] = {}  # after `done` (an aux loss's backward after the residual's)
         for nd in order:
             for x in nd.inputs:
                 if last.get(x) == nd.id:
@@ -325,8 +324,7 @@ class _Stack:
             outs = [] if nd.id in side or nd.id in across else outs
             live.update(outs if b is not None else filter(entering, outs))
             single = len(live) == len(outs) == 1
-            late_ok = late or b not in cut
-            if b is not None and nd.id > done.get(b, -1) and late_ok and single:
+            if b is not None and nd.id > done.get(b, -1) and (late or b not in cut) and single:
                 cut[b] = nd.id
         cores, heads, tails = ([set() for _ in range(self.n)] for _ in range(3))
         after: dict[int, set[int]] = {}  # layer -> values downstream of its cut
@@ -391,12 +389,9 @@ class _Stack:
             own = all(lab.get(i) == b and i not in across for i in made)
             (side if own and (nxt is None or nd.id < nxt) else across).add(nd.id)
         for i in sorted(side):  # a sum's first term, `0.0 + aux` (`sum(auxes)`): across too
-            nd = self.g.nodes[i]
-            if any(x in self.g.consts for x in nd.inputs) and any(
-                c in across and self.sig(c) == self.sig(i)
-                for y in nd.outputs
-                for c in self.cons.get(y, ())
-            ):
+            nd, sig = self.g.nodes[i], self.sig(i)
+            sums = [c for y in nd.outputs for c in self.cons.get(y, ()) if c in across]
+            if any(x in self.g.consts for x in nd.inputs) and any(self.sig(c) == sig for c in sums):
                 side.discard(i)
                 across.add(i)
         return side, across
