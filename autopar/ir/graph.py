@@ -279,3 +279,16 @@ def signature(graph: Graph, node: Node) -> tuple:
         tuple(vals[v] for v in node.outputs),
         tuple((k, v) for k, v in node.params.items() if _simple(v)),
     )
+
+
+def upstream(graph: Graph, values) -> set[int]:
+    """The ids of the nodes `values` are computed from."""
+    producer = graph.producer
+    seen: set[int] = set()
+    todo = [producer[v] for v in values if v in producer]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += [producer[v] for v in graph.nodes[n].inputs if v in producer]
+    return seen

@@ -40,7 +40,7 @@ from autopar.cost.model import node_flops
 from autopar.errors import MicrobatchError
 from autopar.ir.capture import abstract_value, abstractify_tree, arg_names, capture
 from autopar.ir.eval import bind_marked, relined, run_nodes
-from autopar.ir.graph import Graph, Node
+from autopar.ir.graph import Graph, Node, upstream
 from autopar.passes.microbatch import cut, mixing, separate, split_spec, uncut
 from autopar.sharding import Spec
 
@@ -277,7 +277,7 @@ def accumulate(
     if not any(where[n.outputs[0]] == "loop" for n in graph.nodes if n.outputs):
         raise MicrobatchError(f"{graph.name}: nothing in the step depends on the batch arguments")
 
-    cone = _upstream(graph, early)  # what the statistics are made of: also before the loop
+    cone = upstream(graph, early)  # what the statistics are made of: also before the loop
     handed = (sums, pieces, sames)
     fn = _rewritten(graph, micro, batch_inputs, M, where, handed, have, cone)
     args = [abstract_value(graph.values[v]) for v in graph.inputs]
@@ -329,17 +329,6 @@ def _statistics(
     else:
         cands = {x for x in bad.inputs if x in batch_only and x in have and have[x].partial}
     return {v for v in cands if graph.values[v] == micro.values[v]}
-
-
-def _upstream(graph: Graph, values: Collection[int]) -> set[int]:
-    """The ids of the nodes `values` are computed from."""
-    todo, seen = [graph.producer[v] for v in values if v in graph.producer], set()
-    while todo:
-        i = todo.pop()
-        if i not in seen:
-            seen.add(i)
-            todo += [graph.producer[x] for x in graph.nodes[i].inputs if x in graph.producer]
-    return seen
 
 
 def _notes(

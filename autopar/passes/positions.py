@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from autopar.ir.graph import Graph, Node
 from autopar.sharding import Spec
 
-_SAME = ("convert_element_type", "reshape", "broadcast_in_dim", "squeeze", "expand_dims")
+_SAME = ("convert_element_type", "reshape", "broadcast_in_dim", "squeeze")
 
 
 def _split_on(spec: Spec, dim: int, axis: str) -> bool:

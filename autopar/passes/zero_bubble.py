@@ -26,7 +26,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from autopar.cost.model import FUSED_OPS
-from autopar.ir.graph import Graph
+from autopar.ir.graph import Graph, upstream
 
 # What `W` makes again rather than keep: ops XLA fuses (elementwise, shape ops) and the
 # row reductions of a norm, all memory-bound
@@ -47,20 +47,6 @@ class WeightSplit:
     boundary: tuple[int, ...]  # value ids
     w_inputs: tuple[int, ...]
     recomputed: tuple[int, ...] = ()  # `B` nodes `W` runs again (in `w_nodes` too)
-
-
-def _ancestors(body: Graph, values) -> set[int]:
-    """The ids of the nodes `values` depend on."""
-    producer = body.producer
-    seen: set[int] = set()
-    todo = [producer[v] for v in values if v in producer]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo += [producer[v] for v in body.nodes[n].inputs if v in producer]
-    return seen
 
 
 def _subgraph(body: Graph, nodes, inputs, outputs, name: str) -> Graph:
@@ -86,8 +72,8 @@ def split_weight_grads(body: Graph, num_consts: int, num_carry: int) -> WeightSp
     immutable and hashed by identity, so the split is made once per body."""
     carry_out = body.outputs[:num_carry]
     ys = body.outputs[num_carry:]
-    b_set = _ancestors(body, carry_out)
-    w_set = _ancestors(body, ys) - b_set
+    b_set = upstream(body, carry_out)
+    w_set = upstream(body, ys) - b_set
     if not w_set:
         return None
     b_nodes = tuple(sorted(b_set))

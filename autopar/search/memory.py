@@ -153,6 +153,7 @@ class _Walk:
         self.donated_out = np.array(
             [problem.aliases.get(o, -1) in problem.donated for o in range(len(g.outputs))], bool
         )
+        self.passed_out = np.isin(np.asarray(g.outputs, np.int64), np.asarray(g.inputs, np.int64))
 
     def id(self, spec: Spec) -> int:
         i = self.ids.get(spec)
@@ -273,8 +274,7 @@ def peak_memory(
         # every leaf)
         outs = gw.outputs
         tid = held[outs] if targets is None else np.array([w.id(t) for t in targets], np.int64)
-        passed = np.isin(outs, gw.inputs)
-        again = (held[outs] >= 0) & ((held[outs] != tid) | passed)
+        again = (held[outs] >= 0) & ((held[outs] != tid) | w.passed_out)
         again &= ~gw.scalar[outs] & ~w.donated_out
         size = gw.nbytes[outs] // np.array(w.shards, np.int64)[np.maximum(tid, 0)]
         made_at[n_ops - 1] += float(size[again].sum())
