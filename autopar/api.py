@@ -150,9 +150,9 @@ class Parallelized:
         return jax.tree_util.tree_map(one, tree, is_leaf=is_graph_node)
 
     def __call__(self, *args, **kwargs):
-        call, bound = self._bind(args, kwargs)
-        if isinstance(self.options.meshes[0], AbstractMesh):
-            m = self.options.meshes[0]
+        call, bound, o = *self._bind(args, kwargs), self.options
+        if isinstance(o.meshes[0], AbstractMesh):
+            m = o.meshes[0]
             raise MeshError(
                 f"{fn_name(self.fn)}: the mesh {dict(zip(m.axis_names, m.axis_sizes))} needs "
                 f"{math.prod(m.axis_sizes)} devices but only {len(jax.devices())} are available here. "
@@ -184,7 +184,7 @@ class Parallelized:
             if c.io is None:
                 specs = [r.spec.to_pspec() for r in c.plan.inputs]
                 c.io = RolledIO(c.roll, c.mesh, specs, c.plan.pipeline["axis"])
-            outs = c.io.outputs(c.jitted(*c.io.inputs(flat)))
+            outs = c.io.outputs(c.run(c.io.inputs(flat), o.memory_budget, fn_name(self.fn)))
             return program.finish(jax.tree_util.tree_unflatten(c.roll.out_tree, outs), bound.nodes)
         placed = [
             jax.device_put(x, NamedSharding(c.mesh, r.spec.to_pspec()))
@@ -192,7 +192,7 @@ class Parallelized:
             else x
             for x, r in zip(flat, c.plan.inputs)
         ]
-        outs = c.jitted(*placed)
+        outs = c.run(placed, o.memory_budget, fn_name(self.fn))
         return program.finish(jax.tree_util.tree_unflatten(c.graph.out_tree, outs), bound.nodes)
 
     # ---- internals ----------------------------------------------------------------------

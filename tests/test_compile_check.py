@@ -5,12 +5,15 @@ and the plan says so."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import autopar
 import autopar.compile.driver as driver
+import autopar.compile.lowering as lowering
 from autopar.errors import MemoryBudgetError
 
 MESH = {"data": 2, "model": 4}
@@ -125,3 +128,33 @@ def test_a_plan_no_faster_than_one_already_made_is_not_compiled(monkeypatch):
         assert bool(checked) == compiled, (bound, seen)
         assert all(t < bound for t in times), (times, bound)  # only plans faster than it
         assert ("needs more once compiled" in str(e.value)) == compiled
+
+
+def test_the_first_call_says_when_xla_needs_more_than_the_budget(monkeypatch):
+    """A plan predicted far enough under the budget is not compiled during the search;
+    its first call compiles it anyway: the plan then holds XLA's figure and, where that
+    is over the budget, a warning says so and how to get a plan that fits (a BART step's
+    ZeRO-3 plan: predicted 23.5 MiB, compiled 36.2 against a 34 MiB budget, silently).
+    XLA's figure is the real one, then (to be over a budget the plan fits) that plus
+    the budget."""
+    w1, w2, x = (jnp.arange(a.size, dtype=a.dtype).reshape(a.shape) / a.size for a in ARGS)
+    roomy = autopar.parallelize(_mlp_grad, mesh=MESH, cluster=CLUSTER, memory_budget=BUDGET)
+    assert roomy.plan(w1, w2, x).compiled_memory_bytes is None  # not compiled to plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where XLA's figure fits
+        got = roomy(w1, w2, x)
+    need = roomy.plan(w1, w2, x).compiled_memory_bytes
+    assert need is not None and 0 < need < BUDGET
+    real = lowering.compiled_memory
+    monkeypatch.setattr(lowering, "compiled_memory", lambda c: real(c) + int(BUDGET))
+    tight = autopar.parallelize(_mlp_grad, mesh=MESH, cluster=CLUSTER, memory_budget=BUDGET)
+    with pytest.warns(UserWarning, match="the compiled program needs .* over the memory budget"):
+        again = tight(w1, w2, x)
+    for a, b in zip(got, again):
+        assert jnp.allclose(a, b)
+    said = tight.plan(w1, w2, x)
+    assert said.compiled_memory_bytes == need + int(BUDGET)
+    assert any("A memory_budget near" in w for w in said.warnings)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: the second call checks nothing
+        tight(w1, w2, x)

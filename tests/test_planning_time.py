@@ -688,3 +688,87 @@ def test_remat_auto_rolls_an_unrolled_stack_once(monkeypatch):
     with pytest.raises(MemoryBudgetError, match="remat=full"):
         _every_remat_policy(gpt.make_train_step(cfg).step).plan(*gpt.abstract_args(cfg))
     assert batches.count(8) == 1 and batches.count(4) == 1, batches
+
+
+def test_a_later_remat_policy_leaves_out_the_tries_the_ones_before_rule_out():
+    """`remat="auto"`'s policies each recompute what the one before does and more, so a
+    try's fastest plan of any memory under one policy, plus the FLOPs the next
+    recomputes on top at the peak rate, bounds its price under the next from below: the
+    next leaves out a try whose bound is at or above the best plan made, and the plan
+    says so. (GPT-3 175B unrolled: the full policy searched 25 (mesh, pipeline) tries
+    whose plans all cost more than selective's best.)"""
+    from autopar.compile.pipelines import Infeasible
+    from autopar.compile.tries import Earlier, bound
+    from autopar.cost.model import Cost
+    from autopar.errors import MemoryBudgetError
+    from autopar.passes.pipeline import Pipeline
+    from autopar.search.result import SearchResult
+
+    def cost(s: float, gib: float) -> Cost:
+        return Cost(s, 0.0, gib * 2**30, 0.0, {})
+
+    fits, over = cost(3.0, 1), cost(2.0, 9)  # the faster plan is over the budget
+    result = SearchResult((0,), "dp", fits, 0.0, {"dp": over, "dp+zero3": fits})
+    assert bound(result, (), None) == 2.0  # the fastest of any memory
+    err = MemoryBudgetError("none fits")
+    err.fastest = 2.5
+    assert bound(Infeasible(err), (), None) == 2.5
+    assert bound(Infeasible(MemoryBudgetError("never searched")), (), None) == 0.0
+
+    class ZB:  # a try's ZB-H1 form: 4 stages x 12 micro-batches, a bubble of 3/15
+        pipe = Pipeline(4, 12, "zb-h1")
+
+    assert bound(result, (), ZB()) == pytest.approx(2.0 * (1 - 3 / 15))
+    assert bound(result, (("dp", (0,), cost(1.5, 1)),), ZB()) == 1.5  # repriced, fitting
+
+    mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+    tries = [(0, mesh, None), (1, mesh, None)]
+    earlier = Earlier(best=2.4)
+    earlier.add(tries[0], 2.0, 1.0, "dots")
+    earlier.add(tries[1], 2.3, 1.0, "dots")
+    # the next policy's FLOP floors: 0.5 s more compute on the first, 0.05 on the second
+    assert earlier.settled(tries, [1.5, 1.05], "selective") == {0}
+    assert earlier.left["selective"] == "1 of 2 tries ruled out unsearched"
+    assert "under remat=dots" in earlier.note({0}, tries, "selective")
+    assert Earlier().settled(tries, [1.5, 1.05], "dots") == set()  # nothing known yet
+
+
+@pytest.mark.slow  # ~1 minute: three searches of 7 mesh shapes (the rule: the test above)
+def test_remat_auto_plans_alike_with_the_tries_it_rules_out_left_out(monkeypatch):
+    """On a mesh-shape search under a budget that holds `remat="none"`'s fastest plan
+    back, `"dots"` leaves out the shapes `"none"` rules out, and the plan is the one
+    searching them all gives."""
+    import autopar.compile.tries as tries_module
+    from autopar.examples.models import gpt
+
+    cfg = gpt.GPTConfig(
+        hidden=256, heads=4, seq=128, vocab=512, layers=4, batch_size=32, scan_layers=True
+    )
+    ts, args = gpt.make_train_step(cfg), gpt.abstract_args(cfg)
+    free = autopar.parallelize(ts.step, mesh=16, cluster="a100-80g", progress=False)
+    costs = list(free.plan(*args).candidates.values())
+    fastest = min(costs, key=lambda c: c.step_s)
+    smaller = [
+        c.peak_memory_bytes for c in costs if c.peak_memory_bytes < fastest.peak_memory_bytes
+    ]
+    budget = (fastest.peak_memory_bytes + max(smaller)) / 2
+
+    def plan():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # not compile-checked: no devices for the mesh
+            return autopar.parallelize(
+                ts.step, mesh=16, cluster="a100-80g", remat="auto", memory_budget=budget,
+                progress=False,
+            ).plan(*args)  # fmt: skip
+
+    pruned = plan()
+    (note,) = [w for w in pruned.warnings if w.startswith("remat='auto' tried ")]
+    assert "remat=dots: " in note and "tries ruled out unsearched)" in note, note
+    monkeypatch.setattr(tries_module.Earlier, "settled", lambda self, *a: set())
+    every = plan()
+    assert (pruned.mesh.shape, pruned.engine, pruned.remat) == (
+        every.mesh.shape,
+        every.engine,
+        every.remat,
+    )
+    assert pruned.cost.step_s == every.cost.step_s

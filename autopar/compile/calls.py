@@ -12,6 +12,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 
 import cost_models
+from autopar.compile.lowering import first_call_memory
 from autopar.ir.graph import Graph
 from autopar.passes.roll import Roll
 from autopar.plan.plan import Plan
@@ -79,6 +80,15 @@ class Compiled:
     # inputs and outputs stand for the user's leaves (`autopar.lower.rolled`)
     roll: Roll | None = None
     io: Any = None  # its `autopar.lower.rolled.RolledIO`, made on the first call
+    ran: bool = False  # called once: XLA's memory for it is in the plan
+
+    def run(self, args: list, budget: float, name: str) -> Any:
+        """The program on `args` (laid out as the plan says); the first call sees what XLA
+        compiled it to and warns where that is over `budget` (`first_call_memory`)."""
+        if not self.ran:
+            self.plan = first_call_memory(self.jitted, args, self.plan, budget, name)
+            self.ran = True
+        return self.jitted(*args)
 
     @property
     def step_s(self) -> float:

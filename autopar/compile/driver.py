@@ -26,6 +26,7 @@ from autopar.compile.clock import Clock, left_out, try_name
 from autopar.compile.lowering import compiled_memory, info_str, lowered
 from autopar.compile.merged import merged_seeds
 from autopar.compile.notes import (
+    floored_note,
     grouped,
     held_back,
     no_pipeline_why,
@@ -54,7 +55,7 @@ from autopar.compile.plans import (
 )
 from autopar.compile.realize import Realizing
 from autopar.compile.screen import SCREEN_MARGIN, screen
-from autopar.compile.tries import ahead, firsts_ahead
+from autopar.compile.tries import Earlier, ahead, bound, firsts_ahead
 from autopar.cost.model import CostModel
 from autopar.errors import (
     BUDGET_HINT,
@@ -95,15 +96,13 @@ T = TypeVar("T")
 class _Found:
     """What the search of every try found: the plans ranked by step time (step_s, mesh
     index, engine name, mesh, problem, result, pipeline), why the tries left out have
-    none, how many tries there were and how many were skipped, and whether the memory
-    budget turned one away."""
+    none, whether the memory budget turned one away, and the notes on the tries left out
+    unsearched (by the floor, the screen, the remat policies before)."""
 
     ranked: list
     failures: list[str]
-    tries: int
-    skipped: int
     memory_bound: bool
-    screened: str | None = None  # the note on shapes `_screen` left out of the full search
+    notes: tuple[str, ...] = ()
 
 
 def _searched(
@@ -139,11 +138,12 @@ class _Driver(Realizing, PipelineTries):
         remat_layers: int | None = None,  # of an unrolled stack, remat only the first ones
         traces: dict | None = None,  # micro-batch traces, full-size rolls: the call's
         bound: float = float("inf"),  # a made plan's step time (another remat policy's)
+        earlier: Earlier | None = None,  # what the remat policies before this one found
     ):
         self.o, self.call, self.remat_policy = options, call, remat_policy
         # plans no faster than `bound` cannot be the one returned: not compiled to check
         # their memory (`_first_that_fits`)
-        self.bound = bound
+        self.bound, self.earlier = bound, earlier or Earlier()
         given = options.given_plan
         if remat_layers is None and given is not None and remat_policy == given.remat:
             remat_layers = given.remat_layers
@@ -258,14 +258,7 @@ class _Driver(Realizing, PipelineTries):
                 why = no_pipeline_why(found.failures)
                 warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                 notes += (why,)
-        if found.screened:
-            notes += (found.screened,)
-        if found.skipped:
-            notes += (
-                f"{found.skipped} of {found.tries} (mesh, micro-batch count) tries not searched: "
-                "all their FLOPs at the profile's peak rate already take longer than the "
-                "best plan found (`search.problem.step_floor`)",
-            )
+        notes += found.notes
         lead = ()  # the plan's first warning
         if o.given_plan is not None:
             lead = (
@@ -294,8 +287,9 @@ class _Driver(Realizing, PipelineTries):
     def _search(self, graph: Graph, reused: dict[int, Spec]) -> _Found | Infeasible:
         """Search every try, cheapest floor first (then cheapest screen, `_screen`); on an
         abstract mesh (no compile check can turn plans away afterwards) a try whose
-        floor is above the best price found is skipped, and on any mesh a screened try
-        whose screen price is above SCREEN_MARGIN x the best price found. Infeasible
+        floor is above the best price found (or made by `remat="auto"`'s policies before)
+        is skipped, on any mesh a screened try whose screen price is above SCREEN_MARGIN x
+        the best price found, and a try the policies before rule out. Infeasible
         when no try gives a plan within the memory budget. Where `search.workers`
         allows, the tries are searched side by side first (`compile.tries.ahead`); this
         walk then takes their results in its own order, to the same decisions."""
@@ -313,13 +307,16 @@ class _Driver(Realizing, PipelineTries):
         abstract = [isinstance(mesh, AbstractMesh) for _, mesh, _ in tries]
 
         def floored(i: int, best: float) -> bool:  # its FLOP floor cannot beat `best`
-            return abstract[i] and floors[i] >= best
+            return abstract[i] and floors[i] >= min(best, self.earlier.best)  # (or theirs)
 
         def screened_out(i: int, best: float) -> bool:  # past the screen's margin
             return screen.get(i, 0.0) > SCREEN_MARGIN * best
 
+        earlier = self.earlier  # what the remat policies before this one rule out
+        settled = earlier.settled(tries, floors, self.remat_policy)
+
         def pruned(i: int, best: float) -> bool:  # the walk's rules below, as one test
-            return i in same or floored(i, best) or screened_out(i, best)
+            return i in same or i in settled or floored(i, best) or screened_out(i, best)
 
         def one(step: int, i: int):
             return self._try(graph, tries, i, step, built, reused)
@@ -335,7 +332,7 @@ class _Driver(Realizing, PipelineTries):
         left: list[int] = []  # not searched: the time limit came first
         for step, i in enumerate(order):
             k, mesh, pipelined = tries[i]
-            if i in same:
+            if i in same or i in settled:
                 continue
             if floored(i, best):
                 skipped += 1
@@ -354,6 +351,8 @@ class _Driver(Realizing, PipelineTries):
                 memory_bound = True
                 continue
             problem, result, other = got
+            zb, policy = self._rescheduling(pipelined), self.remat_policy
+            earlier.add(tries[i], bound(result, other, zb), floors[i], policy)
             problem = problem or built.pop(i, None)  # None: searched in a worker
             if isinstance(result, Infeasible):
                 if len(tries) == 1:
@@ -368,9 +367,11 @@ class _Driver(Realizing, PipelineTries):
             best = min([best] + [cost.step_s for _, _, cost in (*result.ranked, *other)])
         if left:
             self.clock.skip(left_out(tries, left, self.remat_policy))
-        if not ranked:
-            why = "\n  ".join(grouped(failures, "}: ", kept="}"))
-            if memory_bound:
+        said = [floored_note(skipped, len(tries))] if skipped else []
+        said += [earlier.note(settled, tries, self.remat_policy)] if settled else []
+        if not ranked:  # (or every try left out by the remat policies before: not memory)
+            why = "\n  ".join(grouped(failures + said, "}: ", kept="}"))
+            if memory_bound or said:
                 return Infeasible(
                     MemoryBudgetError("no mesh shape gives a plan that fits:\n  " + why)
                 )
@@ -378,10 +379,9 @@ class _Driver(Realizing, PipelineTries):
             kind = kinds[0] if len(set(kinds)) == 1 else AutoparError
             return Infeasible(kind(f"{self.name}: no mesh shape can run this step:\n  " + why))
         ranked.sort(key=lambda r: r[:3])
-        screened = None
         if dropped or same:
-            screened = screen_note(tries, screen, dropped, same, best, SCREEN_MARGIN)
-        return _Found(ranked, failures, len(tries), skipped, memory_bound, screened)
+            said.insert(0, screen_note(tries, screen, dropped, same, best, SCREEN_MARGIN))
+        return _Found(ranked, failures, memory_bound, tuple(said))
 
     def _try(self, graph: Graph, tries: list, i: int, step: int, built: dict, reused: dict):
         """Try `i` searched: (its problem, the search's result or Infeasible), or the

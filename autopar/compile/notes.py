@@ -196,6 +196,15 @@ def over_floor(name: str, need: float, budget: float) -> str:
     )
 
 
+def floored_note(skipped: int, tries: int) -> str:
+    """The plan note on the tries the FLOP floor left out (`compile.driver`)."""
+    return (
+        f"{skipped} of {tries} (mesh, micro-batch count) tries not searched: all their FLOPs "
+        "at the profile's peak rate already take longer than the best plan found "
+        "(`search.problem.step_floor`)"
+    )
+
+
 def screen_note(tries, screen: dict, dropped: list, same: dict, best: float, margin: float) -> str:
     """The plan note of a screened mesh-shape search: the shapes not searched in full,
     with the price of their `recursive` plan, and those that are one mesh to the cost

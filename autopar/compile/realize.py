@@ -8,10 +8,14 @@ pipeline (docs/algorithms.md, "Pipelining layers unrolled in Python"). A mixin o
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
+
+from jax.sharding import AbstractMesh
 
 from autopar.compile.calls import OneLoop, Proxy
 from autopar.compile.pipelines import Infeasible, proxied
+from autopar.compile.tries import bound
 from autopar.ir.graph import Graph
 from autopar.passes.pipeline import PipelinedScans
 
@@ -41,7 +45,7 @@ class Realizing:
         ]
         name = f"{dict(zip(mesh.axis_names, mesh.axis_sizes))} M={pipe.microbatches}"
         log.info("mesh %s: searching it again rolled into %d stages", name, pipe.stages)
-        piped, got = self._made(graph, k, mesh, pipe)
+        piped, got, fastest = self._made(graph, k, mesh, pipe)
         ranked = sorted(got, key=lambda r: r[:3]) if isinstance(got, list) else []
         again = (
             f"{ranked[0][0] * 1e3:.4g} ms searched again rolled into loops over its "
@@ -62,27 +66,46 @@ class Realizing:
             ranked, notes = sorted(ranked + more, key=lambda r: r[:3]), (*notes, note)
             rest = [r for r in rest if not (r[1] == plain[1] and isinstance(r[6], OneLoop))]
         if isinstance(piped, PipelinedScans) and piped.roll is not None:
-            more, said = self._interleaved(graph, k, mesh, pipe, piped.roll.layers)
+            made = min((r[0] for r in ranked), default=math.inf)
+            more, said = self._interleaved(graph, k, mesh, pipe, piped.roll.layers, fastest, made)
             ranked, notes = sorted(ranked + more, key=lambda r: r[:3]), (*notes, *said)
         out = self._first_that_fits(graph, replace(found, ranked=ranked + rest), notes, lead)
         return out.realize() if isinstance(out, Proxy) else out
 
-    def _interleaved(self, graph: Graph, k: int, mesh, pipe, layers: int) -> tuple[list, list]:
+    def _interleaved(
+        self, graph: Graph, k: int, mesh, pipe, layers: int, fastest: float, made: float
+    ) -> tuple[list, list]:
         """With no schedule asked for, a lock-step pipeline of layers unrolled in Python
-        tried under the interleaved 1F1B too, at `virtual` 2 and 4 where the depth splits
+        tried under the interleaved 1F1B too, at `virtual` 4 and 2 where the depth splits
         so, each rolled and searched as it runs (its leaves kept in chunk order: nothing
         moves, `autopar.ir.chunks`); its entries and the notes that say so. Not priced on
-        one loop: the interleaved schedule needs its own roll."""
+        one loop: the interleaved schedule needs its own roll. `fastest`: the lock-step
+        search's fastest plan of any memory (`tries.bound`); `made`: the fastest plan
+        made. The interleaved schedule at `v` runs the same work in `v M + S - 1` chunk
+        slots of a `v`-th of a lock-step slot where the lock-step runs `M + S - 1`: on an
+        abstract mesh (whose plans no compile check turns away, as for the walk's FLOP
+        floor), where `fastest` shrunk so is no faster than the fastest made, `v` is not
+        searched (the more chunks first: their bubble is the smaller, their plan the
+        likelier best)."""
         if self.o.pipeline_schedule is not None or pipe.schedule != "1f1b":
             return [], []
         S, M = pipe.stages, pipe.microbatches
         out, said = [], []
-        for v in (2, 4):
+        for v in (4, 2):
             if layers % (S * v) or M % S:
+                continue
+            floor = fastest * (v * M + S - 1) / (v * (M + S - 1))
+            if isinstance(mesh, AbstractMesh) and floor >= made:
+                said.append(
+                    f"interleaved 1F1B, {v} virtual stages: not searched, its bubble alone "
+                    f"cannot make it faster than {made * 1e3:.4g} ms (the lock-step plans' "
+                    f"fastest of any memory, {fastest * 1e3:.4g} ms, in its slots: "
+                    f"{floor * 1e3:.4g} ms)"
+                )
                 continue
             log.info("mesh %s: searching it interleaved, %d virtual stages", mesh.axis_sizes, v)
             chunked = replace(pipe, schedule="interleaved", virtual=v)
-            _, mine = self._made(graph, k, mesh, chunked)
+            _, mine, _ = self._made(graph, k, mesh, chunked)
             if isinstance(mine, Infeasible):
                 said.append(f"interleaved 1F1B, {v} virtual stages: {mine.brief}")
                 continue
@@ -90,6 +113,7 @@ class Realizing:
                 continue
             out += mine
             best = min(r[0] for r in mine)
+            made = min(made, best)
             said.append(
                 f"interleaved 1F1B, {v} virtual stages (the layers' leaves kept in chunk "
                 f"order), searched as it runs too: {best * 1e3:.4g} ms"
@@ -99,17 +123,19 @@ class Realizing:
     def _made(self, graph: Graph, k: int, mesh, pipe) -> tuple:
         """Try `k` rolled into loops over `pipe`'s stages (its chunks, interleaved) and
         searched as it runs: (its `PipelinedScans`, or the Infeasible that stopped it
-        first; its entries, or that Infeasible)."""
+        first; its entries, or that Infeasible; its fastest plan of any memory,
+        `tries.bound`)."""
         got = self._looped(graph, pipe.stages, mesh, proxy=False, virtual=pipe.virtual)
         if not isinstance(got, Infeasible):
             got = self._pipelined(got[0], pipe, mesh, got[1])
         if isinstance(got, Infeasible):
-            return got, got
+            return got, got, 0.0
         problem = self._built(got.graph, self._info(mesh), got)
         problem, result, other = self._searched_try(problem, mesh, got, {})
+        fastest = bound(result, other, None)
         if isinstance(result, Infeasible):
-            return got, result
-        return got, self._entries(k, mesh, problem, result, got, other)
+            return got, result, fastest
+        return got, self._entries(k, mesh, problem, result, got, other), fastest
 
     def _realized_unpipelined(
         self, graph: Graph, found, notes: tuple[str, ...], lead: tuple[str, ...]

@@ -16,6 +16,7 @@ from autopar.compile.cache import PlanCache, cache_key
 from autopar.compile.calls import Call, Compiled, Options, Proxy
 from autopar.compile.clock import Clock
 from autopar.compile.driver import Infeasible, _Driver, log
+from autopar.compile.tries import Earlier
 from autopar.errors import BUDGET_HINT, AutoparError, MemoryBudgetError, user_level
 from autopar.ir.capture import abstractify_tree, capture, fn_name
 from autopar.ir.graph import Graph
@@ -265,21 +266,21 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
         if isinstance(got, Infeasible):
             raise got.error
         return got
-    tried, best, traces, found, bisect = [], None, {}, [], None
+    tried, best, traces, found, bisect, earlier = [], None, {}, [], None, Earlier()
     for k, policy in enumerate(REMAT_POLICIES):  # most memory, least recompute first
         if best is not None and clock.out_of_time():
             clock.skip("remat policies " + ", ".join(REMAT_POLICIES[k:]))
             break
-        driver = _Driver(
-            options, call, policy, graph, clock, traces=traces, bound=_made_bound(found)
-        )
+        bound = _made_bound(found)
+        driver = _Driver(options, call, policy, graph, clock, None, traces, bound, earlier)
         got = driver.compile()
         if isinstance(got, Infeasible):
             if not got.memory:  # not memory: no policy changes it
                 raise got.error
             tried.append(f"remat={policy}: {got.brief}")
             continue
-        tried.append(f"remat={policy}: {_priced(got)}")
+        left = f" ({earlier.left[policy]})" if policy in earlier.left else ""
+        tried.append(f"remat={policy}: {_priced(got)}{left}")
         if best is None and k > 0 and driver.stack_layers > 1 and driver.unpipelined_fits:
             # the policy before did not fit: fewer layers of this one may (recomputing
             # less); bisect on how many of the unrolled stack's first layers it covers,
@@ -289,6 +290,7 @@ def _compile(options: Options, call: Call, graph: Graph, clock: Clock) -> Compil
             # hold more memory than all of them, which did not fit
             bisect = (policy, driver, got)
         found.append(got)
+        earlier.best = min(earlier.best, got.step_s)
         if best is None or got.step_s < best.step_s:
             best = got
         if not got.memory_bound:  # nothing held back by memory: more remat only adds work

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.compile.calls import pipeline_of
@@ -189,3 +190,70 @@ def firsts_ahead(
         for i in keys
         if keys[i] and all((i, k) in done for k in keys[i])
     }
+
+
+def try_key(entry: tuple) -> tuple:
+    """A (mesh index, mesh, pipeline) try as the same try under every remat policy."""
+    k, _, pipelined = entry
+    pipe = pipeline_of(pipelined)
+    return (k, type(pipelined).__name__, None if pipe is None else pipe.pipe)
+
+
+@dataclass
+class Earlier:
+    """What `remat="auto"`'s earlier policies found, for the later ones (each recomputes
+    what the one before does and more): the best price of their plans, and per try what
+    bounds its price under a later policy from below: its fastest plan of any memory
+    (`bound`) plus the FLOPs the later policy recomputes on top, at the profile's peak
+    rate (the difference of the two policies' FLOP floors, `search.problem.step_floor`).
+    A later policy leaves out a try whose bound is at or above that best."""
+
+    best: float = math.inf
+    # `try_key` -> (fastest plan's seconds, the try's FLOP floor, the policy) of the try
+    # under the policy that bounds it highest
+    tries: dict[tuple, tuple[float, float, str]] = field(default_factory=dict)
+    left: dict[str, str] = field(default_factory=dict)  # policy -> what it left out
+
+    def settled(self, tries: list, floors: list[float], policy: str) -> set[int]:
+        """The indices of the `tries` `policy` leaves out (`floors`: their FLOP floors
+        under it)."""
+        out = set()
+        for i, entry in enumerate(tries):
+            fastest, before, _ = self.tries.get(try_key(entry), (0.0, math.inf, ""))
+            if fastest + max(floors[i] - before, 0.0) >= self.best:
+                out.add(i)
+        if out:
+            self.left[policy] = f"{len(out)} of {len(tries)} tries ruled out unsearched"
+        return out
+
+    def add(self, entry: tuple, fastest: float, floor: float, policy: str) -> None:
+        """Try `entry` searched under `policy`: its `fastest` plan (`bound`) and FLOP
+        `floor` (the highest bound is kept)."""
+        if fastest > self.tries.get(try_key(entry), (0.0,))[0]:
+            self.tries[try_key(entry)] = (fastest, floor, policy)
+
+    def note(self, settled: set[int], tries: list, policy: str | None) -> str:
+        """The plan note on the `settled` tries `policy` left out."""
+        under = sorted({self.tries[try_key(tries[i])][2] for i in settled})
+        return (
+            f"{len(settled)} of {len(tries)} (mesh, pipeline) tries not searched under "
+            f"remat={policy}: under remat={'/'.join(under)} their fastest plans, over the "
+            f"memory budget or not, with what remat={policy} recomputes on top at the peak "
+            f"rate, already take {self.best * 1e3:.4g} ms or more"
+        )
+
+
+def bound(result, other, pipe) -> float:
+    """A try's fastest plan of any memory: of its search's candidates (those over the
+    budget included; where none fit, the fastest the error records) and the plans
+    repriced under ZB-H1 (`other`). Where the try is repriced so (`pipe`: its ZB-H1
+    form, `_rescheduling`), the candidates less the 1F1B bubble (the ZB-H1 form of one
+    over the budget was not priced; it is at most that much faster). 0: no plan."""
+    if isinstance(result, SearchResult):
+        costs = [c.step_s for c in result.candidates.values()]
+    else:  # (an Infeasible)
+        costs = [getattr(result.error, "fastest", 0.0)]
+    if pipe is not None:
+        S, M = pipe.pipe.stages, pipe.pipe.microbatches
+        costs = [c * (1 - (S - 1) / (M + S - 1)) for c in costs]
+    return min([*costs, *(cost.step_s for _, _, cost in other)])

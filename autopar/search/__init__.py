@@ -493,12 +493,15 @@ def search(
     fitting = {k: v for k, v in candidates.items() if v[1].peak_memory_bytes <= memory_budget}
     if not fitting:
         best = min(candidates.items(), key=lambda kv: kv[1][1].peak_memory_bytes)
-        raise MemoryBudgetError(
+        error = MemoryBudgetError(
             f"no plan fits the memory budget of {format_bytes(memory_budget)} per device; the smallest found "
             f"({best[0]}) needs {format_bytes(best[1][1].peak_memory_bytes)} "
             f"({format_bytes(best[1][1].argument_bytes)} of it arguments).\n"
             f"{_dominant(problem, best[1][0])}\n{BUDGET_HINT}"
         )
+        # the fastest plan of any memory: a bound for `remat="auto"` (`compile.tries`)
+        error.fastest = min(c.step_s for _, c in candidates.values())
+        raise error
     ranked = sorted(
         fitting.items(), key=lambda kv: (kv[1][1].step_s, list(candidates).index(kv[0]))
     )
