@@ -490,9 +490,10 @@ class _Driver(Realizing, PipelineTries):
         self, graph: Graph, found: _Found, notes: tuple[str, ...], lead: tuple[str, ...]
     ) -> Compiled | Infeasible:
         """The fastest plan found, compiled once on a mesh with devices when it comes
-        close to the budget; the next one when XLA needs more than the budget."""
+        close to the budget (by its prediction times the most XLA's figure has exceeded
+        one by so far); the next one when XLA needs more than the budget."""
         o, call = self.o, self.call
-        rejected, slower = [], 0
+        rejected, slower, under = [], 0, 1.0
         for n, (step_s, _, name, mesh, problem, result, pipelined) in enumerate(found.ranked):
             if proxied(pipelined):  # priced on the one-loop roll: searched again as it runs
                 rest = replace(found, ranked=found.ranked[n:])
@@ -525,10 +526,8 @@ class _Driver(Realizing, PipelineTries):
                     done = self._rolled_remat.get(shared, (None, ()))[1]
                     plan = replace(plan, warnings=(*kept, rolled.describe(), *done))
                 jitted = jit_from_plan(g, plan, mesh, donate, pipelined)
-            if (
-                isinstance(mesh, Mesh)
-                and plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * o.memory_budget
-            ):
+            peak = plan.cost.peak_memory_bytes
+            if isinstance(mesh, Mesh) and peak * under > COMPILE_CHECK_FRACTION * o.memory_budget:
                 if step_s >= self.bound:  # this and every plan after it (ranked by time)
                     slower = len(found.ranked) - n
                     break
@@ -537,10 +536,11 @@ class _Driver(Realizing, PipelineTries):
                     flat = abstract_inputs(rolled, call.flat) if rolled else call.flat
                     compiled = compiled_memory(lowered(jitted, flat, plan, mesh).compile())
                 plan = replace(plan, compiled_memory_bytes=compiled)
+                under = max(under, compiled / max(peak, 1))
                 if compiled > o.memory_budget:
                     rejected.append(f"{info_str(plan)}: compiled {format_bytes(compiled)}")
                     continue
-            elif plan.cost.peak_memory_bytes > COMPILE_CHECK_FRACTION * o.memory_budget:
+            elif peak > COMPILE_CHECK_FRACTION * o.memory_budget:
                 why = offline_warning(plan, o.memory_budget)
                 warnings.warn(f"autopar: {self.name}: {why}", stacklevel=user_level())
                 plan = replace(plan, warnings=(*plan.warnings, why))

@@ -204,7 +204,7 @@ class Earlier:
     """What `remat="auto"`'s earlier policies found, for the later ones (each recomputes
     what the one before does and more): the best price of their plans, and per try what
     bounds its price under a later policy from below: its fastest plan of any memory
-    (`bound`) plus the FLOPs the later policy recomputes on top, at the profile's peak
+    (`bound`) plus the FLOPs the later policy recomputes on top, at the profile's FLOP
     rate (the difference of the two policies' FLOP floors, `search.problem.step_floor`).
     A later policy leaves out a try whose bound is at or above that best."""
 
@@ -238,7 +238,7 @@ class Earlier:
         return (
             f"{len(settled)} of {len(tries)} (mesh, pipeline) tries not searched under "
             f"remat={policy}: under remat={'/'.join(under)} their fastest plans, over the "
-            f"memory budget or not, with what remat={policy} recomputes on top at the peak "
+            f"memory budget or not, with what remat={policy} recomputes on top at the FLOP "
             f"rate, already take {self.best * 1e3:.4g} ms or more"
         )
 
