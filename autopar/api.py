@@ -244,7 +244,7 @@ class Parallelized:
             if source is _UNSET:
                 source = self._source_key(options, call, bound)
             with Progress() if self.options.progress else contextlib.nullcontext():
-                self._cache[key] = compile_step(options, call, source)
+                self._cache[key] = compile_step(options, call, source, [*self._cache.values()])
         return self._cache[key]
 
 

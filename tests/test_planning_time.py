@@ -772,3 +772,37 @@ def test_remat_auto_plans_alike_with_the_tries_it_rules_out_left_out(monkeypatch
         every.remat,
     )
     assert pruned.cost.step_s == every.cost.step_s
+
+
+def test_a_state_made_again_takes_the_plan_of_the_same_program(monkeypatch):
+    """A flax `TrainState` made again holds a new optax transformation (functions, equal
+    by identity), so a call with it misses the compiled programs' cache as `jax.jit`'s
+    does, and was searched again (a trial: `.plan(create_state(), ...)`, then the
+    training loop's own `create_state()`, then `.lower(create_state(), ...)`: three
+    searches). A call that traces to the same program takes the plan made: one search,
+    and the steps equal `jax.jit`'s."""
+    import optax
+    from flax.training import train_state
+
+    import autopar.compile.step as step_module
+
+    def create():
+        params = {"w1": jnp.eye(64) * 0.5, "w2": jnp.ones((64, 8)) / 64}
+        return train_state.TrainState.create(apply_fn=mlp, params=params, tx=optax.adam(1e-2))
+
+    def step(state, x):
+        loss, grads = jax.value_and_grad(lambda p: state.apply_fn(p, x))(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    searched, real = [], step_module._compile
+    monkeypatch.setattr(step_module, "_compile", lambda *a: searched.append(1) or real(*a))
+    x = jnp.linspace(-1, 1, 128 * 64).reshape(128, 64)
+    par = autopar.parallelize(step, mesh={"data": 8}, cluster="cpu", progress=False)
+    plan = par.plan(create(), x)
+    ours, ref = create(), create()
+    for _ in range(2):
+        ours, loss = par(ours, x)
+        ref, want = jax.jit(step)(ref, x)
+        assert jnp.allclose(loss, want, rtol=1e-5, atol=1e-6)
+    assert par.plan(create(), x).fingerprint == plan.fingerprint
+    assert len(searched) == 1, searched

@@ -171,6 +171,11 @@ def cache_key(options, call, graph: Graph) -> tuple[str, dict[str, str]]:
     return _hashed({**_described(options, call), "program": program_hash(graph)})
 
 
+def described_key(options, call) -> str:
+    """The hash of every part of `cache_key` but the program."""
+    return _hashed(_described(options, call))[0]
+
+
 def source_key(options, call, fn, frontend_key) -> str | None:
     """The trace-free key of one call (`.plan()` only, `compile.fingerprint`): the
     parts of `cache_key` but the program, which is replaced by a fingerprint of the

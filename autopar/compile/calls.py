@@ -81,6 +81,12 @@ class Compiled:
     roll: Roll | None = None
     io: Any = None  # its `autopar.lower.rolled.RolledIO`, made on the first call
     ran: bool = False  # called once: XLA's memory for it is in the plan
+    # the function as traced for it, the hash of its call's options (`cache.described_key`)
+    # and of that trace's program (`cache.program_hash`, made when a later call asks):
+    # a later call that traces to the same program takes its plan (`compile.step`)
+    traced: Graph | None = None
+    described: str = ""
+    program: str | None = None
 
     def run(self, args: list, budget: float, name: str) -> Any:
         """The program on `args` (laid out as the plan says); the first call sees what XLA

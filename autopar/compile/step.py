@@ -1,5 +1,6 @@
-"""One call's plan: `compile_step` traces the function once, answers from the plan
-cache (`compile.cache`) when it holds the plan, else runs the driver (`compile.driver`,
+"""One call's plan: `compile_step` traces the function once, answers with an earlier
+call's plan where it traced to the same program, or from the plan cache
+(`compile.cache`) when it holds the plan, else runs the driver (`compile.driver`,
 each remat policy in turn with `remat="auto"`) and stores what it found. The plan
 records the seconds of each phase (`compile.clock`); under `time_limit=` the work left
 out is named in a warning and in the plan, and such a plan is not cached."""
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections.abc import Sequence
 from dataclasses import replace
 
 import jax
 
-from autopar.compile.cache import PlanCache, cache_key
+from autopar.compile.cache import PlanCache, cache_key, described_key, program_hash
 from autopar.compile.calls import Call, Compiled, Options, Proxy
 from autopar.compile.clock import Clock
 from autopar.compile.driver import Infeasible, _Driver, log
@@ -24,12 +26,16 @@ from autopar.passes.remat import POLICIES as REMAT_POLICIES
 from autopar.plan.plan import Plan
 
 
-def compile_step(options: Options, call: Call, source: str | None = None) -> Compiled:
-    """The plan and `jax.jit` for this call: from the plan cache when it has one for
-    it (`compile.cache`), else searched (and stored there). The plan records the
-    seconds of each phase; under `time_limit=` the work left out is named in a
-    warning (and the plan is not stored). `source`: the call's trace-free key
-    (`cache.source_key`), pointed at the entry for `.plan()` in later processes.
+def compile_step(
+    options: Options, call: Call, source: str | None = None, earlier: Sequence[Compiled] = ()
+) -> Compiled:
+    """The plan and `jax.jit` for this call: the plan of an `earlier` call (of the same
+    function) whose trace is the same program (`_same_program`), else from the plan
+    cache when it has one for it (`compile.cache`), else searched (and stored there).
+    The plan records the seconds of each phase; under `time_limit=` the work left out
+    is named in a warning (and the plan is not stored). `source`: the call's
+    trace-free key (`cache.source_key`), pointed at the entry for `.plan()` in later
+    processes.
 
     Python's full garbage collections walk every object it tracks; planning makes
     millions of short-lived ones, which trigger them, while the objects that are there
@@ -40,7 +46,7 @@ def compile_step(options: Options, call: Call, source: str | None = None) -> Com
     after it (0.25 -> 0.05 s on the 7B Llama-style step, 2.3 -> 1.1 s on 175B)."""
     gc.freeze()
     try:
-        return _compile_step(options, call, source)
+        return _compile_step(options, call, source, earlier)
     except MemoryBudgetError as e:
         unused = budget_options(options)
         if BUDGET_HINT not in e.message or not unused:
@@ -66,7 +72,7 @@ def budget_options(options: Options) -> str:
     return ", ".join(out[:-1]) + " or " + out[-1]
 
 
-def _compile_step(options: Options, call: Call, source: str | None) -> Compiled:
+def _compile_step(options: Options, call: Call, source: str | None, earlier) -> Compiled:
     clock = Clock(options.time_limit)
     single = len(options.meshes) == 1
     log.info("tracing %s", fn_name(options.fn))
@@ -79,6 +85,12 @@ def _compile_step(options: Options, call: Call, source: str | None) -> Compiled:
             options.keywords,
         )
     gc.freeze()  # the captured graph stays for the whole planning (`compile_step`)
+    mine = {"traced": graph, "described": described_key(options, call)}
+    same = _same_program(graph, mine["described"], earlier)
+    got = _cached(options, call, graph, clock, same.plan) if same is not None else None
+    if got is not None:
+        log.info("%s: the same program as an earlier call's: its plan", fn_name(options.fn))
+        return replace(got, plan=replace(got.plan, phases=clock.report()), **mine)
     cache = key = parts = None
     if options.cache_dir is not None and options.given_plan is None:
         cache = PlanCache(options.cache_dir)
@@ -94,7 +106,8 @@ def _compile_step(options: Options, call: Call, source: str | None) -> Compiled:
                 if source is not None:
                     cache.store_alias(source, key, got.plan)
                 _warn_unsupported(options, got.plan)
-                return replace(got, plan=replace(got.plan, phases=clock.report(), cache=info))
+                plan = replace(got.plan, phases=clock.report(), cache=info)
+                return replace(got, plan=plan, **mine)
     got = _compile(options, call, graph, clock)
     _warn_unsupported(options, got.plan)
     if clock.skipped:
@@ -115,7 +128,27 @@ def _compile_step(options: Options, call: Call, source: str | None) -> Compiled:
             plan, cache={"status": "stored" if path else "not stored", "path": str(path or "")}
         )
         plan = replace(plan, phases=clock.report())
-    return replace(got, plan=plan)
+    return replace(got, plan=plan, **mine)
+
+
+def _same_program(graph: Graph, described: str, earlier) -> Compiled | None:
+    """The `earlier` call (of the same parallelized function) whose options and trace
+    are this call's (`cache.cache_key`'s parts), or None. A call misses the compiled
+    programs' cache when anything static in its arguments differs, as `jax.jit`'s does:
+    a flax `TrainState` made again holds a new optax transformation (functions, equal
+    by identity), a rebuilt NNX model new graph nodes. `jax.jit` traces and compiles
+    again; a search is more: the same program takes the plan made (bound to this trace
+    as a given plan is). A program is hashed only when a later call asks."""
+    mine = None
+    for c in earlier:
+        if c.traced is None or c.described != described:
+            continue
+        if c.program is None:
+            c.program = program_hash(c.traced)
+        mine = mine or program_hash(graph)
+        if c.program == mine:
+            return c
+    return None
 
 
 def _warn_unsupported(options: Options, plan: Plan) -> None:
