@@ -22,8 +22,10 @@ from autopar.compile.tries import Earlier
 from autopar.errors import BUDGET_HINT, AutoparError, MemoryBudgetError, user_level
 from autopar.ir.capture import abstractify_tree, capture, fn_name
 from autopar.ir.graph import Graph
+from autopar.passes.pipeline import Pipeline, check_stage_axis
 from autopar.passes.remat import POLICIES as REMAT_POLICIES
 from autopar.plan.plan import Plan
+from autopar.sharding import mesh_info
 
 
 def compile_step(
@@ -75,6 +77,10 @@ def budget_options(options: Options) -> str:
 def _compile_step(options: Options, call: Call, source: str | None, earlier) -> Compiled:
     clock = Clock(options.time_limit)
     single = len(options.meshes) == 1
+    if isinstance(options.pipeline_stages, int):  # a mesh without its stage axis: say so
+        for mesh in options.meshes:  # before tracing (seconds on a large model)
+            info = mesh_info(mesh, options.profile.devices_per_node)
+            check_stage_axis(Pipeline(options.pipeline_stages, 1), info)
     log.info("tracing %s", fn_name(options.fn))
     with clock.phase("capture"):
         graph = capture(

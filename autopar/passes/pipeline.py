@@ -175,11 +175,9 @@ def sunk_fills(graph: Graph, pipelined: PipelinedScans) -> dict[int, dict[int, N
     return out
 
 
-def check_pipeline(pipe: Pipeline, mesh: MeshInfo) -> None:
-    if pipe.schedule not in SCHEDULES:
-        raise PipelineError(
-            f"pipeline schedule {pipe.schedule!r} is not implemented; choose one of {SCHEDULES}"
-        )
+def check_stage_axis(pipe: Pipeline, mesh: MeshInfo) -> None:
+    """That `mesh` has `pipe`'s stage axis, of its stage count (`parallelize` asks it of
+    a mesh given with its axes before any trace)."""
     if pipe.axis not in mesh.axis_names:
         raise PipelineError(
             f"pipeline_stages={pipe.stages} needs a mesh axis {pipe.axis!r} of size {pipe.stages}; "
@@ -193,6 +191,14 @@ def check_pipeline(pipe: Pipeline, mesh: MeshInfo) -> None:
             f"device of that axis, so give pipeline_stages={mesh.size(pipe.axis)}, or a "
             f"{pipe.axis!r} axis of {pipe.stages}"
         )
+
+
+def check_pipeline(pipe: Pipeline, mesh: MeshInfo) -> None:
+    if pipe.schedule not in SCHEDULES:
+        raise PipelineError(
+            f"pipeline schedule {pipe.schedule!r} is not implemented; choose one of {SCHEDULES}"
+        )
+    check_stage_axis(pipe, mesh)
     if pipe.microbatches < 1:
         raise MicrobatchError(f"microbatches must be >= 1, got {pipe.microbatches}")
     if (pipe.virtual > 1) != (pipe.schedule == "interleaved"):
