@@ -206,8 +206,8 @@ def pipeline_tries(options, failures, repriced: bool = False, one_loop: int = 0)
     ]
     how = (
         f" (priced on the {one_loop} layers unrolled in Python rolled into one loop over "
-        "them, one layer a step, as under scan; the plan's try was searched again rolled "
-        "into loops over its stages)"
+        "them, one layer a step, as under scan; the plan's try was searched again as it "
+        "runs: rolled into loops over its stages, or its layers unrolled without a pipeline)"
         if one_loop
         else ""
     )

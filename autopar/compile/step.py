@@ -93,7 +93,11 @@ def _compile_step(options: Options, call: Call, source: str | None, earlier) -> 
     gc.freeze()  # the captured graph stays for the whole planning (`compile_step`)
     mine = {"traced": graph, "described": described_key(options, call)}
     same = _same_program(graph, mine["described"], earlier)
-    got = _cached(options, call, graph, clock, same.plan) if same is not None else None
+    got = None
+    if same is not None:  # its warnings were given for the earlier call: in its plan
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = _cached(options, call, graph, clock, same.plan)
     if got is not None:
         log.info("%s: the same program as an earlier call's: its plan", fn_name(options.fn))
         return replace(got, plan=replace(got.plan, phases=clock.report()), **mine)
